@@ -1,0 +1,98 @@
+"""`tidal <command> @ a.toml @ b.toml --dotted.key value`: parse, validate, then hand over to the command.
+
+Only config modules are imported before a command runs, so `--help`, `--dry-run` and config errors are fast
+(no torch import on those paths).
+"""
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import tomli_w
+from pydantic import BaseModel
+
+from tidal.config.help import render_help
+from tidal.config.loader import load_config, parse_args
+from tidal.errors import UserError
+
+
+@dataclass(frozen=True)
+class Command:
+    """A CLI command: its config schema and its entry point, both as lazy `module:attr` references."""
+
+    schema: str
+    entry: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "sft": Command(
+        "tidal.config.sft:SFTConfig",
+        "tidal.trainer.sft:main",
+        "Supervised fine-tuning on chat conversations (loss on assistant tokens; FSDP2 under torchrun).",
+    ),
+}
+
+
+def _load(ref: str) -> object:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        "usage: tidal <command> [@ config.toml ...] [--key.path value ...] [--dry-run] [--help]",
+        "",
+        "tidal: asynchronous RL post-training for LLMs (real vLLM inference, FSDP2 trainer, orchestrator).",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines += ["", "Run `tidal <command> --help` for that command's options."]
+    return "\n".join(lines)
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        sys.exit(0 if args else 2)
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"tidal: error: unknown command {name!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_command(name, command, rest))
+
+
+def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
+    schema = _load(command.schema)
+    assert isinstance(schema, type) and issubclass(schema, BaseModel)
+    try:
+        parsed = parse_args(argv)
+        if parsed.help:
+            print(render_help(name, command.summary, schema))
+            return 0
+        config = load_config(schema, parsed.files, parsed.overrides)
+        if parsed.dry_run:
+            print(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)), end="")
+            return 0
+        entry = _load(command.entry)
+        assert callable(entry)
+        result = entry(config)
+        return int(result or 0)
+    except UserError as exc:
+        if _is_main_rank():
+            print(f"tidal {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if _is_main_rank():
+            print(f"tidal {name}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,129 @@
+"""Config nodes shared by several commands: model, datasets, optimizer, scheduler, logging, checkpoints."""
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from tidal.config.base import Config, ConfigProblem
+
+
+class ModelConfig(Config):
+    """Which model to load."""
+
+    name: str = "tidal-testing/tiny-qwen3"
+    """A Hugging Face hub id, a local directory in HF format, or `tidal-testing/tiny-qwen3` (built locally)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype for loading; `auto` = float32 master weights (compute precision is set by the trainer)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub (only for models that need it)."""
+
+
+class FileDataset(Config):
+    """A local JSONL or parquet file whose rows hold a `messages` list."""
+
+    type: Literal["file"] = "file"
+    path: Path
+    """Path to a .jsonl or .parquet file."""
+    messages_field: str = "messages"
+    """Column that holds the chat messages."""
+    num_examples: int | None = Field(default=None, gt=0)
+    """Use only the first N rows."""
+
+
+class HFDataset(Config):
+    """A dataset from the Hugging Face hub (or its local cache) loaded with `datasets.load_dataset`."""
+
+    type: Literal["hf"] = "hf"
+    id: str
+    """Dataset id, e.g. `HuggingFaceH4/ultrachat_200k`."""
+    subset: str | None = None
+    """Configuration name, if the dataset has several."""
+    split: str = "train"
+    """Split to load."""
+    messages_field: str = "messages"
+    """Column that holds the chat messages."""
+    num_examples: int | None = Field(default=None, gt=0)
+    """Use only the first N rows."""
+
+
+class BuiltinDataset(Config):
+    """A dataset generated deterministically by one of tidal's built-in environments."""
+
+    type: Literal["builtin"] = "builtin"
+    name: Literal["reverse_text"] = "reverse_text"
+    """Generator name."""
+    split: Literal["train", "heldout"] = "train"
+    """Which split; the two never share a string."""
+    num_examples: int = Field(default=10_000, gt=0)
+    """Number of conversations to generate."""
+    seed: int = 0
+    """Generator seed (the split is mixed in, so train and heldout differ)."""
+
+
+DatasetConfig = Annotated[FileDataset | HFDataset | BuiltinDataset, Field(discriminator="type")]
+
+
+class OptimConfig(Config):
+    """AdamW settings."""
+
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> "OptimConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigProblem("betas", f"each beta must be in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class SchedulerConfig(Config):
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+
+    type: Literal["constant", "linear", "cosine"] = "cosine"
+    """Shape after warmup."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (linear and cosine)."""
+
+
+class CheckpointConfig(Config):
+    """Full training-state checkpoints for `--resume`."""
+
+    interval: int | None = Field(default=None, gt=0)
+    """Save every N steps (None: only when stopped by a signal)."""
+    keep_last: int = Field(default=2, gt=0)
+    """How many checkpoints to keep on disk."""
+
+
+class WandbConfig(Config):
+    """Weights & Biases logging."""
+
+    enabled: bool = False
+    """Log metrics to W&B as well as metrics.jsonl."""
+    project: str = "tidal"
+    """W&B project."""
+    name: str | None = None
+    """Run name (default: the output directory's name)."""
+    mode: Literal["online", "offline"] = "offline"
+    """`offline` writes under <output_dir>/wandb and needs no network; sync later with `wandb sync`."""
+
+
+class LogConfig(Config):
+    """Console and metrics logging."""
+
+    interval: int = Field(default=10, gt=0)
+    """Print a one-line summary every N steps."""
+    progress_bar: bool = True
+    """Show a progress bar when stderr is a terminal."""

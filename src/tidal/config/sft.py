@@ -1,0 +1,84 @@
+"""Schema of `tidal sft`: supervised fine-tuning on chat conversations."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tidal.config.base import Config, ConfigProblem
+from tidal.config.common import (
+    CheckpointConfig,
+    DatasetConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    SchedulerConfig,
+    WandbConfig,
+)
+
+
+class SFTDataConfig(Config):
+    """Training data: which conversations, how many per step, how they are packed."""
+
+    train: DatasetConfig
+    """Training conversations (`type` = file | hf | builtin)."""
+    batch_size: int = Field(default=64, gt=0)
+    """Conversations per optimizer step, over all ranks."""
+    seq_len: int = Field(default=2048, gt=1)
+    """Length of a packed row in tokens; conversations are packed into rows without cross-attention."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Packed rows per forward/backward pass on one rank (gradients accumulate over micro-batches)."""
+    shuffle: bool = True
+    """Shuffle conversations each epoch (seeded)."""
+
+
+class SFTEvalConfig(Config):
+    """Held-out evaluation after training: greedy decoding, exact match of the last assistant message."""
+
+    dataset: DatasetConfig | None = None
+    """Held-out conversations; None skips evaluation."""
+    num_examples: int = Field(default=200, gt=0)
+    """Evaluate at most this many conversations."""
+    max_new_tokens: int = Field(default=64, gt=0)
+    """Generation budget per answer."""
+    batch_size: int = Field(default=128, gt=0)
+    """Conversations generated together."""
+
+
+class SFTConfig(Config):
+    """`tidal sft`: fine-tune a causal LM on the assistant turns of chat conversations."""
+
+    output_dir: Path = Path("outputs/sft")
+    """Where metrics.jsonl, checkpoints/ and final/ are written."""
+    max_steps: int = Field(default=100, gt=0)
+    """Number of optimizer steps."""
+    seed: int = 0
+    """Seed for data order and initialisation of anything random."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir (starts fresh if there is none)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses CUDA when available."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
+    model: ModelConfig = ModelConfig()
+    data: SFTDataConfig
+    optim: OptimConfig = OptimConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    eval: SFTEvalConfig = SFTEvalConfig()
+    log: LogConfig = LogConfig()
+    wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "SFTConfig":
+        if self.scheduler.warmup_steps > self.max_steps:
+            raise ConfigProblem(
+                "scheduler.warmup_steps",
+                f"warmup ({self.scheduler.warmup_steps} steps) is longer than max_steps ({self.max_steps})",
+            )
+        if self.ckpt.interval is not None and self.ckpt.interval > self.max_steps:
+            raise ConfigProblem(
+                "ckpt.interval",
+                f"checkpoint interval {self.ckpt.interval} exceeds max_steps {self.max_steps}: no checkpoint would be written",
+            )
+        return self

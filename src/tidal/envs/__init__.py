@@ -1,0 +1,1 @@
+"""Environments: task generators and reward functions (the full environment protocol arrives with RL)."""

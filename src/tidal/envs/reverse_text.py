@@ -1,0 +1,81 @@
+"""reverse_text: reverse a random lowercase string character by character.
+
+The conversation format is fixed so any tool can evaluate a tidal model on it: system message
+`Reverse the text character by character.`, user message = the text, assistant message = the text reversed.
+Train and heldout strings come from disjoint halves of string space (by a stable hash), so no heldout string
+is ever trained on, whatever the sizes.
+
+    python -m tidal.envs.reverse_text --split heldout --num-examples 200 --out heldout.jsonl
+"""
+
+import argparse
+import json
+import random
+import string
+import zlib
+from pathlib import Path
+
+SYSTEM_PROMPT = "Reverse the text character by character."
+MIN_LEN, MAX_LEN = 3, 10
+_HELDOUT_BUCKETS = 10  # 1 in 10 strings belongs to the heldout split
+
+
+def is_heldout(text: str) -> bool:
+    return zlib.crc32(text.encode()) % _HELDOUT_BUCKETS == 0
+
+
+def generate_texts(split: str, num_examples: int, seed: int = 0) -> list[str]:
+    """Deterministic strings of MIN_LEN..MAX_LEN lowercase letters belonging to `split`."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(f"reverse_text/{seed}/{split}")
+    want_heldout = split == "heldout"
+    texts: list[str] = []
+    while len(texts) < num_examples:
+        length = rng.randint(MIN_LEN, MAX_LEN)
+        text = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
+        if is_heldout(text) == want_heldout:
+            texts.append(text)
+    return texts
+
+
+def conversation(text: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": text[::-1]},
+    ]
+
+
+def generate_conversations(split: str, num_examples: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    return [conversation(text) for text in generate_texts(split, num_examples, seed)]
+
+
+def char_accuracy(completion: str, target: str) -> float:
+    """Position-wise character matches divided by the longer length.
+
+    Dividing by the longer of the two means that dropping or adding characters always costs reward, unlike an
+    LCS ratio, which RL learned to game by omitting characters it was unsure of.
+    """
+    if not completion and not target:
+        return 1.0
+    matches = sum(a == b for a, b in zip(completion, target, strict=False))
+    return matches / max(len(completion), len(target))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write reverse_text conversations as JSONL.")
+    parser.add_argument("--split", choices=["train", "heldout"], default="train")
+    parser.add_argument("--num-examples", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as fh:
+        for messages in generate_conversations(args.split, args.num_examples, args.seed):
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {args.num_examples} {args.split} conversations to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Monitoring: metrics as JSON lines, console summaries and optional Weights & Biases."""

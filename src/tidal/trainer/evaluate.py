@@ -1,0 +1,60 @@
+"""Held-out evaluation of an exported HF model: greedy decoding, exact match on the last assistant turn."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.trainer.sources import Conversation
+
+
+@dataclass
+class ExactMatchResult:
+    """Fraction of conversations whose greedy answer equals the reference, with a few examples to print."""
+
+    exact_match: float
+    num_examples: int
+    examples: list[tuple[str, str, str]]  # (prompt's last user message, reference, generated)
+
+
+def split_prompt(messages: Conversation) -> tuple[Conversation, str]:
+    """Everything before the last assistant message is the prompt; that message is the reference."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:last], messages[last]["content"]
+
+
+@torch.no_grad()
+def greedy_exact_match(
+    model_dir: Path, conversations: list[Conversation], max_new_tokens: int, batch_size: int, device: torch.device
+) -> ExactMatchResult:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"  # generation appends on the right, so prompts must end at the same column
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    correct = 0
+    examples: list[tuple[str, str, str]] = []
+    for start in range(0, len(conversations), batch_size):
+        chunk = conversations[start : start + batch_size]
+        prompts, references = zip(*(split_prompt(c) for c in chunk), strict=True)
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        generated = _generate(model, tokenizer, texts, max_new_tokens, device)
+        for prompt, reference, answer in zip(prompts, references, generated, strict=True):
+            correct += answer.strip() == reference.strip()
+            if len(examples) < 5:
+                examples.append((prompt[-1]["content"], reference, answer))
+    return ExactMatchResult(correct / max(1, len(conversations)), len(conversations), examples)
+
+
+def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, device: torch.device) -> list[str]:
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    output = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new_tokens = output[:, batch["input_ids"].shape[1] :]  # [batch, new]
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

@@ -1,0 +1,64 @@
+"""Write a complete HF checkpoint (config, safetensors, tokenizer, generation config) atomically.
+
+The directory appears under its final name only when every file is written, and a `.complete` marker is the
+last thing created, so a reader polling for new weights never loads half a checkpoint.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from tidal.trainer.parallel import DistInfo, barrier
+
+COMPLETE_MARKER = ".complete"
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the unsharded state dict on CPU (a collective: every rank must call it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf_checkpoint(
+    target: Path,
+    state_dict: dict[str, torch.Tensor],
+    hf_config: Any,
+    tokenizer: Any,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    target = Path(target)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if getattr(hf_config, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue  # tied to embed_tokens; safetensors refuses shared storage and loaders re-tie it
+        tensor = tensor.detach().to("cpu")
+        tensors[name] = (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    ).save_pretrained(staging)
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    (target / COMPLETE_MARKER).touch()
+    return target
+
+
+def export_model(target: Path, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
+    """Gather on every rank, write on rank 0, wait for it."""
+    state_dict = full_state_dict(model)
+    if info.is_main:
+        hf_config = model.config  # type: ignore[attr-defined]
+        save_hf_checkpoint(target, state_dict, hf_config, tokenizer)
+    barrier(info)
+    return target

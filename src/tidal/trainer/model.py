@@ -1,0 +1,57 @@
+"""Load an HF causal LM and its tokenizer by config (hub id, local dir or the tiny test model)."""
+
+from typing import Any
+
+import torch
+
+from tidal.config.common import ModelConfig
+from tidal.errors import UserError
+from tidal.testing import resolve_model_name
+
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars and info logs; tidal prints its own progress."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_tokenizer(config: ModelConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_name(config.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.name = {config.name!r}: cannot load tokenizer: {_first_line(exc)}") from None
+    if tokenizer.chat_template is None:
+        raise UserError(f"model.name = {config.name!r}: tokenizer has no chat template")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(config: ModelConfig) -> torch.nn.Module:
+    """Load on CPU in the master dtype (fp32 unless configured); `parallelize` moves and shards it."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_name(config.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=_DTYPES[config.dtype],
+            attn_implementation=config.attn_implementation,
+            trust_remote_code=config.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.name = {config.name!r}: cannot load model: {_first_line(exc)}") from None
+    model.config.use_cache = False
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

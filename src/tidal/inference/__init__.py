@@ -1,0 +1,1 @@
+"""Inference: a real vLLM OpenAI server with RL routes (pause, weight updates, versions) and its client."""

@@ -1,0 +1,412 @@
+"""Async client over several vLLM servers (data parallel): routing, retries, health watch, weight fan-out.
+
+- Routing: least requests in flight; a `session_id` sticks to one server so a multi-turn rollout keeps
+  hitting its prefix cache (it moves only if that server goes down).
+- Failures: a dropped connection takes the server out of rotation and the request is retried on another
+  one, with exponential backoff, at most `max_retries` times; a 4xx is the caller's fault and raises
+  `RequestRejected` at once; anything else ends as `ServerFailed` or `NoHealthyServer`.
+- Health watch: polls `/health`; a server that answers again is brought to the latest published weights
+  (and LoRA adapters) before it is put back, so it never serves a stale policy.
+- Weight updates: pause (draining in-flight requests by default), load, resume, on every server at once,
+  through vLLM's native RL routes; the report gives each server's version.
+"""
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from tidal.inference.guard import TOKEN_HEADER
+from tidal.inference.types import (
+    ChatRequest,
+    Completion,
+    GenerateRequest,
+    Generation,
+    ServerVersion,
+    WeightUpdateReport,
+)
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["wait", "keep", "abort"]
+# A proxy or a server that is starting/stopping; worth trying elsewhere.
+TRANSIENT_STATUS = frozenset({502, 503, 504})
+MAX_SESSIONS = 65_536
+
+
+class InferenceError(Exception):
+    """Base of the client's errors."""
+
+
+class RequestRejected(InferenceError):
+    """The server refused the request (4xx): fix the request, retrying will not help."""
+
+    def __init__(self, status: int, message: str, url: str):
+        super().__init__(f"{url} answered {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class ServerFailed(InferenceError):
+    """A server error (5xx) or transport failure that persisted through every retry."""
+
+
+class NoHealthyServer(InferenceError):
+    """Every server is out of rotation."""
+
+
+@dataclass
+class ServerState:
+    """What the client knows about one server."""
+
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    dispatched: int = 0
+    version: int = 0
+
+
+def parse_version(raw: object) -> int:
+    """vLLM keeps versions as strings; before the first update it says "default", which is version 0."""
+    try:
+        return int(str(raw))
+    except ValueError:
+        return 0
+
+
+class InferenceClient:
+    """Use as `async with InferenceClient(urls) as client:` (starts and stops the health watch)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str | None = None,
+        admin_token: str | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        health_interval: float = 2.0,
+        pause_mode: PauseMode = "wait",
+    ):
+        if not urls:
+            raise ValueError("InferenceClient needs at least one server URL")
+        self.servers = {url.rstrip("/"): ServerState(url.rstrip("/")) for url in urls}
+        self.model = model
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.health_interval = health_interval
+        self.pause_mode = pause_mode
+        self._admin_headers = {TOKEN_HEADER: admin_token} if admin_token else {}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._latest_weights: tuple[int, str] | None = None
+        self._loras: dict[str, str] = {}
+        self._watch: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> "InferenceClient":
+        self._watch = asyncio.create_task(self._health_loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        await self._http.aclose()
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
+        """Token in, token out: sampled ids with their logprobs under the sampling distribution."""
+        body = {
+            "model": request.lora or await self._model_name(),
+            "prompt": list(request.prompt_token_ids),
+            "n": request.n,
+            "logprobs": 0,
+            "return_token_ids": True,
+            **request.sampling.to_vllm(),
+        }
+        server, version, data = await self._dispatch("/v1/completions", body, session_id)
+        completions = tuple(_completion(c, c["logprobs"]["token_logprobs"]) for c in _choices(data))
+        prompt_ids = tuple(data["choices"][0]["prompt_token_ids"])
+        return Generation(
+            prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
+        )
+
+    async def chat(self, request: ChatRequest, session_id: str | None = None) -> Generation:
+        """Messages in (rendered by the server's chat template); prompt ids, completion ids, logprobs out.
+
+        Continue a conversation with `tidal.inference.chat.continue_prompt` and `generate`, not by sending
+        the grown message list: re-rendering could tokenise the model's own earlier turns differently.
+        """
+        body = {
+            "model": request.lora or await self._model_name(),
+            "messages": [m.model_dump() for m in request.messages],
+            "n": request.n,
+            "logprobs": True,
+            "return_token_ids": True,
+            **request.sampling.to_vllm(),
+        }
+        server, version, data = await self._dispatch("/v1/chat/completions", body, session_id)
+        completions = tuple(
+            _completion(
+                {**c, "text": c["message"]["content"] or ""}, [t["logprob"] for t in c["logprobs"]["content"]]
+            )
+            for c in _choices(data)
+        )
+        prompt_ids = tuple(data["prompt_token_ids"])
+        return Generation(
+            prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
+        )
+
+    def end_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            server, _, data = await self._dispatch("/v1/models", None, None, method="GET")
+            self.model = str(data["data"][0]["id"])
+        return self.model
+
+    # ---- routing and retries ----------------------------------------------------------------------
+
+    def pick(self, session_id: str | None = None) -> ServerState:
+        """The server for the next request: the session's own if it is up, else the least loaded."""
+        healthy = [s for s in self.servers.values() if s.healthy]
+        if not healthy:
+            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
+        pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
+        server = pinned if pinned is not None and pinned.healthy else min(healthy, key=_load)
+        if session_id is not None:
+            self._sessions[session_id] = server.url
+            self._sessions.move_to_end(session_id)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        return server
+
+    async def _dispatch(
+        self, path: str, body: dict[str, Any] | None, session_id: str | None, method: str = "POST"
+    ) -> tuple[str, int, Any]:
+        """Send to a server, retrying elsewhere on transient failure; returns (url, version, json)."""
+        failure = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1) * (0.5 + random.random()))
+            try:
+                server = self.pick(session_id)
+            except NoHealthyServer as exc:
+                failure = str(exc)
+                continue
+            version = server.version
+            server.in_flight += 1
+            server.dispatched += 1
+            try:
+                response = await self._http.request(method, server.url + path, json=body)
+            except httpx.TimeoutException as exc:
+                failure = f"{server.url}{path} timed out ({type(exc).__name__})"
+                continue
+            except httpx.TransportError as exc:
+                failure = f"{server.url}{path}: {type(exc).__name__}: {exc}"
+                self.mark_down(server, failure)
+                continue
+            finally:
+                server.in_flight -= 1
+            if response.status_code in TRANSIENT_STATUS:
+                failure = f"{server.url}{path} answered {response.status_code}"
+                continue
+            return server.url, version, _json_or_raise(response, server.url)
+        if "healthy" in failure:
+            raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
+        raise ServerFailed(f"{path} failed {self.max_retries + 1} times; last: {failure}")
+
+    def mark_down(self, server: ServerState, reason: str) -> None:
+        if server.healthy:
+            logger.warning("inference server %s out of rotation: %s", server.url, reason)
+        server.healthy = False
+
+    # ---- health ------------------------------------------------------------------------------------
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server once now (the watch does this every `health_interval` seconds)."""
+        await asyncio.gather(*(self._probe(s) for s in self.servers.values()))
+        return {url: s.healthy for url, s in self.servers.items()}
+
+    async def wait_healthy(self, timeout: float, count: int | None = None) -> None:
+        """Wait until `count` servers (default: all) answer /health."""
+        needed = len(self.servers) if count is None else count
+        deadline = time.monotonic() + timeout
+        while sum((await self.check_health()).values()) < needed:
+            if time.monotonic() > deadline:
+                raise NoHealthyServer(f"fewer than {needed} inference servers healthy after {timeout:.0f} s")
+            await asyncio.sleep(0.5)
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # the watch must outlive any single bad probe
+                logger.exception("inference health check failed")
+            await asyncio.sleep(self.health_interval)
+
+    async def _probe(self, server: ServerState) -> None:
+        try:
+            ok = (await self._http.get(server.url + "/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            self.mark_down(server, "health check failed")
+        elif not server.healthy and await self._catch_up(server):
+            logger.warning("inference server %s back in rotation (version %d)", server.url, server.version)
+            server.healthy = True
+
+    async def _catch_up(self, server: ServerState) -> bool:
+        """Bring a returning server to the latest weights and adapters; False if that failed."""
+        try:
+            server.version = await self._read_version(server)
+            if self._latest_weights is not None and server.version != self._latest_weights[0]:
+                version, path = self._latest_weights
+                result = await self._update_one(server, path, version)
+                if not result.ok:
+                    return False
+            for name, path in self._loras.items():
+                await self._admin(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except (InferenceError, httpx.HTTPError) as exc:
+            logger.warning(
+                "inference server %s is up but could not be brought up to date: %s", server.url, exc
+            )
+            return False
+        return True
+
+    # ---- admin: weights, versions, pause, LoRA -----------------------------------------------------
+
+    async def update_weights(self, path: str | Path, version: int) -> WeightUpdateReport:
+        """Load HF safetensors from `path` (visible to every server) as `version`, on every healthy server.
+
+        Servers that are down now are updated by the health watch before they return to rotation.
+        """
+        results = await asyncio.gather(
+            *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
+        )
+        if any(r.ok for r in results):  # a path every server refused must not be replayed on returning ones
+            self._latest_weights = (version, str(path))
+        return WeightUpdateReport(version=version, path=str(path), servers=tuple(results))
+
+    async def _update_or_skip(self, server: ServerState, path: str, version: int) -> ServerVersion:
+        if not server.healthy:
+            return ServerVersion(
+                url=server.url, version=None, ok=False, error="out of rotation; updated on return"
+            )
+        return await self._update_one(server, path, version)
+
+    async def _update_one(self, server: ServerState, path: str, version: int) -> ServerVersion:
+        start = time.perf_counter()
+        try:
+            await self.pause(server)
+            try:
+                await self._load(server, path, version)
+            finally:
+                await self.resume(server)
+            server.version = await self._read_version(server)
+        except (InferenceError, httpx.HTTPError) as exc:
+            seconds = time.perf_counter() - start
+            return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
+        ok = server.version == version
+        return ServerVersion(
+            url=server.url, version=server.version, ok=ok, seconds=time.perf_counter() - start
+        )
+
+    async def _load(self, server: ServerState, path: str, version: int) -> None:
+        await self._admin(server, "/start_weight_update")
+        try:
+            await self._admin(server, "/update_weights", {"update_info": {"path": path}})
+        except BaseException:
+            # Close the worker's update session (filesystem engine: nothing was loaded yet) so the next
+            # update can start; the version stays the old one.
+            with contextlib.suppress(InferenceError, httpx.HTTPError):
+                await self._admin(server, "/finish_weight_update")
+            raise
+        await self._admin(server, "/finish_weight_update", {"weight_version": str(version)})
+
+    async def pause(self, server: ServerState, mode: PauseMode | None = None) -> None:
+        """New requests queue until `resume`; `wait` lets in-flight ones finish first, `keep` freezes them."""
+        await self._admin(server, f"/pause?mode={mode or self.pause_mode}")
+
+    async def resume(self, server: ServerState) -> None:
+        await self._admin(server, "/resume")
+
+    async def versions(self) -> dict[str, int | None]:
+        """Each server's weight version as it reports it (None if it cannot be asked)."""
+
+        async def one(server: ServerState) -> int | None:
+            with contextlib.suppress(InferenceError, httpx.HTTPError):
+                return await self._read_version(server)
+            return None
+
+        found = await asyncio.gather(*(one(s) for s in self.servers.values()))
+        return dict(zip(self.servers, found, strict=True))
+
+    async def load_lora(self, name: str, path: str | Path) -> None:
+        """Hot-load (or replace) LoRA adapter `name` on every server; generate with `lora=name`."""
+        self._loras[name] = str(path)
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        await asyncio.gather(
+            *(self._admin(s, "/v1/load_lora_adapter", body) for s in self.servers.values() if s.healthy)
+        )
+
+    async def _read_version(self, server: ServerState) -> int:
+        response = await self._http.get(server.url + "/weight_info", timeout=10.0)
+        return parse_version(_json_or_raise(response, server.url)["weight_version"])
+
+    async def _admin(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
+        response = await self._http.post(server.url + path, json=body, headers=self._admin_headers)
+        return _json_or_raise(response, server.url)
+
+
+def _load(server: ServerState) -> tuple[int, int]:
+    return server.in_flight, server.dispatched
+
+
+def _json_or_raise(response: httpx.Response, url: str) -> Any:
+    if response.status_code >= 400:
+        message = _error_message(response)
+        if response.status_code < 500:
+            raise RequestRejected(response.status_code, message, url)
+        raise ServerFailed(f"{url} answered {response.status_code}: {message}")
+    return response.json() if response.content else None
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error", response.json())
+    except ValueError:
+        return response.text[:500]
+    return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+
+
+def _choices(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(data["choices"], key=lambda c: c["index"])
+
+
+def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion:
+    return Completion(
+        token_ids=tuple(choice["token_ids"]),
+        logprobs=tuple(float(x) for x in logprobs),
+        text=choice.get("text") or "",
+        finish_reason=choice.get("finish_reason"),
+    )

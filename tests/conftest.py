@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def run_tidal(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_tidal(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `python -m tidal ...` from the repository root and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "tidal", *args],

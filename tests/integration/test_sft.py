@@ -36,7 +36,11 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_final_model(reference_run
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
     assert {"lr", "grad_norm", "tokens_per_s"} <= steps[0].keys()
     assert any("eval/exact_match" in m for m in metrics)
-    assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == ["step_10", "step_20", "step_30"]
+    assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == [
+        "step_10",
+        "step_20",
+        "step_30",
+    ]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,7 +61,18 @@ def test_existing_run_is_not_overwritten_without_resume(reference_run):
 def test_interrupt_after_checkpoint_then_resume_matches_uninterrupted(reference_run, tmp_path, sig):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal", "sft", "@", CI_CONFIG, "--output-dir", str(out), "--log.interval", "1"],
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "sft",
+            "@",
+            CI_CONFIG,
+            "--output-dir",
+            str(out),
+            "--log.interval",
+            "1",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -122,7 +137,15 @@ def test_wandb_offline_mode_logs_without_network(tmp_path):
 def test_bad_dataset_row_is_one_line_error(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    result = run_tidal("sft", "@", CI_CONFIG, "--output-dir", str(tmp_path / "o"), "--data.train", f'{{type = "file", path = "{data}"}}')
+    result = run_tidal(
+        "sft",
+        "@",
+        CI_CONFIG,
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--data.train",
+        f'{{type = "file", path = "{data}"}}',
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith("row 1: no assistant message to train on")
     assert "Traceback" not in result.stderr

@@ -39,7 +39,20 @@ def test_parse_value_reads_toml_literals_and_falls_back_to_strings():
 def test_files_merge_left_to_right_then_cli_overrides(tmp_path):
     base = write(tmp_path, "base.toml", BASE)
     over = write(tmp_path, "over.toml", "[optim]\nweight_decay = 0.1\n[data]\nbatch_size = 8\n")
-    args = parse_args(["@", base, f"@{over}", "--optim.lr", "5e-4", "--max-steps", "7", "--output-dir", "/tmp/x", "--no-data.shuffle"])
+    args = parse_args(
+        [
+            "@",
+            base,
+            f"@{over}",
+            "--optim.lr",
+            "5e-4",
+            "--max-steps",
+            "7",
+            "--output-dir",
+            "/tmp/x",
+            "--no-data.shuffle",
+        ]
+    )
     config = load_config(SFTConfig, args.files, args.overrides)
     assert config.optim.lr == pytest.approx(5e-4)  # CLI beats files
     assert config.optim.weight_decay == pytest.approx(0.1)  # second file merged into first's table
@@ -91,16 +104,31 @@ BAD_CONFIGS = [
     # (name, file text, extra CLI args, expected fragments of the one-line error)
     ("unknown_key", BASE + "lrr = 1\n", [], ["bad.toml", "optim.lrr", "unknown key", "optim.lr"]),
     ("unknown_table", BASE + "[optimizer]\nlr = 1\n", [], ["bad.toml", "optimizer", "unknown key"]),
-    ("wrong_type", BASE.replace("max_steps = 20", 'max_steps = "many"'), [], ["bad.toml", "max_steps", "integer"]),
+    (
+        "wrong_type",
+        BASE.replace("max_steps = 20", 'max_steps = "many"'),
+        [],
+        ["bad.toml", "max_steps", "integer"],
+    ),
     ("negative_lr", BASE.replace("lr = 1e-3", "lr = -1e-3"), [], ["bad.toml", "optim.lr", "greater than 0"]),
     ("zero_batch", BASE + "[data]\nbatch_size = 0\n", [], ["bad.toml", "data.batch_size", "greater than 0"]),
     ("toml_syntax", BASE + "[optim\n", [], ["bad.toml", "invalid TOML"]),
     ("bad_literal", BASE.replace("lr = 1e-3", "lr = "), [], ["bad.toml", "invalid TOML"]),
     ("missing_required", 'output_dir = "out"\n', [], ["bad.toml", "data", "missing required key"]),
     ("bad_variant", BASE.replace('type = "builtin"', 'type = "s3"'), [], ["bad.toml", "data.train"]),
-    ("missing_variant_field", BASE.replace('type = "builtin"', 'type = "file"'), [], ["bad.toml", "data.train.path", "missing"]),
+    (
+        "missing_variant_field",
+        BASE.replace('type = "builtin"', 'type = "file"'),
+        [],
+        ["bad.toml", "data.train.path", "missing"],
+    ),
     ("bad_literal_choice", BASE + '[scheduler]\ntype = "exponential"\n', [], ["bad.toml", "scheduler.type"]),
-    ("warmup_too_long", BASE + "[scheduler]\nwarmup_steps = 50\n", [], ["bad.toml", "scheduler.warmup_steps", "longer than max_steps"]),
+    (
+        "warmup_too_long",
+        BASE + "[scheduler]\nwarmup_steps = 50\n",
+        [],
+        ["bad.toml", "scheduler.warmup_steps", "longer than max_steps"],
+    ),
     ("bad_betas", BASE + "betas = [0.9, 1.5]\n", [], ["bad.toml", "optim.betas", "[0, 1)"]),
     ("cli_unknown_key", BASE, ["--optim.lrr", "1"], ["command line", "optim.lrr", "unknown key"]),
     ("cli_wrong_type", BASE, ["--max-steps", "abc"], ["command line", "max_steps"]),
@@ -137,7 +165,9 @@ def test_in_process_errors_are_user_errors(tmp_path):
 
 
 def test_changing_a_variant_type_replaces_the_table(tmp_path):
-    base = write(tmp_path, "base.toml", BASE.replace('type = "builtin"', 'type = "builtin"\nname = "reverse_text"'))
+    base = write(
+        tmp_path, "base.toml", BASE.replace('type = "builtin"', 'type = "builtin"\nname = "reverse_text"')
+    )
     over = write(tmp_path, "over.toml", '[data.train]\ntype = "file"\npath = "x.jsonl"\n')
     config = load_config(SFTConfig, [base, over], [])
     assert config.data.train.type == "file"

@@ -5,7 +5,15 @@ import torch
 
 from tidal.envs.reverse_text import generate_conversations
 from tidal.testing.tiny import build_tokenizer
-from tidal.trainer.data import IGNORE_INDEX, EpochSampler, TokenizedSample, collate, pack_samples, shard_rows, tokenize_conversation
+from tidal.trainer.data import (
+    IGNORE_INDEX,
+    EpochSampler,
+    TokenizedSample,
+    collate,
+    pack_samples,
+    shard_rows,
+    tokenize_conversation,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def test_pack_keeps_samples_whole_and_restarts_positions():
     rows, truncated = pack_samples([a, b, c], seq_len=8, pad_id=0)
     assert truncated == 0 and len(rows) == 2
     assert rows[0].input_ids == [1, 2, 3, 4, 5, 6, 7, 0]
-    assert rows[0].position_ids == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert rows[0].position_ids == [0, 1, 2, 3, 0, 1, 2, 3]
     # label i = token i+1 where that token is trained; never across the sample boundary
     assert rows[0].labels == [IGNORE_INDEX, 3, 4, IGNORE_INDEX, 6, 7, IGNORE_INDEX, IGNORE_INDEX]
     assert rows[1].input_ids[:5] == [8, 9, 10, 11, 12]
@@ -67,11 +75,15 @@ def test_packed_forward_matches_separate_forwards(tokenizer):
     # the check has teeth: with a KV cache transformers ignores position resets and samples 2 and 3 would differ
     batch = collate(rows)
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        packed = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits[0]
         offset = 0
         for sample in samples:
             alone = model(input_ids=torch.tensor([sample.input_ids])).logits[0]
-            torch.testing.assert_close(packed[offset : offset + len(sample.input_ids)], alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                packed[offset : offset + len(sample.input_ids)], alone, atol=1e-5, rtol=1e-5
+            )
             offset += len(sample.input_ids)
 
 

@@ -70,7 +70,9 @@ def _type_name(annotation: Any) -> str:
     if origin is typing.Literal:
         return "{" + "|".join(str(a) for a in typing.get_args(annotation)) + "}"
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None)) + " | none"
+        return (
+            " | ".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None)) + " | none"
+        )
     if origin is not None:
         return str(annotation).replace("typing.", "")
     return getattr(annotation, "__name__", str(annotation)).upper()

@@ -72,7 +72,11 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
             else:
                 parsed.overrides.append((_key_name(name), True))
         else:
-            raise config_error(CLI_SOURCE, "", f"unexpected argument {arg!r} (config files go after '@', overrides are --key value)")
+            raise config_error(
+                CLI_SOURCE,
+                "",
+                f"unexpected argument {arg!r} (config files go after '@', overrides are --key value)",
+            )
         i += 1
     return parsed
 
@@ -103,7 +107,9 @@ def load_raw(files: Sequence[str], overrides: Sequence[tuple[str, Any]]) -> RawC
         for depth, part in enumerate(key[:-1]):
             child = parent.setdefault(part, {})
             if not isinstance(child, dict):
-                raise config_error(CLI_SOURCE, dotted, f"'{'.'.join(key[: depth + 1])}' is a value, not a table")
+                raise config_error(
+                    CLI_SOURCE, dotted, f"'{'.'.join(key[: depth + 1])}' is a value, not a table"
+                )
             parent = child
         if isinstance(value, dict):  # an inline table on the command line replaces the whole table
             parent[key[-1]] = {}

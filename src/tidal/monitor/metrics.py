@@ -14,7 +14,9 @@ class MetricsLogger:
     """Appends `{"step": n, ...}` records; on resume, records past the resumed step are dropped first so the
     file never holds two different histories for one step."""
 
-    def __init__(self, path: Path, wandb_config: WandbConfig | None = None, run_config: dict[str, Any] | None = None):
+    def __init__(
+        self, path: Path, wandb_config: WandbConfig | None = None, run_config: dict[str, Any] | None = None
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._wandb = _init_wandb(wandb_config, self.path.parent, run_config) if wandb_config else None
@@ -22,7 +24,11 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -54,7 +60,9 @@ def _init_wandb(config: WandbConfig, output_dir: Path, run_config: dict[str, Any
     try:
         import wandb
     except ImportError:
-        raise UserError("wandb.enabled = true but the `wandb` package is not installed (pip install 'tidal[wandb]')") from None
+        raise UserError(
+            "wandb.enabled = true but the `wandb` package is not installed (pip install 'tidal[wandb]')"
+        ) from None
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(
         project=config.project,

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 TINY_MODEL_NAME = "tidal-testing/tiny-qwen3"
 # Bump when the recipe changes so cached copies are rebuilt instead of silently reused.
@@ -25,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 384,
     "num_hidden_layers": 2,
@@ -90,7 +91,7 @@ def build_tiny_model(target: Path, seed: int = 0) -> Path:
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
         **TINY_CONFIG,
     )
     with torch.random.fork_rng(devices=[]):
@@ -106,7 +107,9 @@ def build_tiny_model(target: Path, seed: int = 0) -> Path:
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # lost the race to a half-written dir? never: rename is atomic
+            if not (
+                target / "config.json"
+            ).exists():  # lost the race to a half-written dir? never: rename is atomic
                 raise
     finally:
         if staging.exists():

@@ -62,16 +62,21 @@ def save_checkpoint(
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    steps = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    steps = [
+        (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    ]
     return max(steps)[1] if steps else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
+) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG; return the rest of the saved state (step, data, ...)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "model_optim"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "model_optim")
+    )  # fills in place
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     extra = torch.load(path / f"trainer_state_rank{info.rank}.pt", weights_only=False)
     set_rng_state(extra.pop("rng"), info)
     return extra

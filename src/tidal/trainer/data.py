@@ -48,7 +48,9 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) ->
     """
 
     def encode(msgs: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            list(msgs), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     full = encode(messages, add_generation_prompt=False)
@@ -69,7 +71,9 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) ->
     return TokenizedSample(full, mask)
 
 
-def pack_samples(samples: Sequence[TokenizedSample], seq_len: int, pad_id: int) -> tuple[list[PackedRow], int]:
+def pack_samples(
+    samples: Sequence[TokenizedSample], seq_len: int, pad_id: int
+) -> tuple[list[PackedRow], int]:
     """First-fit pack samples into rows of exactly `seq_len` tokens; returns rows and #samples truncated."""
     rows: list[PackedRow] = []
     num_truncated = 0
@@ -85,16 +89,24 @@ def pack_samples(samples: Sequence[TokenizedSample], seq_len: int, pad_id: int) 
         row.input_ids += ids
         row.position_ids += list(range(len(ids)))
         # label of position i is token i+1, learned only if token i+1 is an assistant token
-        row.labels += [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [IGNORE_INDEX]
+        row.labels += [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [
+            IGNORE_INDEX
+        ]
     for row in rows:
+        # Padding continues the last sample's positions: it then counts as part of that sample, which is
+        # harmless (causal attention: no real token sees it; its labels are ignored) and leaves a row holding
+        # one sample free of the packed-sequence mask, so attention can take the plain causal fast path.
         pad = seq_len - len(row)
+        last = row.position_ids[-1] + 1 if row.position_ids else 0
         row.input_ids += [pad_id] * pad
-        row.position_ids += list(range(pad))
+        row.position_ids += list(range(last, last + pad))
         row.labels += [IGNORE_INDEX] * pad
     return rows, num_truncated
 
 
-def shard_rows(rows: Sequence[PackedRow], rank: int, world_size: int, micro_batch_size: int) -> list[list[PackedRow]]:
+def shard_rows(
+    rows: Sequence[PackedRow], rank: int, world_size: int, micro_batch_size: int
+) -> list[list[PackedRow]]:
     """This rank's micro-batches. Every rank gets the same number (padded with empty rows), because FSDP
     runs collectives in every forward/backward and a rank with fewer passes would hang the others."""
     mine = list(rows[rank::world_size])

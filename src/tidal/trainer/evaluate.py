@@ -26,19 +26,26 @@ def split_prompt(messages: Conversation) -> tuple[Conversation, str]:
 
 @torch.no_grad()
 def greedy_exact_match(
-    model_dir: Path, conversations: list[Conversation], max_new_tokens: int, batch_size: int, device: torch.device
+    model_dir: Path,
+    conversations: list[Conversation],
+    max_new_tokens: int,
+    batch_size: int,
+    device: torch.device,
 ) -> ExactMatchResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"  # generation appends on the right, so prompts must end at the same column
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = model.to(device).eval()
     correct = 0
     examples: list[tuple[str, str, str]] = []
     for start in range(0, len(conversations), batch_size):
         chunk = conversations[start : start + batch_size]
         prompts, references = zip(*(split_prompt(c) for c in chunk), strict=True)
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        texts = [
+            str(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)) for p in prompts
+        ]
         generated = _generate(model, tokenizer, texts, max_new_tokens, device)
         for prompt, reference, answer in zip(prompts, references, generated, strict=True):
             correct += answer.strip() == reference.strip()
@@ -47,7 +54,9 @@ def greedy_exact_match(
     return ExactMatchResult(correct / max(1, len(conversations)), len(conversations), examples)
 
 
-def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, device: torch.device) -> list[str]:
+def _generate(
+    model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, device: torch.device
+) -> list[str]:
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     output = model.generate(
         **batch,

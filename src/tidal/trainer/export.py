@@ -18,7 +18,8 @@ COMPLETE_MARKER = ".complete"
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gather the unsharded state dict on CPU (a collective: every rank must call it)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def save_hf_checkpoint(
@@ -40,7 +41,9 @@ def save_hf_checkpoint(
         if getattr(hf_config, "tie_word_embeddings", False) and name == "lm_head.weight":
             continue  # tied to embed_tokens; safetensors refuses shared storage and loaders re-tie it
         tensor = tensor.detach().to("cpu")
-        tensors[name] = (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
+        tensors[name] = (
+            tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        ).contiguous()
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     hf_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

@@ -8,7 +8,12 @@ from tidal.config.common import ModelConfig
 from tidal.errors import UserError
 from tidal.testing import resolve_model_name
 
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "auto": torch.float32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def quiet_transformers() -> None:

@@ -67,13 +67,12 @@ def parallelize(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     model.to(info.device)
     if not info.distributed:
         return model
-    mp = None
+    mp = MixedPrecisionPolicy()  # no casting: fp32 on CPU
     if info.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in _decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model
 
 

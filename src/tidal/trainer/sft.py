@@ -1,7 +1,7 @@
 """`tidal sft`: supervised fine-tuning, readable top to bottom.
 
-    setup -> (resume) -> for each step: sample batch -> pack -> forward/backward per micro-batch -> clip -> step
-          -> log -> (checkpoint) -> export final/ -> greedy held-out eval
+setup -> (resume) -> for each step: sample batch -> pack -> forward/backward per micro-batch -> clip -> step
+      -> log -> (checkpoint) -> export final/ -> greedy held-out eval
 """
 
 import sys
@@ -18,12 +18,29 @@ from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer import ckpt
-from tidal.trainer.data import IGNORE_INDEX, EpochSampler, PackedRow, TokenizedSample, collate, pack_samples, shard_rows, tokenize_conversation
+from tidal.trainer.data import (
+    IGNORE_INDEX,
+    EpochSampler,
+    PackedRow,
+    TokenizedSample,
+    collate,
+    pack_samples,
+    shard_rows,
+    tokenize_conversation,
+)
 from tidal.trainer.evaluate import greedy_exact_match
 from tidal.trainer.export import export_model
 from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
 from tidal.trainer.optim import build_optimizer, build_scheduler
-from tidal.trainer.parallel import DistInfo, all_reduce_sum, autocast, init_distributed, parallelize, set_num_threads, shutdown
+from tidal.trainer.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    autocast,
+    init_distributed,
+    parallelize,
+    set_num_threads,
+    shutdown,
+)
 from tidal.trainer.signals import StopSignal
 from tidal.trainer.sources import Conversation, load_conversations
 
@@ -92,7 +109,11 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     model = parallelize(load_model(config.model), info)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
-    logger = MetricsLogger(out / "metrics.jsonl", config.wandb, config.model_dump(mode="json")) if info.is_main else None
+    logger = (
+        MetricsLogger(out / "metrics.jsonl", config.wandb, config.model_dump(mode="json"))
+        if info.is_main
+        else None
+    )
 
     step = 0
     if config.resume and (latest := ckpt.latest_checkpoint(ckpt_root)) is not None:
@@ -106,9 +127,15 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     elif config.resume:
         say(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
 
-    say(f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}")
+    say(
+        f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}"
+    )
     stop = StopSignal().install()
-    bar = tqdm(total=config.max_steps, initial=step, disable=not (info.is_main and config.log.progress_bar and sys.stderr.isatty()))
+    bar = tqdm(
+        total=config.max_steps,
+        initial=step,
+        disable=not (info.is_main and config.log.progress_bar and sys.stderr.isatty()),
+    )
     while step < config.max_steps:
         batch = data.next_batch()
         metrics = train_step(model, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
@@ -157,8 +184,15 @@ def train_step(
         with autocast(info):
             # use_cache=False matters: with a KV cache transformers ignores the position-id resets that keep packed
             # samples from attending to each other.
-            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits  # [b, s, vocab]
-        nll = F.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            logits = model(
+                input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False
+            ).logits  # [b, s, vocab]
+        nll = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            inputs["labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         (nll * scale).backward()
         loss_sum += nll.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -181,10 +215,14 @@ def train_step(
     }
 
 
-def _evaluate(config: SFTConfig, final: Path, info: DistInfo, logger: MetricsLogger | None, step: int, say: Any) -> None:
+def _evaluate(
+    config: SFTConfig, final: Path, info: DistInfo, logger: MetricsLogger | None, step: int, say: Any
+) -> None:
     assert config.eval.dataset is not None
     conversations = load_conversations(config.eval.dataset)[: config.eval.num_examples]
-    result = greedy_exact_match(final, conversations, config.eval.max_new_tokens, config.eval.batch_size, info.device)
+    result = greedy_exact_match(
+        final, conversations, config.eval.max_new_tokens, config.eval.batch_size, info.device
+    )
     for prompt, reference, answer in result.examples[:3]:
         say(f"  eval example: {prompt!r} -> {answer!r} (reference {reference!r})")
     say(f"eval/exact_match = {result.exact_match:.3f} on {result.num_examples} held-out conversations")
@@ -198,7 +236,9 @@ def _check_output_dir(config: SFTConfig) -> None:
     if config.resume:
         return
     if ckpt.latest_checkpoint(out / "checkpoints") is not None or (out / "metrics.jsonl").exists():
-        raise UserError(f"output_dir {out} already holds a run; pass --resume to continue it or choose another --output-dir")
+        raise UserError(
+            f"output_dir {out} already holds a run; pass --resume to continue it or choose another --output-dir"
+        )
 
 
 def _summary(step: int, max_steps: int, m: dict[str, float]) -> str:

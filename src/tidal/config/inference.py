@@ -3,7 +3,7 @@
 import ipaddress
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import Config, ConfigProblem
 from tidal.config.common import ModelConfig
@@ -78,6 +78,13 @@ class CPUConfig(Config):
     omp_threads_bind: str = "auto"
     """Cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"; pin them when several
     processes share few cores: contention slows everything down."""
+
+    @field_validator("omp_threads_bind", mode="before")
+    @classmethod
+    def _core_number_as_text(cls, value: object) -> object:
+        return (
+            str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        )  # `--x 1` is an int
 
 
 class WeightUpdateConfig(Config):

@@ -98,6 +98,7 @@ class InferenceClient:
         backoff: float = 0.5,
         health_interval: float = 2.0,
         pause_mode: PauseMode = "wait",
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
@@ -111,6 +112,7 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,  # tests pass an httpx.MockTransport to exercise retries without servers
         )
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._latest_weights: tuple[int, str] | None = None

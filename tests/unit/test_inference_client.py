@@ -1,0 +1,119 @@
+"""Client routing, retries and typed errors against fake HTTP servers (httpx.MockTransport, no vLLM)."""
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tidal.inference.client import (
+    InferenceClient,
+    NoHealthyServer,
+    RequestRejected,
+    ServerFailed,
+    parse_version,
+)
+from tidal.inference.types import GenerateRequest, Generation, SamplingParams
+
+A, B = "http://a:1", "http://b:1"
+REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
+
+
+def completion(request: httpx.Request) -> httpx.Response:
+    choice = {
+        "index": 0,
+        "text": "xy",
+        "token_ids": [7, 8],
+        "prompt_token_ids": [1, 2],
+        "logprobs": {"token_logprobs": [-0.5, -1.5]},
+        "finish_reason": "length",
+    }
+    return httpx.Response(200, json={"choices": [choice]})
+
+
+def client_with(
+    handler: Callable[[httpx.Request], httpx.Response], urls: tuple[str, ...] = (A, B)
+) -> InferenceClient:
+    return InferenceClient(list(urls), model="m", backoff=0.0, transport=httpx.MockTransport(handler))
+
+
+async def generate_many(client: InferenceClient, count: int) -> list[Generation]:
+    return list(await asyncio.gather(*(client.generate(REQUEST) for _ in range(count))))
+
+
+def test_generation_is_parsed_into_typed_tokens_and_logprobs() -> None:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.read())
+        return completion(request)
+
+    generation = asyncio.run(client_with(handler, (A,)).generate(REQUEST))
+    assert generation.completions[0].token_ids == (7, 8) and generation.completions[0].logprobs == (
+        -0.5,
+        -1.5,
+    )
+    assert generation.prompt_token_ids == (1, 2) and generation.server == A and generation.weight_version == 0
+    body = seen[0].decode()
+    assert '"top_k":-1' in body.replace(" ", "") and '"top_p":1.0' in body.replace(" ", "")
+
+
+def test_least_loaded_with_ties_to_the_least_recently_used_and_sticky_sessions() -> None:
+    client = client_with(completion)
+    assert [client.pick().url for _ in range(4)] == [A, B, A, B]
+    client.servers[A].in_flight = 3
+    assert client.pick().url == B and client.pick().url == B
+    client.servers[A].in_flight = 0
+    first = client.pick("s").url
+    assert all(client.pick("s").url == first for _ in range(5))
+    client.servers[first].healthy = False
+    assert client.pick("s").url != first  # the session moves when its server is out
+
+
+def test_connection_failure_moves_the_request_and_takes_the_server_out() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            raise httpx.ConnectError("refused", request=request)
+        return completion(request)
+
+    client = client_with(handler)
+    results = asyncio.run(generate_many(client, 4))
+    assert Counter(g.server for g in results) == {B: 4} and not client.servers[A].healthy
+
+
+def test_transient_status_is_retried_and_client_errors_are_not() -> None:
+    calls: Counter[str] = Counter()
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        return httpx.Response(503) if calls["n"] < 3 else completion(request)
+
+    assert asyncio.run(client_with(flaky, (A,)).generate(REQUEST)).completions[0].token_ids == (7, 8)
+
+    def rejecting(request: httpx.Request) -> httpx.Response:
+        calls["bad"] += 1
+        return httpx.Response(400, json={"error": {"message": "Token id 99 is out of vocabulary"}})
+
+    with pytest.raises(RequestRejected, match="out of vocabulary") as info:
+        asyncio.run(client_with(rejecting, (A,)).generate(REQUEST))
+    assert info.value.status == 400 and calls["bad"] == 1
+
+
+def test_retries_are_bounded_and_end_in_typed_errors() -> None:
+    with pytest.raises(ServerFailed, match="4 times"):
+        asyncio.run(client_with(lambda r: httpx.Response(502), (A,)).generate(REQUEST))
+    with pytest.raises(ServerFailed, match="500"):
+        asyncio.run(
+            client_with(lambda r: httpx.Response(500, json={"error": "boom"}), (A,)).generate(REQUEST)
+        )
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with pytest.raises(NoHealthyServer):
+        asyncio.run(client_with(down, (A, B)).generate(REQUEST))
+
+
+def test_version_strings_from_vllm() -> None:
+    assert parse_version("default") == 0 and parse_version("12") == 12 and parse_version(None) == 0

@@ -1,0 +1,84 @@
+"""How an inference config becomes vLLM flags and environment, and which configs are refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal.config.inference import InferenceConfig
+from tidal.config.loader import load_config
+from tidal.errors import UserError
+from tidal.inference.server import build_launch, check_model_path, client_url
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "infer.toml"
+
+
+def config(**sections: object) -> InferenceConfig:
+    return InferenceConfig.model_validate(sections)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_defaults_wire_in_tidal_and_keep_sampling_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
+    launch = build_launch(config(), "/models/tiny", "cpu")
+    argv = launch.argv
+    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == "/models/tiny"
+    assert flag(argv, "--generation-config") == "vllm"
+    assert flag(argv, "--logprobs-mode") == "processed_logprobs"
+    assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "filesystem"}
+    assert flag(argv, "--middleware") == "tidal.inference.guard.AdminGuard"
+    assert flag(argv, "--worker-extension-cls") == "tidal.inference.vllm_ext.TidalWorkerExtension"
+    assert flag(argv, "--host") == "127.0.0.1" and "--enforce-eager" not in argv
+    assert launch.env["VLLM_SERVER_DEV_MODE"] == "1" and "TIDAL_ADMIN_TOKEN" not in launch.env
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert launch.url == "http://127.0.0.1:8000"
+
+
+def test_vllm_options_pass_through() -> None:
+    vllm = {"max_model_len": 512, "enforce_eager": True, "tensor_parallel_size": 2, "enable_lora": True}
+    argv = build_launch(
+        config(vllm={**vllm, "extra_args": ["--max-num-batched-tokens", "64"]}), "m", "cuda"
+    ).argv
+    assert flag(argv, "--max-model-len") == "512" and flag(argv, "--tensor-parallel-size") == "2"
+    assert "--enforce-eager" in argv and "--enable-lora" in argv
+    assert argv[-2:] == ["--max-num-batched-tokens", "64"]
+
+
+def test_binding_beyond_loopback_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
+    with pytest.raises(UserError, match="admin_token"):
+        build_launch(config(server={"host": "0.0.0.0"}), "m", "cpu")
+    monkeypatch.setenv("TIDAL_ADMIN_TOKEN", "from-env")
+    launch = build_launch(config(server={"host": "0.0.0.0"}), "m", "cpu")
+    assert launch.env["TIDAL_ADMIN_TOKEN"] == "from-env" and launch.env["TIDAL_BIND_HOST"] == "0.0.0.0"
+    assert launch.url == "http://127.0.0.1:8000"
+
+
+def test_client_url_for_wildcard_and_ipv6_binds() -> None:
+    assert client_url("0.0.0.0", 1) == "http://127.0.0.1:1"
+    assert client_url("::", 2) == "http://[::1]:2"
+    assert client_url("10.1.2.3", 3) == "http://10.1.2.3:3"
+
+
+def test_local_model_paths_must_exist(tmp_path: Path) -> None:
+    check_model_path("Qwen/Qwen3-0.6B")  # a hub id is left to vLLM
+    with pytest.raises(UserError, match="does not exist"):
+        check_model_path(str(tmp_path / "sft" / "final"))
+    with pytest.raises(UserError, match="config.json"):
+        check_model_path(str(tmp_path))
+
+
+def test_example_config_and_cli_style_overrides() -> None:
+    loaded = load_config(
+        InferenceConfig, [str(EXAMPLE)], [("server.port", 18431), ("cpu.omp_threads_bind", 1)]
+    )
+    assert loaded.server.port == 18431 and loaded.cpu.omp_threads_bind == "1"
+    assert loaded.server.host == "127.0.0.1" and loaded.vllm.enforce_eager
+
+
+def test_nccl_on_cpu_is_refused_before_anything_starts() -> None:
+    with pytest.raises(UserError, match="weights.backend"):
+        load_config(InferenceConfig, [], [("device", "cpu"), ("weights.backend", "nccl")])

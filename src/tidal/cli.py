@@ -28,6 +28,11 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
+    "rl": Command(
+        "tidal.config.rl:RLConfig",
+        "tidal.launcher.rl:main",
+        "Asynchronous RL: starts vLLM inference, the orchestrator and the trainer from one config.",
+    ),
     "sft": Command(
         "tidal.config.sft:SFTConfig",
         "tidal.trainer.sft:main",
@@ -37,6 +42,16 @@ COMMANDS: dict[str, Command] = {
         "tidal.config.inference:InferenceConfig",
         "tidal.inference.server:main",
         "Serve a model with vLLM (OpenAI API + pause, weight updates, LoRA) for RL.",
+    ),
+    "orchestrator": Command(
+        "tidal.config.rl:OrchestratorConfig",
+        "tidal.orchestrator.loop:main",
+        "Roll out tasks against inference, score, build batches and ship them to the trainer.",
+    ),
+    "trainer": Command(
+        "tidal.config.rl:RLTrainerConfig",
+        "tidal.trainer.rl:main",
+        "RL trainer: one optimizer step per batch, then publish weights (FSDP2 under torchrun).",
     ),
 }
 

@@ -26,3 +26,15 @@ def test_char_accuracy_penalises_dropping_characters():
     assert char_accuracy("", "cba") == 0.0
     assert char_accuracy("cb", "cba") < char_accuracy("cbx", "cba") + 1e-9
     assert char_accuracy("cbaaaa", "cba") == 0.5
+
+
+def test_env_tasks_hide_the_answer_and_score_completions():
+    from tidal.envs.reverse_text import ReverseTextEnv
+
+    env = ReverseTextEnv(num_examples=50, seed=0)
+    task = env.task(3)
+    assert [m["role"] for m in task.messages] == ["system", "user"]
+    assert task.answer == task.messages[1]["content"][::-1]
+    assert env.score(task, task.answer) == 1.0
+    assert env.score(task, "") == 0.0
+    assert env.task(3) == ReverseTextEnv(num_examples=50, seed=0).task(3)

@@ -14,6 +14,10 @@ import random
 import string
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.envs.base import Task
 
 SYSTEM_PROMPT = "Reverse the text character by character."
 MIN_LEN, MAX_LEN = 3, 10
@@ -61,6 +65,28 @@ def char_accuracy(completion: str, target: str) -> float:
         return 1.0
     matches = sum(a == b for a, b in zip(completion, target, strict=False))
     return matches / max(len(completion), len(target))
+
+
+class ReverseTextEnv:
+    """reverse_text as an RL environment: reward = position-wise character accuracy (see `char_accuracy`)."""
+
+    name = "reverse_text"
+
+    def __init__(self, num_examples: int = 10_000, seed: int = 0, split: str = "train"):
+        self._texts = generate_texts(split, num_examples, seed)
+        self._order = random.Random(f"reverse_text/order/{seed}").sample(range(num_examples), num_examples)
+
+    def num_tasks(self) -> int:
+        return len(self._texts)
+
+    def task(self, index: int) -> "Task":
+        from tidal.envs.base import Task
+
+        text = self._texts[self._order[index]]
+        return Task(task_id=f"reverse_text/{index}", messages=conversation(text)[:2], answer=text[::-1])
+
+    def score(self, task: "Task", completion: str) -> float:
+        return char_accuracy(completion.strip(), task.answer)
 
 
 def main() -> None:

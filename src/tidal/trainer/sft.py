@@ -17,7 +17,6 @@ from tqdm import tqdm
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
-from tidal.trainer import ckpt
 from tidal.trainer.data import (
     IGNORE_INDEX,
     EpochSampler,
@@ -41,6 +40,7 @@ from tidal.trainer.parallel import (
     set_num_threads,
     shutdown,
 )
+from tidal.trainer.session import TrainState, check_output_dir, end_of_step, make_printer, maybe_resume
 from tidal.trainer.signals import StopSignal
 from tidal.trainer.sources import Conversation, load_conversations
 
@@ -101,8 +101,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     torch.manual_seed(config.seed)
     out = config.output_dir
     ckpt_root = out / "checkpoints"
-    _check_output_dir(config)
-    say = _printer(info)
+    check_output_dir(out / "metrics.jsonl", ckpt_root, config.resume)
+    say = make_printer(info)
 
     tokenizer = load_tokenizer(config.model)
     data = SFTData(config, load_conversations(config.data.train), tokenizer, info)
@@ -115,27 +115,15 @@ def train(config: SFTConfig, info: DistInfo) -> int:
         else None
     )
 
-    step = 0
-    if config.resume and (latest := ckpt.latest_checkpoint(ckpt_root)) is not None:
-        state = ckpt.load_checkpoint(latest, model, optimizer, info)
-        step = state["step"]
-        scheduler.load_state_dict(state["scheduler"])
-        data.sampler.load_state_dict(state["sampler"])
-        if logger:
-            logger.truncate_after(step)
-        say(f"resumed from {latest} at step {step}")
-    elif config.resume:
-        say(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
+    state = TrainState(model, optimizer, scheduler, data.sampler.state_dict)
+    step, data_state = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
+    if data_state:
+        data.sampler.load_state_dict(data_state)
 
-    say(
-        f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}"
-    )
+    say(f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}")
     stop = StopSignal().install()
-    bar = tqdm(
-        total=config.max_steps,
-        initial=step,
-        disable=not (info.is_main and config.log.progress_bar and sys.stderr.isatty()),
-    )
+    show_bar = info.is_main and config.log.progress_bar and sys.stderr.isatty()
+    bar = tqdm(total=config.max_steps, initial=step, disable=not show_bar)
     while step < config.max_steps:
         batch = data.next_batch()
         metrics = train_step(model, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
@@ -146,13 +134,7 @@ def train(config: SFTConfig, info: DistInfo) -> int:
             logger.log(step, metrics)
         if step % config.log.interval == 0 or step == config.max_steps:
             say(_summary(step, config.max_steps, metrics), bar)
-        stopping = all_reduce_sum(float(stop.received is not None), info) > 0
-        if stopping or (config.ckpt.interval and step % config.ckpt.interval == 0):
-            extra = {"scheduler": scheduler.state_dict(), "sampler": data.sampler.state_dict()}
-            path = ckpt.save_checkpoint(ckpt_root, step, model, optimizer, extra, info, config.ckpt.keep_last)
-            say(f"checkpoint saved: {path}", bar)
-        if stopping:
-            say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
+        if end_of_step(step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say, bar):
             return stop.exit_code
     bar.close()
 
@@ -230,31 +212,8 @@ def _evaluate(
         logger.log(step, {"eval/exact_match": result.exact_match, "eval/num_examples": result.num_examples})
 
 
-def _check_output_dir(config: SFTConfig) -> None:
-    """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
-    out = config.output_dir
-    if config.resume:
-        return
-    if ckpt.latest_checkpoint(out / "checkpoints") is not None or (out / "metrics.jsonl").exists():
-        raise UserError(
-            f"output_dir {out} already holds a run; pass --resume to continue it or choose another --output-dir"
-        )
-
-
 def _summary(step: int, max_steps: int, m: dict[str, float]) -> str:
     return (
         f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad_norm {m['grad_norm']:.3f}"
         f" | tok/s {m['tokens_per_s'] / 1e3:.1f}k"
     )
-
-
-def _printer(info: DistInfo) -> Any:
-    def say(message: str, bar: Any = None) -> None:
-        if not info.is_main:
-            return
-        if bar is not None and not bar.disable:
-            bar.write(message)
-        else:
-            print(message, flush=True)
-
-    return say

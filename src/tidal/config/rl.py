@@ -1,0 +1,199 @@
+"""Schemas of the RL commands: `tidal orchestrator`, `tidal trainer`, and `tidal rl` which runs both plus inference."""
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from tidal.config.base import Config, ConfigProblem
+from tidal.config.common import CheckpointConfig, LogConfig, ModelConfig, OptimConfig, SchedulerConfig, WandbConfig
+from tidal.config.inference import InferenceConfig
+from tidal.config.loss import LossConfig
+
+
+class FilesystemTransport(Config):
+    """Batches as files under `<output_dir>/rollouts/step_<n>/rank_<r>.npz` (written atomically)."""
+
+    type: Literal["filesystem"] = "filesystem"
+    poll_interval: float = Field(default=0.05, gt=0)
+    """Seconds between checks for the next batch."""
+    keep_last: int | None = Field(default=4, gt=0)
+    """Rollout steps kept on disk (None: all, for inspection)."""
+
+
+class ZMQTransport(Config):
+    """Batches over ZeroMQ: the orchestrator binds, trainer ranks connect and ask for their shard."""
+
+    type: Literal["zmq"] = "zmq"
+    host: str = "127.0.0.1"
+    """Address the orchestrator binds and trainer ranks connect to."""
+    port: int = Field(default=5557, ge=1, le=65535)
+    """TCP port."""
+
+
+RolloutTransport = Annotated[FilesystemTransport | ZMQTransport, Field(discriminator="type")]
+
+
+class EnvConfig(Config):
+    """Which environment the rollouts come from."""
+
+    name: Literal["reverse_text"] = "reverse_text"
+    """Built-in environment."""
+    num_examples: int = Field(default=10_000, gt=0)
+    """Tasks generated for training."""
+    seed: int = 0
+    """Task generator seed."""
+
+
+class SamplingConfig(Config):
+    """Sampling for rollouts. top_p = 1 and top_k off keep the inference logprobs those of softmax(logits / T)."""
+
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    max_tokens: int = Field(default=64, gt=0)
+    """Completion budget per rollout."""
+
+
+class ClientConfig(Config):
+    """How the orchestrator reaches inference."""
+
+    urls: list[str] = ["http://127.0.0.1:8000"]
+    """Base URLs of the inference servers (several: data parallel)."""
+    admin_token: str | None = None
+    """Token for pause/update routes (default: TIDAL_ADMIN_TOKEN)."""
+    timeout: float = Field(default=600.0, gt=0)
+    """Seconds per request."""
+    max_in_flight: int = Field(default=64, gt=0)
+    """Groups generated concurrently."""
+
+
+class BatchConfig(Config):
+    """What one training step consumes and how it is laid out for the trainer ranks."""
+
+    num_prompts: int = Field(default=32, gt=0)
+    """Tasks (groups) per step."""
+    group_size: int = Field(default=8, gt=1)
+    """Rollouts per task; advantages are computed within a group."""
+    advantage: Literal["mean", "std", "rloo"] = "mean"
+    """`mean`: r − mean(r); `std`: divided by the group's std too; `rloo`: leave-one-out baseline."""
+    zero_signal: Literal["drop", "keep"] = "drop"
+    """Groups whose advantages are all zero teach nothing: `drop` refills them with new tasks."""
+    seq_len: int = Field(default=2048, gt=1)
+    """Packed row length for the trainer; must hold the longest prompt + completion."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Packed rows per forward pass."""
+    num_trainer_ranks: int = Field(default=1, gt=0)
+    """Trainer processes to shard each batch over (set by `tidal rl`)."""
+
+
+class OrchestratorConfig(Config):
+    """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
+
+    output_dir: Path = Path("outputs/rl")
+    """Run directory shared with the trainer (rollouts/, weights/, orchestrator/)."""
+    max_steps: int = Field(default=100, gt=0)
+    """Batches to produce."""
+    seed: int = 0
+    """Seed for task order and sampling."""
+    resume: bool = False
+    """Continue from the last orchestrator checkpoint in output_dir."""
+    max_async_level: int = Field(default=1, ge=0)
+    """Rollouts from policy version v may train step n only if n − v ≤ this (0: fully synchronous)."""
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    batch: BatchConfig = BatchConfig()
+    client: ClientConfig = ClientConfig()
+    transport: RolloutTransport = FilesystemTransport()
+    ckpt_interval: int = Field(default=10, gt=0)
+    """Save orchestrator state (step, task position, buffered groups) every N steps."""
+    log: LogConfig = LogConfig()
+
+
+class PublishConfig(Config):
+    """How the trainer hands new weights to inference."""
+
+    type: Literal["filesystem"] = "filesystem"
+    """`filesystem`: HF safetensors under <output_dir>/weights/step_<n>/."""
+    keep_last: int = Field(default=3, ge=2)
+    """Published steps kept on disk (a server may still be loading the previous one)."""
+
+
+class RLTrainerConfig(Config):
+    """`tidal trainer`: consume batches, take one optimizer step per batch, publish weights."""
+
+    output_dir: Path = Path("outputs/rl")
+    """Run directory shared with the orchestrator."""
+    max_steps: int = Field(default=100, gt=0)
+    """Optimizer steps (one per batch)."""
+    seed: int = 0
+    """Seed."""
+    resume: bool = False
+    """Continue from the latest trainer checkpoint."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses CUDA when available."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig(lr=3e-6)
+    scheduler: SchedulerConfig = SchedulerConfig(type="constant")
+    loss: LossConfig = LossConfig()
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of the rollouts (logits are divided by it); `tidal rl` copies it from sampling."""
+    transport: RolloutTransport = FilesystemTransport()
+    publish: PublishConfig = PublishConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig(interval=1)
+    wandb: WandbConfig = WandbConfig()
+
+
+class DeploymentConfig(Config):
+    """Which devices each process gets (`tidal rl`)."""
+
+    num_trainer_ranks: int = Field(default=1, gt=0)
+    """Trainer processes (torchrun when more than one)."""
+    inference_gpus: list[int] = [0]
+    """GPU ids for the inference server (ignored on CPU)."""
+    trainer_gpus: list[int] = [0]
+    """GPU ids for the trainer ranks (ignored on CPU); may equal inference_gpus to share one GPU."""
+    inference_cpus: str | None = None
+    """CPU cores for vLLM's threads on CPU runs, e.g. "0" (default: core 0 when there are few cores)."""
+    trainer_threads: int | None = Field(default=None, gt=0)
+    """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
+
+
+class RLConfig(Config):
+    """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
+
+    output_dir: Path = Path("outputs/rl")
+    """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/."""
+    max_steps: int = Field(default=100, gt=0)
+    """Training steps."""
+    seed: int = 0
+    """Seed for every process."""
+    resume: bool = False
+    """Resume trainer and orchestrator and reload the latest weights into inference."""
+    max_async_level: int = Field(default=1, ge=0)
+    """Off-policy bound: rollouts from version v train step n only if n − v ≤ this."""
+    model: ModelConfig = ModelConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    inference: InferenceConfig = InferenceConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    trainer: RLTrainerConfig = RLTrainerConfig()
+    transport: RolloutTransport = FilesystemTransport()
+    startup_timeout: float = Field(default=600.0, gt=0)
+    """Seconds to wait for inference to become healthy."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RLConfig":
+        if self.trainer.scheduler.warmup_steps > self.max_steps:
+            raise ConfigProblem("trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})")
+        if self.inference.vllm.max_model_len is not None:
+            longest = self.orchestrator.batch.seq_len
+            if self.inference.vllm.max_model_len > longest:
+                raise ConfigProblem(
+                    "orchestrator.batch.seq_len",
+                    f"packed rows ({longest} tokens) are shorter than inference.vllm.max_model_len "
+                    f"({self.inference.vllm.max_model_len}): a long rollout could not be trained on",
+                )
+        return self

@@ -1,0 +1,202 @@
+"""`tidal rl`: start inference (wait for health), then trainer and orchestrator; supervise; stop all cleanly.
+
+Each child runs in its own process group with its output in `<output_dir>/logs/<name>.log`. The launcher
+prints one line per step from the metrics files. If any child fails, or on Ctrl-C / SIGTERM, every child
+is stopped (process groups, grandchildren included) and the launcher exits non-zero naming the culprit.
+"""
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel
+
+from tidal import run_layout
+from tidal.config.rl import RLConfig
+from tidal.errors import UserError
+from tidal.launcher.process import ManagedProcess
+from tidal.launcher.split import RoleConfigs, split_config
+
+POLL_SECONDS = 0.5
+
+
+def write_config(config: BaseModel, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+def tidal_argv(command: str, config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "tidal", command, "@", str(config_path)]
+
+
+def trainer_argv(config_path: Path, num_ranks: int) -> list[str]:
+    if num_ranks == 1:
+        return tidal_argv("trainer", config_path)
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_ranks),
+        "-m", "tidal", "trainer", "@", str(config_path),
+    ]  # fmt: skip
+
+
+class StepReporter:
+    """Tails the orchestrator's and trainer's metrics.jsonl and prints one line per finished step."""
+
+    def __init__(self, output_dir: Path, max_steps: int):
+        self.orchestrator = run_layout.orchestrator_dir(output_dir) / "metrics.jsonl"
+        self.trainer = run_layout.trainer_dir(output_dir) / "metrics.jsonl"
+        self.max_steps = max_steps
+        self._offsets = {self.orchestrator: 0, self.trainer: 0}
+        self._orch: dict[int, dict[str, Any]] = {}
+        self._printed = -1
+
+    def poll(self) -> None:
+        for record in self._read_new(self.trainer):
+            orch = self._orch.get(record["step"], {})
+            print(
+                f"step {record['step'] + 1}/{self.max_steps} | reward {orch.get('reward/mean', float('nan')):.3f}"
+                f" | off-policy {orch.get('off_policy/max', '?')} | loss {record['loss']:+.4f}"
+                f" | trainer {record['tokens_per_s'] / 1e3:.1f}k tok/s | inference {orch.get('tokens_per_s', 0):.0f} tok/s"
+                f" | trainer waited {record['time/wait_for_data']:.2f} s",
+                flush=True,
+            )
+        for record in self._read_new(self.orchestrator):
+            self._orch[record["step"]] = record
+
+    def _read_new(self, path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        with path.open() as fh:
+            fh.seek(self._offsets[path])
+            text = fh.read()
+        complete = text[: text.rfind("\n") + 1]
+        self._offsets[path] += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+class Launcher:
+    """Owns the three children; `run()` returns the exit code of `tidal rl`."""
+
+    def __init__(self, config: RLConfig):
+        self.config = config
+        self.out = config.output_dir
+        self.children: list[ManagedProcess] = []
+        self.stop_signal: int | None = None
+
+    def run(self) -> int:
+        self._check_output_dir()
+        on_gpu = _on_gpu()
+        roles = split_config(self.config, on_gpu)
+        paths = self._write_configs(roles)
+        env = self._device_env(on_gpu)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._supervise(roles, paths, env)
+        finally:
+            for child in reversed(self.children):
+                child.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _supervise(self, roles: RoleConfigs, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> int:
+        logs = self.out / "logs"
+        inference = self._start("inference", tidal_argv("inference", paths["inference"]), logs, env["inference"])
+        print(f"tidal rl: starting inference ({roles.inference.model.name}); logs in {logs}/", flush=True)
+        self._wait_healthy(inference, roles)
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        self._start("trainer", trainer_argv(paths["trainer"], self.config.deployment.num_trainer_ranks), logs, env["trainer"])
+        self._start("orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"])
+        print("tidal rl: inference is up; trainer and orchestrator started", flush=True)
+        reporter = StepReporter(self.out, self.config.max_steps)
+        while True:
+            reporter.poll()
+            if self.stop_signal is not None:
+                print(f"tidal rl: signal {self.stop_signal}: stopping every process", file=sys.stderr)
+                return 128 + self.stop_signal
+            failed = next((c for c in self.children if c.poll() not in (None, 0)), None)
+            if failed is not None:
+                raise UserError(self._failure(failed))
+            if all(c.poll() == 0 for c in self.children if c.name != "inference"):
+                reporter.poll()
+                return 0
+            if inference.poll() is not None:
+                raise UserError(self._failure(inference))
+            time.sleep(POLL_SECONDS)
+
+    def _start(self, name: str, argv: list[str], logs: Path, env: dict[str, str]) -> ManagedProcess:
+        child = ManagedProcess(name, argv, logs / f"{name}.log", env).start()
+        self.children.append(child)
+        return child
+
+    def _wait_healthy(self, inference: ManagedProcess, roles: RoleConfigs) -> None:
+        import httpx
+
+        url = roles.orchestrator.client.urls[0] + "/health"
+        deadline = time.monotonic() + self.config.startup_timeout
+        while time.monotonic() < deadline and self.stop_signal is None:
+            if inference.poll() is not None:
+                raise UserError(self._failure(inference))
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(POLL_SECONDS)
+        if self.stop_signal is None:
+            raise UserError(f"inference not healthy at {url} after {self.config.startup_timeout:.0f} s; see {inference.log_path}")
+
+    def _failure(self, child: ManagedProcess) -> str:
+        code = child.poll()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        tail = child.log_tail(20)
+        return f"{child.name} {how}; last lines of {child.log_path}:\n{tail}"
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop_signal = signum
+
+    def _check_output_dir(self) -> None:
+        metrics = run_layout.orchestrator_dir(self.out) / "metrics.jsonl"
+        if not self.config.resume and metrics.exists():
+            raise UserError(f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir")
+
+    def _write_configs(self, roles: RoleConfigs) -> dict[str, Path]:
+        configs = self.out / "configs"
+        return {
+            "inference": write_config(roles.inference, configs / "inference.toml"),
+            "orchestrator": write_config(roles.orchestrator, configs / "orchestrator.toml"),
+            "trainer": write_config(roles.trainer, configs / "trainer.toml"),
+        }
+
+    def _device_env(self, on_gpu: bool) -> dict[str, dict[str, str]]:
+        deploy = self.config.deployment
+        base = {"PYTHONUNBUFFERED": "1"}
+        if not on_gpu:
+            return {"inference": base, "trainer": {**base, "CUDA_VISIBLE_DEVICES": ""}, "orchestrator": base}
+        return {
+            "inference": {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, deploy.inference_gpus))},
+            "trainer": {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, deploy.trainer_gpus))},
+            "orchestrator": {**base, "CUDA_VISIBLE_DEVICES": ""},
+        }
+
+
+def _on_gpu() -> bool:
+    from tidal.inference.server import vllm_flavour
+
+    return vllm_flavour() == "cuda"
+
+
+def main(config: RLConfig) -> int:
+    start = time.perf_counter()
+    code = Launcher(config).run()
+    if code == 0:
+        from tidal.monitor.plot import plot_rl_run
+
+        plot = plot_rl_run(config.output_dir)
+        print(f"tidal rl: done in {time.perf_counter() - start:.0f} s; plot: {plot}", flush=True)
+    return code
+

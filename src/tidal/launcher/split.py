@@ -1,0 +1,66 @@
+"""Split one `tidal rl` config into the configs of its three processes (pure; tested without processes)."""
+
+import os
+from dataclasses import dataclass
+
+from tidal.config.inference import InferenceConfig
+from tidal.config.rl import OrchestratorConfig, RLConfig, RLTrainerConfig
+from tidal.inference.server import client_url
+
+
+@dataclass(frozen=True)
+class RoleConfigs:
+    """The per-process configs `tidal rl` writes to <output_dir>/configs/ and starts the processes with."""
+
+    inference: InferenceConfig
+    orchestrator: OrchestratorConfig
+    trainer: RLTrainerConfig
+
+
+def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
+    """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top."""
+    num_cpus = num_cpus or os.cpu_count() or 1
+    shared = {"output_dir": rl.output_dir, "max_steps": rl.max_steps, "seed": rl.seed, "resume": rl.resume, "model": rl.model}
+    inference = rl.inference.model_copy(
+        update={"model": rl.model, "vllm": rl.inference.vllm.model_copy(update={"seed": rl.seed})}
+    )
+    if not on_gpu:
+        inference = inference.model_copy(update={"cpu": inference.cpu.model_copy(update={"omp_threads_bind": _inference_cpus(rl, num_cpus)})})
+    url = client_url(inference.server.host, inference.server.port)
+    orchestrator = rl.orchestrator.model_copy(
+        update={
+            **shared,
+            "max_async_level": rl.max_async_level,
+            "transport": rl.transport,
+            "client": rl.orchestrator.client.model_copy(
+                update={"urls": [url], "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token}
+            ),
+            "batch": rl.orchestrator.batch.model_copy(update={"num_trainer_ranks": rl.deployment.num_trainer_ranks}),
+        }
+    )
+    trainer_threads = None if on_gpu else _trainer_threads(rl, num_cpus)
+    trainer = rl.trainer.model_copy(
+        update={
+            **shared,
+            "transport": rl.transport,
+            "temperature": rl.orchestrator.sampling.temperature,
+            "num_threads": rl.trainer.num_threads or trainer_threads,
+        }
+    )
+    return RoleConfigs(inference, orchestrator, trainer)
+
+
+def _inference_cpus(rl: RLConfig, num_cpus: int) -> str:
+    """vLLM's OpenMP threads get their own cores: on few cores, core 0; else the first half."""
+    if rl.deployment.inference_cpus is not None:
+        return rl.deployment.inference_cpus
+    if num_cpus <= 2:
+        return "0"
+    return f"0-{num_cpus // 2 - 1}"
+
+
+def _trainer_threads(rl: RLConfig, num_cpus: int) -> int:
+    if rl.deployment.trainer_threads is not None:
+        return rl.deployment.trainer_threads
+    left = num_cpus - (1 if num_cpus <= 2 else num_cpus // 2)
+    return max(1, left // rl.deployment.num_trainer_ranks)

@@ -1,0 +1,244 @@
+"""`tidal orchestrator`: for each step, wait until inference is recent enough, collect groups, ship a batch.
+
+    wait for policy ≥ step − max_async_level → run groups (bounded in flight) → drop stale / zero-signal
+    groups, refill → advantages → pack per trainer rank → send batch `step` → save state → log
+
+Inference keeps serving while the trainer works on the previous batch: with max_async_level = k the
+rollouts of step n may come from any policy n − k … n, which is where asynchrony buys speed.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal import run_layout
+from tidal.config.rl import OrchestratorConfig
+from tidal.envs.base import Environment, Task
+from tidal.errors import UserError
+from tidal.inference.client import InferenceClient, InferenceError
+from tidal.monitor.metrics import MetricsLogger
+from tidal.orchestrator.advantages import StalenessTracker, filter_groups
+from tidal.orchestrator.batching import make_train_samples, pack_for_ranks
+from tidal.orchestrator.policy import PolicyWatcher
+from tidal.orchestrator.rollouts import run_group
+from tidal.transport.rollouts import setup_sender
+from tidal.types import Group, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OrchestratorState:
+    """Everything a resumed orchestrator needs to continue the same sequence of steps."""
+
+    step: int = 0
+    """Next batch to produce."""
+    position: int = 0
+    """Next task position in the environment's stream."""
+    requeued: list[int] = field(default_factory=list)
+    """Task positions started but not finished when a step closed; run again first (same seeds)."""
+    buffer: list[dict[str, Any]] = field(default_factory=list)
+    """Finished groups not used yet (Group.to_dict())."""
+    staleness: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepStats:
+    """What one step's collection did, for the metrics."""
+
+    num_zero_signal: int = 0
+    num_failed_rollouts: int = 0
+    num_stale_rollouts: int = 0
+    num_groups_run: int = 0
+
+
+def build_env(config: OrchestratorConfig) -> Environment:
+    from tidal.envs.reverse_text import ReverseTextEnv
+
+    return ReverseTextEnv(num_examples=config.env.num_examples, seed=config.env.seed)
+
+
+class Orchestrator:
+    """Owns the task stream, the group buffer and the batch sender; `run()` is the whole process."""
+
+    def __init__(self, config: OrchestratorConfig):
+        from transformers import AutoTokenizer
+
+        from tidal.testing import resolve_model_name
+
+        self.config = config
+        self.out = config.output_dir
+        self.env = build_env(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
+        self.state = OrchestratorState()
+        self.tracker = StalenessTracker(config.max_async_level)
+        self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
+        self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
+
+    async def run(self) -> int:
+        cfg = self.config
+        sender = setup_sender(cfg.transport, self.out)
+        client = InferenceClient(cfg.client.urls, model=None, admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"), timeout=cfg.client.timeout)
+        async with client:
+            await client.wait_healthy(timeout=cfg.client.timeout)
+            policy = PolicyWatcher(client, self.out)
+            if cfg.resume:
+                self._restore(sender)
+            await policy.start()
+            try:
+                while self.state.step < cfg.max_steps:
+                    await self._one_step(client, policy, sender)
+            finally:
+                await policy.stop()
+                sender.close()
+        self.metrics.close()
+        return 0
+
+    async def _one_step(self, client: InferenceClient, policy: PolicyWatcher, sender: Any) -> None:
+        cfg, step = self.config, self.state.step
+        start = time.perf_counter()
+        waited = await policy.wait_for(step - cfg.max_async_level)
+        groups, advantages, stats = await self._collect(client, step)
+        samples = make_train_samples(groups, advantages)
+        per_rank = pack_for_ranks(samples, cfg.batch.num_trainer_ranks, cfg.batch.seq_len, cfg.batch.micro_batch_size, self.tokenizer.pad_token_id)
+        num_loss_tokens = sum(mb.num_loss_tokens for rank in per_rank for mb in rank)
+        batches = [TrainBatch(step, mbs, num_loss_tokens, len(samples)) for mbs in per_rank]
+        sender.send(step, batches)
+        self.state.step = step + 1
+        self._save_state()
+        self._log(step, groups, stats, policy, time.perf_counter() - start, waited)
+
+    async def _collect(self, client: InferenceClient, step: int) -> tuple[list[Group], list[list[float]], StepStats]:
+        """Exactly `num_prompts` fresh groups with signal: buffered ones first, then new ones, refilling drops."""
+        cfg, stats = self.config, StepStats()
+        kept: list[Group] = []
+        advantages: list[list[float]] = []
+        buffered = [Group.from_dict(g) for g in self.state.buffer]
+        self.state.buffer = []
+        self._accept(buffered, step, kept, advantages, stats)
+        pending: dict[asyncio.Task[Group], int] = {}
+        try:
+            while len(kept) < cfg.batch.num_prompts:
+                while len(kept) + len(pending) < cfg.batch.num_prompts and len(pending) < cfg.client.max_in_flight:
+                    position, task = self._next_task()
+                    pending[asyncio.create_task(self._run(client, task, position))] = position
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for finished in done:
+                    pending.pop(finished)
+                    stats.num_groups_run += 1
+                    self._accept([finished.result()], step, kept, advantages, stats)
+        finally:
+            for task, position in pending.items():  # not needed this step: run again later with the same seed
+                task.cancel()
+                self.state.requeued.append(position)
+        extra = kept[cfg.batch.num_prompts :]
+        self.state.buffer = [g.to_dict() for g in extra]
+        return kept[: cfg.batch.num_prompts], advantages[: cfg.batch.num_prompts], stats
+
+    def _accept(self, groups: list[Group], step: int, kept: list[Group], advantages: list[list[float]], stats: StepStats) -> None:
+        split = self.tracker.keep_fresh(groups, step)
+        stats.num_stale_rollouts += split.num_stale_rollouts
+        result = filter_groups(split.fresh, policy="keep" if self.config.batch.zero_signal == "keep" else "drop", kind=self.config.batch.advantage)
+        stats.num_zero_signal += result.num_zero_signal
+        stats.num_failed_rollouts += result.num_failed_rollouts
+        kept.extend(result.groups)
+        advantages.extend(result.advantages)
+
+    async def _run(self, client: InferenceClient, task: Task, position: int) -> Group:
+        cfg = self.config
+        try:
+            return await run_group(client, self.env, self.tokenizer, task, position, cfg.batch.group_size, cfg.sampling, cfg.seed)
+        except InferenceError as exc:
+            raise UserError(f"inference failed for task {task.task_id}: {exc}") from exc
+
+    def _next_task(self) -> tuple[int, Task]:
+        if self.state.requeued:
+            position = self.state.requeued.pop(0)
+        else:
+            position = self.state.position
+            self.state.position += 1
+        return position, self.env.task(position % self.env.num_tasks())
+
+    def _log(self, step: int, groups: list[Group], stats: StepStats, policy: PolicyWatcher, elapsed: float, waited: float) -> None:
+        rollouts = [r for g in groups for r in g.rollouts]
+        rewards = [r.reward for r in rollouts]
+        lags = [step - r.policy_version for r in rollouts]
+        num_tokens = sum(len(r.completion_ids) for r in rollouts)
+        metrics = {
+            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward/std": statistics.pstdev(rewards) if rewards else 0.0,
+            "off_policy/max": max(lags, default=0),
+            "off_policy/mean": statistics.fmean(lags) if lags else 0.0,
+            "policy_version": policy.version,
+            "rollouts/dropped_stale": stats.num_stale_rollouts,
+            "rollouts/dropped_stale_total": self.tracker.num_dropped_rollouts,
+            "rollouts/zero_signal_groups": stats.num_zero_signal,
+            "rollouts/failed": stats.num_failed_rollouts,
+            "rollouts/groups_run": stats.num_groups_run,
+            "completion_len/mean": num_tokens / max(1, len(rollouts)),
+            "tokens_per_s": num_tokens / max(elapsed, 1e-9),
+            "time/step": elapsed,
+            "time/wait_for_policy": waited,
+            "time/weight_updates_total": policy.update_seconds,
+        }
+        self.metrics.log(step, metrics)
+        print(
+            f"orchestrator step {step} | reward {metrics['reward/mean']:.3f} | off-policy ≤{metrics['off_policy/max']}"
+            f" | {metrics['tokens_per_s']:.0f} tok/s | {elapsed:.2f} s",
+            flush=True,
+        )
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def _save_state(self) -> None:
+        self.state.staleness = self.tracker.state_dict()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / f"step_{self.state.step}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state.__dict__))
+        tmp.rename(path)
+        self._prune_states()
+
+    def _prune_states(self) -> None:
+        """Keep the states a resumed trainer may need: from its latest checkpoint on."""
+        trainer_step = run_layout.latest_step(run_layout.trainer_checkpoints_dir(self.out)) or 0
+        for found in self.state_dir.glob("step_*.json"):
+            if int(found.stem.split("_")[1]) < trainer_step:
+                found.unlink(missing_ok=True)
+
+    def _restore(self, sender: Any) -> None:
+        """Continue from the trainer's latest checkpoint: the batches after it are produced again."""
+        step = run_layout.latest_step(run_layout.trainer_checkpoints_dir(self.out)) or 0
+        path = self.state_dir / f"step_{step}.json"
+        if step > 0 and not path.exists():
+            raise UserError(f"--resume: trainer checkpoint is at step {step} but {path} is missing")
+        if path.exists():
+            self.state = OrchestratorState(**json.loads(path.read_text()))
+            self.tracker.load_state_dict(self.state.staleness)
+        self.metrics.truncate_after(step - 1)
+        sender.discard_from(step)
+        _discard_weights_after(self.out, step)
+        print(f"orchestrator: resuming at step {step}", flush=True)
+
+
+def _discard_weights_after(output_dir: Path, step: int) -> None:
+    """Weights a killed trainer published past its checkpoint belong to steps that will be trained again."""
+    import shutil
+
+    for found, path in run_layout.step_dirs(Path(output_dir) / "weights"):
+        if found > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def main(config: OrchestratorConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if not config.resume and (run_layout.orchestrator_dir(config.output_dir) / "metrics.jsonl").exists():
+        raise UserError(f"output_dir {config.output_dir} already holds a run; pass --resume or choose another --output-dir")
+    return asyncio.run(Orchestrator(config).run())

@@ -1,0 +1,66 @@
+"""Keep inference on the newest weights the trainer published, and let the rollout loop wait for a version."""
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from tidal.inference.client import InferenceClient
+from tidal.transport.weights import latest_published
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyWatcher:
+    """Polls `<output_dir>/weights/` and fans each new step out to every server (pause, load, resume).
+
+    Consumes: published weight directories. Produces: `version`, the policy every server now serves.
+    """
+
+    def __init__(self, client: InferenceClient, output_dir: Path, poll_interval: float = 0.05):
+        self.client = client
+        self.output_dir = Path(output_dir)
+        self.poll_interval = poll_interval
+        self.version = 0
+        self.update_seconds = 0.0
+        self.num_updates = 0
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.check_once()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def wait_for(self, version: int) -> float:
+        """Block until inference serves at least `version`; returns the seconds waited."""
+        start = time.perf_counter()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.version >= version)
+        return time.perf_counter() - start
+
+    async def check_once(self) -> None:
+        latest = latest_published(self.output_dir)
+        if latest is None or latest[0] <= self.version:
+            return
+        step, path = latest
+        start = time.perf_counter()
+        report = await self.client.update_weights(path, step)
+        if not report.all_ok:
+            failed = [s.url for s in report.servers if not s.ok]
+            raise RuntimeError(f"weight update to step {step} failed on {failed}")
+        self.update_seconds += time.perf_counter() - start
+        self.num_updates += 1
+        async with self._changed:
+            self.version = step
+            self._changed.notify_all()
+        logger.info("inference now serves weights of step %d", step)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self.poll_interval)

@@ -1,0 +1,141 @@
+"""`tidal trainer`: the RL trainer. One optimizer step per batch from the orchestrator, then publish weights.
+
+    wait for batch n → per micro-batch: forward → logprobs / T → loss vs inference logprobs → backward
+    → clip → step → publish weights step_{n+1} (policy version n+1) → log → (checkpoint)
+
+Batch n is trained by the policy of version n; the weights it produces are version n + 1.
+"""
+
+import time
+from typing import Any
+
+import torch
+
+from tidal import run_layout
+from tidal.config.rl import RLTrainerConfig
+from tidal.monitor.metrics import MetricsLogger
+from tidal.trainer.export import export_model
+from tidal.trainer.loss import entropy_from_logits, merge_loss_metrics, rl_loss, selective_log_softmax
+from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
+from tidal.trainer.optim import build_optimizer, build_scheduler
+from tidal.trainer.parallel import DistInfo, all_reduce_sum, autocast, init_distributed, parallelize, set_num_threads, shutdown
+from tidal.trainer.session import TrainState, check_output_dir, end_of_step, make_printer, maybe_resume
+from tidal.trainer.signals import StopSignal
+from tidal.transport.rollouts import setup_receiver
+from tidal.transport.weights import WeightPublisher, step_dir
+from tidal.types import TrainBatch
+
+
+def main(config: RLTrainerConfig) -> int:
+    info = init_distributed(config.device)
+    try:
+        return train(config, info)
+    finally:
+        shutdown(info)
+
+
+def train(config: RLTrainerConfig, info: DistInfo) -> int:
+    set_num_threads(config.num_threads, info)
+    quiet_transformers()
+    torch.manual_seed(config.seed)
+    out = config.output_dir
+    ckpt_root = run_layout.trainer_checkpoints_dir(out)
+    metrics_path = run_layout.trainer_dir(out) / "metrics.jsonl"
+    check_output_dir(metrics_path, ckpt_root, config.resume)
+    say = make_printer(info)
+
+    tokenizer = load_tokenizer(config.model)
+    model = parallelize(load_model(config.model), info)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json")) if info.is_main else None
+    state = TrainState(model, optimizer, scheduler, dict)
+    step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
+    publisher = WeightPublisher(out, config.publish.keep_last)
+    if step > 0 and not step_dir(out, step).exists():
+        publisher.publish_model(step, model, tokenizer, info)  # inference must restart from this policy
+    receiver = setup_receiver(config.transport, out, info.rank)
+    stop = StopSignal().install()
+    say(f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device}")
+    while step < config.max_steps:
+        wait_start = time.perf_counter()
+        batch = receiver.receive(step, should_stop=lambda: stop.received is not None)
+        if batch is None:
+            say(f"stopped by signal {stop.received} while waiting for batch {step}")
+            return stop.exit_code
+        waited = time.perf_counter() - wait_start
+        metrics = rl_step(model, optimizer, scheduler, batch, info, config)
+        publish_start = time.perf_counter()
+        publisher.publish_model(step + 1, model, tokenizer, info)
+        metrics["time/publish"] = time.perf_counter() - publish_start
+        metrics["time/wait_for_data"] = waited
+        metrics["time/step"] = time.perf_counter() - wait_start
+        if logger:
+            logger.log(step, metrics)
+        say(_summary(step, metrics))
+        step += 1
+        if end_of_step(step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say):
+            return stop.exit_code
+    receiver.close()
+    if logger:
+        logger.close()
+    return 0
+
+
+def rl_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: TrainBatch,
+    info: DistInfo,
+    config: RLTrainerConfig,
+) -> dict[str, Any]:
+    """One optimizer step on this rank's micro-batches; the loss is normalised by global counts."""
+    start = time.perf_counter()
+    model.train()
+    loss_sum, parts, num_tokens = 0.0, [], 0
+    for micro in batch.micro_batches:
+        t = micro.to_tensors(info.device)
+        with autocast(info):
+            logits = model(input_ids=t["input_ids"], position_ids=t["position_ids"], use_cache=False).logits  # [rows, seq, vocab]
+        logprobs = selective_log_softmax(logits, t["target_ids"], config.temperature)  # [rows, seq]
+        entropy = entropy_from_logits(logits.detach(), config.temperature)  # [rows, seq]
+        loss, metrics = rl_loss(
+            logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
+            batch.num_loss_tokens_global, batch.num_samples_global, entropy,
+        )  # fmt: skip
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+        (loss * info.world_size).backward()
+        loss_sum += loss.item()
+        parts.append(metrics)
+        num_tokens += int((t["sample_ids"] >= 0).sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - start
+    merged = merge_loss_metrics(parts)
+    return {
+        "loss": all_reduce_sum(loss_sum, info),
+        "mismatch_kl/mean": merged["mismatch_kl"],
+        "masked_fraction": merged["masked_fraction"],
+        "ratio/mean": merged["ratio_mean"],
+        "ratio/max": merged["ratio_max"],
+        "entropy/mean": merged.get("entropy", 0.0),
+        "nonfinite_tokens": merged["num_nonfinite"],
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "tokens_per_s": all_reduce_sum(num_tokens, info) / elapsed,
+        "time/forward_backward": elapsed,
+    }
+
+
+def _summary(step: int, m: dict[str, Any]) -> str:
+    return (
+        f"trainer step {step} | loss {m['loss']:+.4f} | mismatch_kl {m['mismatch_kl/mean']:.2e}"
+        f" | grad_norm {m['grad_norm']:.3f} | {m['tokens_per_s'] / 1e3:.1f}k tok/s"
+        f" | waited {m['time/wait_for_data']:.2f} s"
+    )

@@ -1,0 +1,91 @@
+"""What the SFT and RL trainers share around their step: output-dir checks, resume, checkpoints, printing."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.errors import UserError
+from tidal.monitor.metrics import MetricsLogger
+from tidal.trainer import ckpt
+from tidal.trainer.parallel import DistInfo, all_reduce_sum
+from tidal.trainer.signals import StopSignal
+
+Say = Callable[..., None]
+
+
+@dataclass
+class TrainState:
+    """The objects a checkpoint covers, besides model and optimizer: the scheduler and the data position."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data_state: Callable[[], dict[str, Any]]
+    """Returns the data position to save (e.g. the sampler state); {} when the data comes from elsewhere."""
+
+
+def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
+    """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
+    if resume:
+        return
+    if ckpt.latest_checkpoint(ckpt_root) is not None or metrics_path.exists():
+        out = metrics_path.parent
+        raise UserError(f"{out} already holds a run; pass --resume to continue it or choose another --output-dir")
+
+
+def make_printer(info: DistInfo) -> Say:
+    """Print on rank 0 only, through the progress bar when one is shown."""
+
+    def say(message: str, bar: Any = None) -> None:
+        if not info.is_main:
+            return
+        if bar is not None and not bar.disable:
+            bar.write(message)
+        else:
+            print(message, flush=True)
+
+    return say
+
+
+def maybe_resume(
+    ckpt_root: Path, state: TrainState, info: DistInfo, logger: MetricsLogger | None, say: Say, resume: bool
+) -> tuple[int, dict[str, Any]]:
+    """Restore the latest checkpoint when asked to; returns (completed steps, saved data state)."""
+    if not resume:
+        return 0, {}
+    latest = ckpt.latest_checkpoint(ckpt_root)
+    if latest is None:
+        say(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
+        return 0, {}
+    saved = ckpt.load_checkpoint(latest, state.model, state.optimizer, info)
+    state.scheduler.load_state_dict(saved["scheduler"])
+    step = int(saved["step"])
+    if logger:
+        logger.truncate_after(step)
+    say(f"resumed from {latest} at step {step}")
+    return step, saved.get("data", {})
+
+
+def end_of_step(
+    step: int,
+    state: TrainState,
+    ckpt_root: Path,
+    interval: int | None,
+    keep_last: int,
+    stop: StopSignal,
+    info: DistInfo,
+    say: Say,
+    bar: Any = None,
+) -> bool:
+    """Checkpoint when due or when a stop signal arrived on any rank; returns True if the loop must stop."""
+    stopping = all_reduce_sum(float(stop.received is not None), info) > 0
+    if stopping or (interval and step % interval == 0):
+        extra = {"scheduler": state.scheduler.state_dict(), "data": state.data_state()}
+        path = ckpt.save_checkpoint(ckpt_root, step, state.model, state.optimizer, extra, info, keep_last)
+        say(f"checkpoint saved: {path}", bar)
+    if stopping:
+        say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
+    return stopping

@@ -1,0 +1,1 @@
+"""Orchestrator: samples tasks, runs rollouts against inference, scores them, batches them for the trainer."""

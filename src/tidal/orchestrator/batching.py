@@ -1,0 +1,188 @@
+"""Turn scored groups into train samples and pack them into equal numbers of micro-batches per trainer rank."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
+from tidal.types import Group, MicroBatch, Rollout, TrainBatch, TrainSample
+
+
+def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
+    """Concatenate prompt and completion; only the completion's trainable tokens carry loss and logprobs."""
+    num_prompt = len(rollout.prompt_ids)
+    return TrainSample(
+        input_ids=rollout.prompt_ids + rollout.completion_ids,
+        loss_mask=[0] * num_prompt + [int(m) for m in rollout.completion_mask],
+        inference_logprobs=[0.0] * num_prompt + [float(lp) for lp in rollout.completion_logprobs],
+        advantage=float(advantage),
+        policy_version=rollout.policy_version,
+    )
+
+
+def make_train_samples(
+    groups: Sequence[Group],
+    advantages: Sequence[Sequence[float]] | None = None,
+    kind: AdvantageKind = "mean",
+    eps: float = DEFAULT_EPS,
+) -> list[TrainSample]:
+    """One sample per usable (not failed) rollout.
+
+    `advantages[i][j]` for `groups[i].rollouts[j]` (as `filter_groups` returns them); when omitted they are
+    computed per group with `kind` and `eps`, failed rollouts skipped.
+    """
+    samples: list[TrainSample] = []
+    for i, group in enumerate(groups):
+        if advantages is None:
+            pairs = zip(usable_rollouts(group), group_advantages(group, kind, eps), strict=True)
+        else:
+            pairs = zip(group.rollouts, advantages[i], strict=True)
+        samples += [sample_from_rollout(r, a) for r, a in pairs if not r.failed]
+    return samples
+
+
+def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Sample indices per rank: longest first, each to the rank with the fewest tokens so far (ties: lowest rank).
+
+    Each rank's list stays longest first, which makes the later first-fit packing first-fit *decreasing*.
+    """
+    loads = [0] * world_size
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        assignment[rank].append(index)
+        loads[rank] += lengths[index]
+    return assignment
+
+
+def first_fit(samples: Sequence[TrainSample], seq_len: int) -> list[list[TrainSample]]:
+    """Rows of samples whose lengths add up to at most `seq_len`, each sample in the first row it fits."""
+    rows: list[list[TrainSample]] = []
+    used: list[int] = []
+    for sample in samples:
+        row = next((k for k, n in enumerate(used) if n + len(sample) <= seq_len), None)
+        if row is None:
+            rows.append([])
+            used.append(0)
+            row = len(rows) - 1
+        rows[row].append(sample)
+        used[row] += len(sample)
+    return rows
+
+
+@dataclass
+class _Row:
+    """One packed row under construction; the lists mirror the fields of MicroBatch."""
+
+    input_ids: list[int] = field(default_factory=list)
+    position_ids: list[int] = field(default_factory=list)
+    target_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    inference_logprobs: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    sample_ids: list[int] = field(default_factory=list)
+
+    def add(self, sample: TrainSample, sample_id: int, pad_id: int) -> None:
+        num = len(sample)
+        self.input_ids += sample.input_ids
+        self.position_ids += range(num)
+        # position i predicts token i + 1 of the same sample; the sample's last position predicts nothing
+        self.target_ids += sample.input_ids[1:] + [pad_id]
+        self.loss_mask += sample.loss_mask[1:] + [0]
+        self.inference_logprobs += sample.inference_logprobs[1:] + [0.0]
+        self.advantages += [sample.advantage] * num
+        self.sample_ids += [sample_id] * num
+
+    def pad(self, seq_len: int, pad_id: int) -> None:
+        # positions continue the last sample's (see trainer/data.py pack_samples); sample id −1 marks padding
+        num = seq_len - len(self.input_ids)
+        start = self.position_ids[-1] + 1 if self.position_ids else 0
+        self.input_ids += [pad_id] * num
+        self.position_ids += range(start, start + num)
+        self.target_ids += [pad_id] * num
+        self.loss_mask += [0] * num
+        self.inference_logprobs += [0.0] * num
+        self.advantages += [0.0] * num
+        self.sample_ids += [-1] * num
+
+
+def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_id: int) -> MicroBatch:
+    """Pack rows of samples into one micro-batch of shape [len(rows), seq_len]; sample ids count up across rows."""
+    built: list[_Row] = []
+    num_samples = 0
+    for samples in rows:
+        row = _Row()
+        for sample in samples:
+            row.add(sample, num_samples, pad_id)
+            num_samples += 1
+        row.pad(seq_len, pad_id)
+        built.append(row)
+    return MicroBatch(
+        input_ids=[r.input_ids for r in built],
+        position_ids=[r.position_ids for r in built],
+        target_ids=[r.target_ids for r in built],
+        loss_mask=[r.loss_mask for r in built],
+        inference_logprobs=[r.inference_logprobs for r in built],
+        advantages=[r.advantages for r in built],
+        sample_ids=[r.sample_ids for r in built],
+        num_samples=num_samples,
+    )
+
+
+def _check_args(samples: Sequence[TrainSample], world_size: int, seq_len: int, micro_batch_size: int) -> None:
+    if world_size < 1 or seq_len < 1 or micro_batch_size < 1:
+        raise ValueError(
+            f"world_size, seq_len and micro_batch_size must be >= 1, got {world_size}, {seq_len}, {micro_batch_size}"
+        )
+    longest = max((len(s) for s in samples), default=0)
+    if longest > seq_len:
+        raise ValueError(
+            f"a sample has {longest} tokens (prompt + completion) but seq_len is {seq_len}; raise the trainer's "
+            "seq_len to at least the longest prompt plus max_tokens, or lower max_tokens"
+        )
+
+
+def pack_for_ranks(
+    samples: Sequence[TrainSample], world_size: int, seq_len: int, micro_batch_size: int, pad_id: int
+) -> list[list[MicroBatch]]:
+    """Micro-batches per rank: tokens balanced greedily across ranks, then first-fit packed into rows.
+
+    A micro-batch holds up to `micro_batch_size` rows of `seq_len` tokens. Every rank gets the same number of
+    micro-batches (at least one), padded with single all-padding rows, because FSDP runs collectives in every
+    forward/backward and a rank with fewer passes would hang the others. Empty samples are skipped.
+    """
+    _check_args(samples, world_size, seq_len, micro_batch_size)
+    samples = [s for s in samples if len(s) > 0]
+    per_rank: list[list[MicroBatch]] = []
+    for indices in balance_across_ranks([len(s) for s in samples], world_size):
+        rows = first_fit([samples[i] for i in indices], seq_len)
+        chunks = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
+        per_rank.append([build_micro_batch(chunk, seq_len, pad_id) for chunk in chunks])
+    num_micro = max(1, *(len(m) for m in per_rank))
+    for micro_batches in per_rank:
+        while len(micro_batches) < num_micro:
+            micro_batches.append(build_micro_batch([[]], seq_len, pad_id))
+    return per_rank
+
+
+def num_trainable_samples(samples: Sequence[TrainSample]) -> int:
+    """Samples with at least one loss target (a sample's first token is never a target): the sequence normaliser."""
+    return sum(1 for s in samples if any(s.loss_mask[1:]))
+
+
+def make_train_batches(
+    step: int,
+    samples: Sequence[TrainSample],
+    world_size: int,
+    seq_len: int,
+    micro_batch_size: int,
+    pad_id: int,
+    metrics: dict[str, float] | None = None,
+) -> list[TrainBatch]:
+    """One TrainBatch per rank for optimizer step `step`, carrying the global normalisers of the loss."""
+    per_rank = pack_for_ranks(samples, world_size, seq_len, micro_batch_size, pad_id)
+    num_loss_tokens = sum(mb.num_loss_tokens for micro_batches in per_rank for mb in micro_batches)
+    num_samples = num_trainable_samples(samples)
+    return [
+        TrainBatch(step, micro_batches, num_loss_tokens, num_samples, dict(metrics or {}))
+        for micro_batches in per_rank
+    ]

@@ -56,8 +56,9 @@ def entropy_from_logits(
 def per_sample_sums(values: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
     """Sum of `values` [batch, seq] per sample id → [batch * seq] (ids index it; unused slots are 0).
 
-    Padding (id −1) is folded into slot 0, so callers must zero padding in `values` first. The output has
-    one slot per token, an upper bound on the number of samples that needs no device sync to compute.
+    Ids must be below batch·seq (micro-batch-local ids are). Padding (id −1) is folded into slot 0, so
+    callers must zero padding in `values` first. One slot per token bounds the number of samples without a
+    device sync.
     """
     flat_ids = sample_ids.clamp(min=0).flatten()  # [tokens]
     sums = torch.zeros(values.numel(), dtype=values.dtype, device=values.device)
@@ -128,7 +129,8 @@ def rl_loss(
 
     Per loss token: −ratio·A (+ kl_coef·k3), ratio = exp(logπ − logμ) (token) or exp(mean over the sequence)
     (sequence), the gradient flowing through logπ, so ∇ = −ratio·A·∇logπ. Log ratios are clamped to
-    ±max_abs_log_ratio before exp; tokens with a non-finite input get zero loss and are counted; tokens
+    ±max_abs_log_ratio before exp (a clamped token passes no gradient; the default trust region masks it
+    anyway); tokens with a non-finite input get zero loss and are counted; tokens
     outside the trust region get zero loss and are counted in masked_fraction (both stay in the normaliser,
     so masking never up-weights the rest).
 

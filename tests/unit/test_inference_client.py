@@ -117,3 +117,39 @@ def test_retries_are_bounded_and_end_in_typed_errors() -> None:
 
 def test_version_strings_from_vllm() -> None:
     assert parse_version("default") == 0 and parse_version("12") == 12 and parse_version(None) == 0
+
+
+def test_weight_fan_out_calls_vllm_rl_routes_in_order_and_tracks_versions_without_weight_info() -> None:
+    calls: list[str] = []
+
+    def vllm_026(request: httpx.Request) -> httpx.Response:  # no /weight_info before vLLM 0.3x
+        calls.append(f"{request.url.host}{request.url.path}")
+        return httpx.Response(404 if request.url.path == "/weight_info" else 200, json={})
+
+    client = client_with(vllm_026)
+    report = asyncio.run(client.update_weights("/run/weights/step_3", 3))
+    assert report.all_ok and [s.version for s in report.servers] == [3, 3]
+    a_calls = [c[1:] for c in calls if c.startswith("a")]
+    assert a_calls == [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/resume",
+        "/weight_info",
+    ]
+    assert asyncio.run(client.versions()) == {A: 3, B: 3}
+
+
+def test_failed_load_closes_the_update_and_resumes() -> None:
+    calls: list[str] = []
+
+    def refusing(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/update_weights":
+            return httpx.Response(400, json={"error": {"message": "no *.safetensors files in /x"}})
+        return httpx.Response(200, json={"weight_version": "0"})
+
+    report = asyncio.run(client_with(refusing, (A,)).update_weights("/x", 1))
+    assert not report.all_ok and "safetensors" in (report.servers[0].error or "")
+    assert calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]

@@ -283,8 +283,10 @@ class InferenceClient:
     async def _catch_up(self, server: ServerState) -> bool:
         """Bring a returning server to the latest weights and adapters; False if that failed."""
         try:
-            server.version = await self._read_version(server)
-            if self._latest_weights is not None and server.version != self._latest_weights[0]:
+            reported = await self._read_version(server)
+            # A server that cannot tell its version gets the latest weights again (loading is idempotent).
+            server.version = 0 if reported is None else reported
+            if self._latest_weights is not None and (reported is None or reported != self._latest_weights[0]):
                 version, path = self._latest_weights
                 result = await self._update_one(server, path, version)
                 if not result.ok:
@@ -327,7 +329,8 @@ class InferenceClient:
                 await self._load(server, path, version)
             finally:
                 await self.resume(server)
-            server.version = await self._read_version(server)
+            reported = await self._read_version(server)
+            server.version = version if reported is None else reported
         except (InferenceError, httpx.HTTPError) as exc:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
@@ -356,11 +359,13 @@ class InferenceClient:
         await self._admin(server, "/resume")
 
     async def versions(self) -> dict[str, int | None]:
-        """Each server's weight version as it reports it (None if it cannot be asked)."""
+        """Each server's weight version as it reports it (as the client recorded it on vLLM without
+        `/weight_info`; None if the server cannot be reached)."""
 
         async def one(server: ServerState) -> int | None:
             with contextlib.suppress(InferenceError, httpx.HTTPError):
-                return await self._read_version(server)
+                reported = await self._read_version(server)
+                return server.version if reported is None else reported
             return None
 
         found = await asyncio.gather(*(one(s) for s in self.servers.values()))
@@ -374,8 +379,11 @@ class InferenceClient:
             *(self._admin(s, "/v1/load_lora_adapter", body) for s in self.servers.values() if s.healthy)
         )
 
-    async def _read_version(self, server: ServerState) -> int:
+    async def _read_version(self, server: ServerState) -> int | None:
+        """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older)."""
         response = await self._http.get(server.url + "/weight_info", timeout=10.0)
+        if response.status_code == 404:
+            return None
         return parse_version(_json_or_raise(response, server.url)["weight_version"])
 
     async def _admin(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -93,6 +93,11 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
     def shutdown(self) -> None:
         pass
 
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Abstract in vLLM 0.26's base class; the filesystem 'sender' is the trainer writing a checkpoint."""
+        raise NotImplementedError("publish weights with tidal.transport.weights.WeightPublisher")
+
 
 def register() -> None:
     """Idempotent: vLLM may import this module more than once per process."""

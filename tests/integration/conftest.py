@@ -14,6 +14,7 @@ from tidal.inference.server import ServerProcess, start_server
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 
 SERVER_STARTUP_TIMEOUT = 180.0
+LORA_RANK = 8
 
 
 def free_port() -> int:
@@ -39,7 +40,12 @@ def tiny_server_config(port: int, core: str, log_file: Path, **server: Any) -> I
         {
             "model": {"name": TINY_MODEL_NAME, "dtype": "float32"},
             "server": {"port": port, "log_file": str(log_file), **server},
-            "vllm": {"max_model_len": 512, "enforce_eager": True},
+            "vllm": {
+                "max_model_len": 512,
+                "enforce_eager": True,
+                "enable_lora": True,
+                "max_lora_rank": LORA_RANK,
+            },
             "cpu": {"kvcache_space_gib": 1, "omp_threads_bind": core},
         }
     )
@@ -115,3 +121,34 @@ def perturbed_weights(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: 
     state = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
     run_dir = tmp_path_factory.mktemp("run")
     return WeightPublisher(run_dir).publish_state_dict(1, state, model.config, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random rank-8 PEFT adapter on q_proj/v_proj of both layers (written by hand: peft is not needed)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    target = tmp_path_factory.mktemp("lora")
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": TINY_MODEL_NAME,
+    }
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(2)
+    tensors = {}
+    for layer in range(2):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(LORA_RANK, 128, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(128, LORA_RANK, generator=generator)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    return target

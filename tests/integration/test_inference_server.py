@@ -27,11 +27,16 @@ def client_for(server: ServerProcess, token: str) -> InferenceClient:
     return InferenceClient([server.url], admin_token=token, health_interval=1.0)
 
 
-def transformers_logprobs(model_dir: Path, generation: Generation, temperature: float) -> list[list[float]]:
-    """Logprob of each sampled token under softmax(logits / T) of the same weights in transformers."""
+def load_model(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def transformers_logprobs(
+    model: torch.nn.Module, generation: Generation, temperature: float
+) -> list[list[float]]:
+    """Logprob of each sampled token under softmax(logits / T) of the same weights in transformers."""
     prompt = list(generation.prompt_token_ids)
     result = []
     for completion in generation.completions:
@@ -60,11 +65,17 @@ def test_sampled_logprobs_match_transformers(
     generation = asyncio.run(go())
     assert generation.prompt_token_ids == request.prompt_token_ids
     assert all(len(c.token_ids) == 24 == len(c.logprobs) for c in generation.completions)
-    expected = transformers_logprobs(tiny_model_dir, generation, temperature)
+    assert_logprobs_match(load_model(tiny_model_dir), generation, temperature, f"temperature {temperature}")
+
+
+def assert_logprobs_match(
+    model: torch.nn.Module, generation: Generation, temperature: float, label: str
+) -> None:
+    expected = transformers_logprobs(model, generation, temperature)
     got = [list(c.logprobs) for c in generation.completions]
     diff = torch.tensor(got, dtype=torch.float64) - torch.tensor(expected, dtype=torch.float64)
     mean_abs = diff.abs().mean().item()
-    print(f"temperature {temperature}: logprob mean |diff| {mean_abs:.2e}, max {diff.abs().max().item():.2e}")
+    print(f"{label}: logprob mean |diff| {mean_abs:.2e}, max {diff.abs().max().item():.2e}")
     assert mean_abs < LOGPROB_TOLERANCE
 
 
@@ -103,9 +114,9 @@ def test_chat_and_multi_turn_keep_sampled_tokens(
     assert turn2.server == turn1.server
 
 
-async def greedy(client: InferenceClient) -> list[Generation]:
+async def greedy(client: InferenceClient, lora: str | None = None) -> list[Generation]:
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    requests = [GenerateRequest(prompt_token_ids=tuple(p), sampling=sampling) for p in PROMPTS]
+    requests = [GenerateRequest(prompt_token_ids=tuple(p), sampling=sampling, lora=lora) for p in PROMPTS]
     return list(await asyncio.gather(*(client.generate(r) for r in requests)))
 
 
@@ -203,3 +214,31 @@ def test_admin_and_dev_routes_refuse_without_token(inference_server: ServerProce
     assert httpx.get(remote + "/server_info").status_code == 403
     assert httpx.post(remote + "/pause", headers={"X-Admin-Token": admin_token}).status_code == 200
     assert httpx.post(remote + "/resume", headers={"X-Admin-Token": admin_token}).status_code == 200
+
+
+def test_lora_hot_load_matches_the_merged_weights(
+    inference_server: ServerProcess, admin_token: str, tiny_model_dir: Path, lora_adapter: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+
+    async def go() -> tuple[Generation, list[Generation], list[Generation]]:
+        async with client_for(inference_server, admin_token) as client:
+            await client.load_lora("tuned", lora_adapter)
+            sampled = await client.generate(
+                GenerateRequest(prompt_token_ids=tuple(PROMPTS[0]), sampling=sampling, lora="tuned", n=2)
+            )
+            return sampled, await greedy(client), await greedy(client, lora="tuned")
+
+    sampled, base, tuned = asyncio.run(go())
+    assert [g.completions[0].token_ids for g in base] != [g.completions[0].token_ids for g in tuned]
+    # The adapter's effect, merged into the weights in transformers: W + (alpha / r) * B @ A.
+    model = load_model(tiny_model_dir)
+    adapter = load_file(str(lora_adapter / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            key = f"base_model.model.{name}.lora_A.weight"
+            if key in adapter:
+                module.weight += 2.0 * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]
+    assert_logprobs_match(model, sampled, 1.0, "LoRA")

@@ -401,7 +401,10 @@ def _json_or_raise(response: httpx.Response, url: str) -> Any:
         if response.status_code < 500:
             raise RequestRejected(response.status_code, message, url)
         raise ServerFailed(f"{url} answered {response.status_code}: {message}")
-    return response.json() if response.content else None
+    try:
+        return response.json() if response.content else None
+    except ValueError:  # some vLLM routes answer plain text (e.g. "Success: LoRA adapter ... added")
+        return response.text
 
 
 def _error_message(response: httpx.Response) -> str:

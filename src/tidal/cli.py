@@ -25,6 +25,8 @@ class Command:
     schema: str
     entry: str
     summary: str
+    dry_run: str | None = None
+    """`module:function(config) -> str` printing what --dry-run shows (default: the resolved config)."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -32,6 +34,7 @@ COMMANDS: dict[str, Command] = {
         "tidal.config.rl:RLConfig",
         "tidal.launcher.rl:main",
         "Asynchronous RL: starts vLLM inference, the orchestrator and the trainer from one config.",
+        dry_run="tidal.launcher.rl:dry_run",
     ),
     "sft": Command(
         "tidal.config.sft:SFTConfig",
@@ -102,7 +105,13 @@ def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
             return 0
         config = load_config(schema, parsed.files, parsed.overrides)
         if parsed.dry_run:
-            print(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)), end="")
+            show = _load(command.dry_run) if command.dry_run else None
+            text = (
+                show(config)
+                if callable(show)
+                else tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+            )
+            print(text, end="")
             return 0
         entry = _load(command.entry)
         assert callable(entry)

@@ -27,7 +27,9 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    return sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    )
 
 
 def latest_step(root: Path) -> int | None:

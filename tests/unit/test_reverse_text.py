@@ -35,6 +35,12 @@ def test_env_tasks_hide_the_answer_and_score_completions():
     task = env.task(3)
     assert [m["role"] for m in task.messages] == ["system", "user"]
     assert task.answer == task.messages[1]["content"][::-1]
-    assert env.score(task, task.answer) == 1.0
-    assert env.score(task, "") == 0.0
+    from tidal.envs.base import Episode
+    from tidal.envs.reverse_text import reversal_accuracy
+
+    def answered(text):
+        return Episode(prompt_ids=[1], messages=[*task.messages, {"role": "assistant", "content": text}])
+
+    assert reversal_accuracy(task, answered(task.answer)) == 1.0
+    assert reversal_accuracy(task, answered("")) == 0.0
     assert env.task(3) == ReverseTextEnv(num_examples=50, seed=0).task(3)

@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from tidal.config.base import Config, ConfigProblem
-from tidal.config.common import CheckpointConfig, LogConfig, ModelConfig, OptimConfig, SchedulerConfig, WandbConfig
+from tidal.config.common import (
+    CheckpointConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    SchedulerConfig,
+    WandbConfig,
+)
 from tidal.config.inference import InferenceConfig
 from tidal.config.loss import LossConfig
 
@@ -43,6 +50,8 @@ class EnvConfig(Config):
     """Tasks generated for training."""
     seed: int = 0
     """Task generator seed."""
+    timeout: float = Field(default=300.0, gt=0)
+    """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
 
 
 class SamplingConfig(Config):
@@ -187,7 +196,9 @@ class RLConfig(Config):
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
         if self.trainer.scheduler.warmup_steps > self.max_steps:
-            raise ConfigProblem("trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})")
+            raise ConfigProblem(
+                "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"
+            )
         if self.inference.vllm.max_model_len is not None:
             longest = self.orchestrator.batch.seq_len
             if self.inference.vllm.max_model_len > longest:

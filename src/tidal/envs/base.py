@@ -1,9 +1,14 @@
-"""The environment interface the orchestrator uses today: tasks in, a reward for a completion out.
+"""The environment protocol: tasks in; a rollout (one or more model turns) out, with exact tokens and a reward.
 
-Single-turn for now; multi-turn and tool environments extend this protocol (issue: environments and eval).
+An environment talks to the model only through a `Sampler` (token ids in, sampled ids + logprobs out), so
+multi-turn episodes keep the exact tokens of every model turn, and only model tokens are trained on
+(`completion_mask`). The orchestrator owns the sampler (routing, seeds, policy versions), the timeout and
+the failure accounting: an exception or a timeout fails that rollout only.
 """
 
-from collections.abc import Iterator
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -13,21 +18,135 @@ class Task:
     """One prompt to roll out: chat messages plus hidden information the reward needs."""
 
     task_id: str
-    messages: list[dict[str, str]]
-    answer: str
+    messages: list[dict[str, Any]]
+    answer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Environment(Protocol):
-    """Yields tasks deterministically from a position and scores completions."""
+@dataclass
+class Turn:
+    """One sampled model turn: the prompt ids it continued, its ids, their sampling logprobs, its text."""
 
-    name: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None
 
+
+class Sampler(Protocol):
+    """What an environment uses to query the policy. `tokenizer` renders prompts (HF tokenizer)."""
+
+    tokenizer: Any
+
+    async def complete(self, prompt_ids: list[int]) -> Turn: ...
+
+
+@dataclass
+class Episode:
+    """A finished rollout. `completion_*` cover every token after the first prompt: model turns (mask 1,
+    sampling logprobs) and text the environment inserted between them (mask 0, logprob 0)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    completion_logprobs: list[float] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as text (prompt, model turns, environment turns), for evaluation logs."""
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_turns: int = 0
+
+    def add_model_turn(self, turn: Turn) -> None:
+        self.completion_ids += turn.completion_ids
+        self.completion_logprobs += turn.logprobs
+        self.completion_mask += [1] * len(turn.completion_ids)
+        self.num_turns += 1
+
+    def add_env_tokens(self, ids: list[int]) -> None:
+        self.completion_ids += ids
+        self.completion_logprobs += [0.0] * len(ids)
+        self.completion_mask += [0] * len(ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """Everything the model has seen and said so far."""
+        return self.prompt_ids + self.completion_ids
+
+
+RewardFn = Callable[[Task, Episode], float | Awaitable[float]]
+
+
+async def call_reward(fn: RewardFn, task: Task, episode: Episode) -> float:
+    """Reward functions may be plain or async."""
+    value = fn(task, episode)
+    if inspect.isawaitable(value):
+        value = await value
+    return float(value)  # type: ignore[arg-type]
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a chat prompt with the generation prompt appended (rendered once, never re-rendered)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
+
+class Environment(ABC):
+    """Base of every environment: a deterministic task list, a rollout, weighted reward functions."""
+
+    name: str = "env"
+
+    def __init__(self, rewards: list[tuple[RewardFn, float]] | None = None):
+        self.rewards = rewards if rewards is not None else self.default_rewards()
+
+    def default_rewards(self) -> list[tuple[RewardFn, float]]:
+        return []
+
+    @abstractmethod
     def num_tasks(self) -> int: ...
 
+    @abstractmethod
     def task(self, index: int) -> Task: ...
 
-    def score(self, task: Task, completion: str) -> float: ...
+    @abstractmethod
+    async def rollout(self, task: Task, sampler: Sampler) -> Episode:
+        """Run the episode; `score` is called by the caller afterwards (see `run_episode`)."""
+
+    async def score(self, task: Task, episode: Episode) -> None:
+        """Weighted sum of the reward functions; each one is also logged as a metric under its name."""
+        total = 0.0
+        for fn, weight in self.rewards:
+            value = await call_reward(fn, task, episode)
+            episode.metrics[f"reward/{getattr(fn, '__name__', 'fn')}"] = value
+            total += weight * value
+        episode.reward = total
+
+
+class SingleTurnEnv(Environment):
+    """One model turn answering the task's messages."""
+
+    async def rollout(self, task: Task, sampler: Sampler) -> Episode:
+        prompt = render_prompt(sampler.tokenizer, task.messages)
+        turn = await sampler.complete(prompt)
+        episode = Episode(
+            prompt_ids=prompt, messages=[*task.messages, {"role": "assistant", "content": turn.text}]
+        )
+        episode.add_model_turn(turn)
+        return episode
+
+
+def completion_text(episode: Episode) -> str:
+    """The last assistant message of the episode ('' if none)."""
+    for message in reversed(episode.messages):
+        if message["role"] == "assistant":
+            return str(message["content"])
+    return ""
+
+
+async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:
+    episode = await env.rollout(task, sampler)
+    await env.score(task, episode)
+    return episode
 
 
 def task_stream(env: Environment, start: int = 0) -> Iterator[tuple[int, Task]]:

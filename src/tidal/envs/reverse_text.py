@@ -14,10 +14,8 @@ import random
 import string
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tidal.envs.base import Task
+from tidal.envs.base import Episode, RewardFn, SingleTurnEnv, Task, completion_text
 
 SYSTEM_PROMPT = "Reverse the text character by character."
 MIN_LEN, MAX_LEN = 3, 10
@@ -67,26 +65,29 @@ def char_accuracy(completion: str, target: str) -> float:
     return matches / max(len(completion), len(target))
 
 
-class ReverseTextEnv:
+class ReverseTextEnv(SingleTurnEnv):
     """reverse_text as an RL environment: reward = position-wise character accuracy (see `char_accuracy`)."""
 
     name = "reverse_text"
 
     def __init__(self, num_examples: int = 10_000, seed: int = 0, split: str = "train"):
+        super().__init__()
         self._texts = generate_texts(split, num_examples, seed)
         self._order = random.Random(f"reverse_text/order/{seed}").sample(range(num_examples), num_examples)
+
+    def default_rewards(self) -> list[tuple[RewardFn, float]]:
+        return [(reversal_accuracy, 1.0)]
 
     def num_tasks(self) -> int:
         return len(self._texts)
 
-    def task(self, index: int) -> "Task":
-        from tidal.envs.base import Task
-
+    def task(self, index: int) -> Task:
         text = self._texts[self._order[index]]
         return Task(task_id=f"reverse_text/{index}", messages=conversation(text)[:2], answer=text[::-1])
 
-    def score(self, task: "Task", completion: str) -> float:
-        return char_accuracy(completion.strip(), task.answer)
+
+def reversal_accuracy(task: Task, episode: Episode) -> float:
+    return char_accuracy(completion_text(episode).strip(), task.answer)
 
 
 def main() -> None:

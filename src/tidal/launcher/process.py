@@ -13,7 +13,9 @@ from typing import IO
 
 def die_with_parent() -> None:
     """Runs in the child before exec: if the supervisor is SIGKILLed, the child gets SIGTERM (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: no parent-death signal; stop() still cleans up
+    with contextlib.suppress(
+        OSError, AttributeError
+    ):  # not Linux: no parent-death signal; stop() still cleans up
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 

@@ -104,13 +104,22 @@ class Launcher:
 
     def _supervise(self, roles: RoleConfigs, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> int:
         logs = self.out / "logs"
-        inference = self._start("inference", tidal_argv("inference", paths["inference"]), logs, env["inference"])
+        inference = self._start(
+            "inference", tidal_argv("inference", paths["inference"]), logs, env["inference"]
+        )
         print(f"tidal rl: starting inference ({roles.inference.model.name}); logs in {logs}/", flush=True)
         self._wait_healthy(inference, roles)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        self._start("trainer", trainer_argv(paths["trainer"], self.config.deployment.num_trainer_ranks), logs, env["trainer"])
-        self._start("orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"])
+        self._start(
+            "trainer",
+            trainer_argv(paths["trainer"], self.config.deployment.num_trainer_ranks),
+            logs,
+            env["trainer"],
+        )
+        self._start(
+            "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"]
+        )
         print("tidal rl: inference is up; trainer and orchestrator started", flush=True)
         reporter = StepReporter(self.out, self.config.max_steps)
         while True:
@@ -148,7 +157,9 @@ class Launcher:
                 pass
             time.sleep(POLL_SECONDS)
         if self.stop_signal is None:
-            raise UserError(f"inference not healthy at {url} after {self.config.startup_timeout:.0f} s; see {inference.log_path}")
+            raise UserError(
+                f"inference not healthy at {url} after {self.config.startup_timeout:.0f} s; see {inference.log_path}"
+            )
 
     def _failure(self, child: ManagedProcess) -> str:
         code = child.poll()
@@ -162,7 +173,9 @@ class Launcher:
     def _check_output_dir(self) -> None:
         metrics = run_layout.orchestrator_dir(self.out) / "metrics.jsonl"
         if not self.config.resume and metrics.exists():
-            raise UserError(f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir")
+            raise UserError(
+                f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir"
+            )
 
     def _write_configs(self, roles: RoleConfigs) -> dict[str, Path]:
         configs = self.out / "configs"
@@ -190,6 +203,16 @@ def _on_gpu() -> bool:
     return vllm_flavour() == "cuda"
 
 
+def dry_run(config: RLConfig) -> str:
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write."""
+    roles = split_config(config, _on_gpu())
+    parts = []
+    for name in ("inference", "orchestrator", "trainer"):
+        body = tomli_w.dumps(getattr(roles, name).model_dump(mode="json", exclude_none=True))
+        parts.append(f"# ---- {config.output_dir}/configs/{name}.toml ----\n{body}")
+    return "\n".join(parts)
+
+
 def main(config: RLConfig) -> int:
     start = time.perf_counter()
     code = Launcher(config).run()
@@ -199,4 +222,3 @@ def main(config: RLConfig) -> int:
         plot = plot_rl_run(config.output_dir)
         print(f"tidal rl: done in {time.perf_counter() - start:.0f} s; plot: {plot}", flush=True)
     return code
-

@@ -20,12 +20,22 @@ class RoleConfigs:
 def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
     """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top."""
     num_cpus = num_cpus or os.cpu_count() or 1
-    shared = {"output_dir": rl.output_dir, "max_steps": rl.max_steps, "seed": rl.seed, "resume": rl.resume, "model": rl.model}
+    shared = {
+        "output_dir": rl.output_dir,
+        "max_steps": rl.max_steps,
+        "seed": rl.seed,
+        "resume": rl.resume,
+        "model": rl.model,
+    }
     inference = rl.inference.model_copy(
         update={"model": rl.model, "vllm": rl.inference.vllm.model_copy(update={"seed": rl.seed})}
     )
     if not on_gpu:
-        inference = inference.model_copy(update={"cpu": inference.cpu.model_copy(update={"omp_threads_bind": _inference_cpus(rl, num_cpus)})})
+        inference = inference.model_copy(
+            update={
+                "cpu": inference.cpu.model_copy(update={"omp_threads_bind": _inference_cpus(rl, num_cpus)})
+            }
+        )
     url = client_url(inference.server.host, inference.server.port)
     orchestrator = rl.orchestrator.model_copy(
         update={
@@ -33,9 +43,14 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
             "max_async_level": rl.max_async_level,
             "transport": rl.transport,
             "client": rl.orchestrator.client.model_copy(
-                update={"urls": [url], "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token}
+                update={
+                    "urls": [url],
+                    "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
+                }
             ),
-            "batch": rl.orchestrator.batch.model_copy(update={"num_trainer_ranks": rl.deployment.num_trainer_ranks}),
+            "batch": rl.orchestrator.batch.model_copy(
+                update={"num_trainer_ranks": rl.deployment.num_trainer_ranks}
+            ),
         }
     )
     trainer_threads = None if on_gpu else _trainer_threads(rl, num_cpus)

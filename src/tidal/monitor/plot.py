@@ -22,7 +22,9 @@ def plot_rl_run(output_dir: Path) -> Path:
     top.legend()
     bottom.plot([m["step"] for m in orch], [m["tokens_per_s"] for m in orch], label="inference tokens/s")
     if trainer:
-        bottom.plot([m["step"] for m in trainer], [m["tokens_per_s"] for m in trainer], label="trainer tokens/s")
+        bottom.plot(
+            [m["step"] for m in trainer], [m["tokens_per_s"] for m in trainer], label="trainer tokens/s"
+        )
     bottom.set_xlabel("step")
     bottom.set_ylabel("tokens/s")
     bottom.grid(alpha=0.3)

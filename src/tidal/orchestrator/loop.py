@@ -25,11 +25,11 @@ from tidal.errors import UserError
 from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
-from tidal.orchestrator.batching import make_train_samples, pack_for_ranks
+from tidal.orchestrator.batching import make_train_batches, make_train_samples
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
 from tidal.transport.rollouts import setup_sender
-from tidal.types import Group, TrainBatch
+from tidal.types import Group
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,12 @@ class Orchestrator:
     async def run(self) -> int:
         cfg = self.config
         sender = setup_sender(cfg.transport, self.out)
-        client = InferenceClient(cfg.client.urls, model=None, admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"), timeout=cfg.client.timeout)
+        client = InferenceClient(
+            cfg.client.urls,
+            model=None,
+            admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"),
+            timeout=cfg.client.timeout,
+        )
         async with client:
             await client.wait_healthy(timeout=cfg.client.timeout)
             policy = PolicyWatcher(client, self.out)
@@ -107,15 +112,21 @@ class Orchestrator:
         waited = await policy.wait_for(step - cfg.max_async_level)
         groups, advantages, stats = await self._collect(client, step)
         samples = make_train_samples(groups, advantages)
-        per_rank = pack_for_ranks(samples, cfg.batch.num_trainer_ranks, cfg.batch.seq_len, cfg.batch.micro_batch_size, self.tokenizer.pad_token_id)
-        num_loss_tokens = sum(mb.num_loss_tokens for rank in per_rank for mb in rank)
-        batches = [TrainBatch(step, mbs, num_loss_tokens, len(samples)) for mbs in per_rank]
+        b = cfg.batch
+        try:
+            batches = make_train_batches(
+                step, samples, b.num_trainer_ranks, b.seq_len, b.micro_batch_size, self.tokenizer.pad_token_id
+            )
+        except ValueError as exc:
+            raise UserError(f"orchestrator.batch.seq_len: {exc}") from None
         sender.send(step, batches)
         self.state.step = step + 1
         self._save_state()
         self._log(step, groups, stats, policy, time.perf_counter() - start, waited)
 
-    async def _collect(self, client: InferenceClient, step: int) -> tuple[list[Group], list[list[float]], StepStats]:
+    async def _collect(
+        self, client: InferenceClient, step: int
+    ) -> tuple[list[Group], list[list[float]], StepStats]:
         """Exactly `num_prompts` fresh groups with signal: buffered ones first, then new ones, refilling drops."""
         cfg, stats = self.config, StepStats()
         kept: list[Group] = []
@@ -126,7 +137,10 @@ class Orchestrator:
         pending: dict[asyncio.Task[Group], int] = {}
         try:
             while len(kept) < cfg.batch.num_prompts:
-                while len(kept) + len(pending) < cfg.batch.num_prompts and len(pending) < cfg.client.max_in_flight:
+                while (
+                    len(kept) + len(pending) < cfg.batch.num_prompts
+                    and len(pending) < cfg.client.max_in_flight
+                ):
                     position, task = self._next_task()
                     pending[asyncio.create_task(self._run(client, task, position))] = position
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -135,17 +149,31 @@ class Orchestrator:
                     stats.num_groups_run += 1
                     self._accept([finished.result()], step, kept, advantages, stats)
         finally:
-            for task, position in pending.items():  # not needed this step: run again later with the same seed
-                task.cancel()
+            for (
+                running,
+                position,
+            ) in pending.items():  # not needed this step: run again later with the same seed
+                running.cancel()
                 self.state.requeued.append(position)
         extra = kept[cfg.batch.num_prompts :]
         self.state.buffer = [g.to_dict() for g in extra]
         return kept[: cfg.batch.num_prompts], advantages[: cfg.batch.num_prompts], stats
 
-    def _accept(self, groups: list[Group], step: int, kept: list[Group], advantages: list[list[float]], stats: StepStats) -> None:
+    def _accept(
+        self,
+        groups: list[Group],
+        step: int,
+        kept: list[Group],
+        advantages: list[list[float]],
+        stats: StepStats,
+    ) -> None:
         split = self.tracker.keep_fresh(groups, step)
         stats.num_stale_rollouts += split.num_stale_rollouts
-        result = filter_groups(split.fresh, policy="keep" if self.config.batch.zero_signal == "keep" else "drop", kind=self.config.batch.advantage)
+        result = filter_groups(
+            split.fresh,
+            policy="keep" if self.config.batch.zero_signal == "keep" else "drop",
+            kind=self.config.batch.advantage,
+        )
         stats.num_zero_signal += result.num_zero_signal
         stats.num_failed_rollouts += result.num_failed_rollouts
         kept.extend(result.groups)
@@ -154,7 +182,17 @@ class Orchestrator:
     async def _run(self, client: InferenceClient, task: Task, position: int) -> Group:
         cfg = self.config
         try:
-            return await run_group(client, self.env, self.tokenizer, task, position, cfg.batch.group_size, cfg.sampling, cfg.seed)
+            return await run_group(
+                client,
+                self.env,
+                self.tokenizer,
+                task,
+                position,
+                cfg.batch.group_size,
+                cfg.sampling,
+                cfg.seed,
+                cfg.env.timeout,
+            )
         except InferenceError as exc:
             raise UserError(f"inference failed for task {task.task_id}: {exc}") from exc
 
@@ -166,7 +204,15 @@ class Orchestrator:
             self.state.position += 1
         return position, self.env.task(position % self.env.num_tasks())
 
-    def _log(self, step: int, groups: list[Group], stats: StepStats, policy: PolicyWatcher, elapsed: float, waited: float) -> None:
+    def _log(
+        self,
+        step: int,
+        groups: list[Group],
+        stats: StepStats,
+        policy: PolicyWatcher,
+        elapsed: float,
+        waited: float,
+    ) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [r.reward for r in rollouts]
         lags = [step - r.policy_version for r in rollouts]
@@ -239,6 +285,9 @@ def _discard_weights_after(output_dir: Path, step: int) -> None:
 
 def main(config: OrchestratorConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request drowns the log
     if not config.resume and (run_layout.orchestrator_dir(config.output_dir) / "metrics.jsonl").exists():
-        raise UserError(f"output_dir {config.output_dir} already holds a run; pass --resume or choose another --output-dir")
+        raise UserError(
+            f"output_dir {config.output_dir} already holds a run; pass --resume or choose another --output-dir"
+        )
     return asyncio.run(Orchestrator(config).run())

@@ -1,25 +1,61 @@
-"""Run one group: render the task's prompt to token ids, sample `group_size` completions, score each one."""
+"""Run one group: `group_size` episodes of one task through the environment, each with its own seed.
 
+The sampler handed to the environment fixes everything the loss depends on (temperature, top_p = 1,
+top_k off), keeps a multi-turn episode on one server (session affinity, prefix cache) and records the
+policy versions that produced its tokens. An exception or a timeout fails that rollout only.
+"""
+
+import asyncio
 import hashlib
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Environment, Task
+from tidal.envs.base import Environment, Episode, Task, Turn, run_episode
 from tidal.inference.client import InferenceClient
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.types import Group, Rollout
 
-
-def prompt_ids(tokenizer: Any, task: Task) -> list[int]:
-    """Token ids of the task's chat prompt, rendered once here so inference samples from exactly these."""
-    text = tokenizer.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+logger = logging.getLogger(__name__)
 
 
-def group_seed(run_seed: int, position: int) -> int:
-    """A per-task sampling seed: a rerun (or a resumed run) samples the same completions for the same task."""
-    digest = hashlib.sha256(f"{run_seed}/{position}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+def rollout_seed(run_seed: int, position: int, index: int) -> int:
+    """A per-rollout sampling seed: a rerun (or a resumed run) samples the same tokens for the same task."""
+    digest = hashlib.sha256(f"{run_seed}/{position}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x3FFF_FFFF
+
+
+@dataclass
+class ClientSampler:
+    """A `Sampler` over the inference client for one episode; turn t uses seed + t."""
+
+    client: InferenceClient
+    tokenizer: Any
+    sampling: SamplingConfig
+    seed: int
+    session_id: str
+    versions: list[int] = field(default_factory=list)
+
+    async def complete(self, prompt_ids: list[int]) -> Turn:
+        request = GenerateRequest(
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=SamplingParams(
+                temperature=self.sampling.temperature,
+                max_tokens=self.sampling.max_tokens,
+                seed=self.seed + len(self.versions),
+            ),
+        )
+        generation = await self.client.generate(request, session_id=self.session_id)
+        self.versions.append(generation.weight_version)
+        out = generation.completions[0]
+        return Turn(
+            list(generation.prompt_token_ids),
+            list(out.token_ids),
+            list(out.logprobs),
+            out.text,
+            out.finish_reason,
+        )
 
 
 async def run_group(
@@ -31,42 +67,66 @@ async def run_group(
     group_size: int,
     sampling: SamplingConfig,
     run_seed: int,
+    timeout: float,
 ) -> Group:
-    ids = prompt_ids(tokenizer, task)
-    request = GenerateRequest(
-        prompt_token_ids=tuple(ids),
-        n=group_size,
-        sampling=SamplingParams(
-            temperature=sampling.temperature,
-            max_tokens=sampling.max_tokens,
-            seed=group_seed(run_seed, position),
-        ),
-    )
-    generation = await client.generate(request, session_id=task.task_id)
-    rollouts = []
-    for completion in generation.completions:
-        reward, failed = _score(env, task, completion.text)
-        rollouts.append(
-            Rollout(
-                prompt_ids=list(generation.prompt_token_ids),
-                completion_ids=list(completion.token_ids),
-                completion_logprobs=list(completion.logprobs),
-                completion_mask=[1] * len(completion.token_ids),
-                reward=reward,
-                policy_version=generation.weight_version,
-                policy_version_max=generation.weight_version,
-                env=env.name,
-                task_id=task.task_id,
-                metrics={"completion_len": float(len(completion.token_ids)), "truncated": float(completion.finish_reason == "length")},
-                failed=failed,
-            )
+    async def one(index: int) -> Rollout:
+        sampler = ClientSampler(
+            client, tokenizer, sampling, rollout_seed(run_seed, position, index), f"{task.task_id}#{index}"
         )
-    return Group(task_id=task.task_id, env=env.name, rollouts=rollouts)
+        try:
+            episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
+            return to_rollout(env, task, episode, sampler.versions)
+        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
+            if _is_infrastructure_error(exc):
+                raise
+            logger.warning("rollout of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+            return failed_rollout(env, task, sampler.versions, type(exc).__name__)
+        finally:
+            client.end_session(sampler.session_id)
+
+    rollouts = await asyncio.gather(*(one(i) for i in range(group_size)))
+    return Group(task_id=task.task_id, env=env.name, rollouts=list(rollouts))
 
 
-def _score(env: Environment, task: Task, text: str) -> tuple[float, bool]:
-    """An exception in a reward function fails that rollout only; the run goes on."""
-    try:
-        return float(env.score(task, text)), False
-    except Exception:  # noqa: BLE001 - user reward code may raise anything
-        return 0.0, True
+def _is_infrastructure_error(exc: BaseException) -> bool:
+    """Inference being unreachable is not the environment's failure: it must stop the run, not be counted."""
+    from tidal.inference.client import NoHealthyServer, ServerFailed
+
+    return isinstance(exc, NoHealthyServer | ServerFailed | asyncio.CancelledError)
+
+
+def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[int]) -> Rollout:
+    metrics = {
+        **episode.metrics,
+        "num_turns": float(episode.num_turns),
+        "completion_len": float(sum(episode.completion_mask)),
+    }
+    return Rollout(
+        prompt_ids=episode.prompt_ids,
+        completion_ids=episode.completion_ids,
+        completion_logprobs=episode.completion_logprobs,
+        completion_mask=episode.completion_mask,
+        reward=episode.reward,
+        policy_version=min(versions, default=0),
+        policy_version_max=max(versions, default=0),
+        env=env.name,
+        task_id=task.task_id,
+        metrics=metrics,
+    )
+
+
+def failed_rollout(env: Environment, task: Task, versions: list[int], error: str) -> Rollout:
+    version = min(versions, default=0)
+    return Rollout(
+        prompt_ids=[],
+        completion_ids=[],
+        completion_logprobs=[],
+        completion_mask=[],
+        reward=0.0,
+        policy_version=version,
+        policy_version_max=max(versions, default=version),
+        env=env.name,
+        task_id=task.task_id,
+        metrics={f"error/{error}": 1.0},
+        failed=True,
+    )

@@ -5,6 +5,7 @@ checkpoint that looks complete."""
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tidal.trainer.parallel import DistInfo, barrier
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# DCP warns on every single-process save that it assumes a single process; that is exactly our case.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def rng_state(info: DistInfo) -> dict[str, Any]:

@@ -14,11 +14,18 @@ import torch
 from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
 from tidal.monitor.metrics import MetricsLogger
-from tidal.trainer.export import export_model
 from tidal.trainer.loss import entropy_from_logits, merge_loss_metrics, rl_loss, selective_log_softmax
 from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
 from tidal.trainer.optim import build_optimizer, build_scheduler
-from tidal.trainer.parallel import DistInfo, all_reduce_sum, autocast, init_distributed, parallelize, set_num_threads, shutdown
+from tidal.trainer.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    autocast,
+    init_distributed,
+    parallelize,
+    set_num_threads,
+    shutdown,
+)
 from tidal.trainer.session import TrainState, check_output_dir, end_of_step, make_printer, maybe_resume
 from tidal.trainer.signals import StopSignal
 from tidal.transport.rollouts import setup_receiver
@@ -48,7 +55,9 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     model = parallelize(load_model(config.model), info)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
-    logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json")) if info.is_main else None
+    logger = (
+        MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json")) if info.is_main else None
+    )
     state = TrainState(model, optimizer, scheduler, dict)
     step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
     publisher = WeightPublisher(out, config.publish.keep_last)
@@ -97,7 +106,9 @@ def rl_step(
     for micro in batch.micro_batches:
         t = micro.to_tensors(info.device)
         with autocast(info):
-            logits = model(input_ids=t["input_ids"], position_ids=t["position_ids"], use_cache=False).logits  # [rows, seq, vocab]
+            logits = model(
+                input_ids=t["input_ids"], position_ids=t["position_ids"], use_cache=False
+            ).logits  # [rows, seq, vocab]
         logprobs = selective_log_softmax(logits, t["target_ids"], config.temperature)  # [rows, seq]
         entropy = entropy_from_logits(logits.detach(), config.temperature)  # [rows, seq]
         loss, metrics = rl_loss(

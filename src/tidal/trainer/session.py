@@ -33,7 +33,9 @@ def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
         return
     if ckpt.latest_checkpoint(ckpt_root) is not None or metrics_path.exists():
         out = metrics_path.parent
-        raise UserError(f"{out} already holds a run; pass --resume to continue it or choose another --output-dir")
+        raise UserError(
+            f"{out} already holds a run; pass --resume to continue it or choose another --output-dir"
+        )
 
 
 def make_printer(info: DistInfo) -> Say:

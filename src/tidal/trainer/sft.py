@@ -120,7 +120,9 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     if data_state:
         data.sampler.load_state_dict(data_state)
 
-    say(f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}")
+    say(
+        f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}"
+    )
     stop = StopSignal().install()
     show_bar = info.is_main and config.log.progress_bar and sys.stderr.isatty()
     bar = tqdm(total=config.max_steps, initial=step, disable=not show_bar)
@@ -134,7 +136,9 @@ def train(config: SFTConfig, info: DistInfo) -> int:
             logger.log(step, metrics)
         if step % config.log.interval == 0 or step == config.max_steps:
             say(_summary(step, config.max_steps, metrics), bar)
-        if end_of_step(step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say, bar):
+        if end_of_step(
+            step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say, bar
+        ):
             return stop.exit_code
     bar.close()
 

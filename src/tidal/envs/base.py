@@ -56,6 +56,8 @@ class Episode:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     num_turns: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    """What a multi-turn environment tracked during the rollout (game state, tool calls) for its rewards."""
 
     def add_model_turn(self, turn: Turn) -> None:
         self.completion_ids += turn.completion_ids

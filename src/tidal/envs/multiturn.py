@@ -1,0 +1,70 @@
+"""Multi-turn environments: the model speaks, the environment answers, until the environment says done.
+
+Every turn continues the exact ids of the conversation so far (`continue_prompt`): the model's sampled ids
+are never re-tokenised, and the text the environment adds between turns enters the episode with mask 0.
+"""
+
+from abc import abstractmethod
+from typing import Any
+
+from tidal.envs.base import Environment, Episode, Sampler, Task, render_prompt
+from tidal.inference.chat import continue_prompt
+from tidal.inference.types import ChatMessage
+
+Message = dict[str, Any]
+
+
+class MultiTurnEnv(Environment):
+    """Subclasses implement `env_response`: the messages to answer the model's last turn with, or None to stop."""
+
+    max_turns: int = 8
+    """Model turns at most; the episode ends after this many whatever the environment says."""
+    max_context_tokens: int | None = None
+    """Stop before a turn whose prompt would exceed this many tokens (None: no limit)."""
+
+    @abstractmethod
+    async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
+        """Called after each model turn (its text is `episode.messages[-1]`); `episode.info` is free state."""
+
+    def setup_episode(self, task: Task, episode: Episode) -> None:
+        """Initialise `episode.info` before the first turn (default: nothing)."""
+
+    def initial_prompt(self, task: Task, sampler: Sampler) -> list[int]:
+        return render_prompt(sampler.tokenizer, task.messages)
+
+    async def rollout(self, task: Task, sampler: Sampler) -> Episode:
+        prompt = self.initial_prompt(task, sampler)
+        episode = Episode(prompt_ids=prompt, messages=[dict(m) for m in task.messages])
+        self.setup_episode(task, episode)
+        context = prompt
+        for _ in range(self.max_turns):
+            turn = await sampler.complete(context)
+            episode.add_model_turn(turn)
+            episode.messages.append({"role": "assistant", "content": turn.text})
+            reply = await self.env_response(task, episode)
+            if not reply or episode.num_turns >= self.max_turns:
+                break
+            context = extend_context(sampler.tokenizer, episode, reply)
+            if self.max_context_tokens is not None and len(context) > self.max_context_tokens:
+                episode.info["truncated"] = True
+                break
+        return episode
+
+
+def extend_context(tokenizer: Any, episode: Episode, reply: list[Message]) -> list[int]:
+    """Append the environment's reply (mask 0) and the next generation prompt; returns the new context."""
+    history = [_chat_message(m) for m in episode.messages]
+    new = [_chat_message(m) for m in reply]
+    context = continue_prompt(tokenizer, episode.context_ids, history, new)
+    episode.add_env_tokens(context[len(episode.context_ids) :])
+    episode.messages.extend(reply)
+    return context
+
+
+def _chat_message(message: Message) -> ChatMessage:
+    return ChatMessage(role=message["role"], content=str(message.get("content") or ""))
+
+
+def model_replies(episode: Episode) -> list[str]:
+    """The text of every assistant turn, in order."""
+    return [str(m["content"]) for m in episode.messages if m["role"] == "assistant"]

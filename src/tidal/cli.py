@@ -51,6 +51,12 @@ COMMANDS: dict[str, Command] = {
         "tidal.orchestrator.loop:main",
         "Roll out tasks against inference, score, build batches and ship them to the trainer.",
     ),
+    "eval": Command(
+        "tidal.config.eval:EvalConfig",
+        "tidal.eval.runner:main",
+        "Evaluate a model on environments: k samples per task, avg@k and pass@k with confidence intervals.",
+        dry_run="tidal.eval.runner:dry_run",
+    ),
     "trainer": Command(
         "tidal.config.rl:RLTrainerConfig",
         "tidal.trainer.rl:main",

@@ -1,0 +1,1 @@
+"""Evaluation: `tidal eval` runs environments against a model and reports avg@k / pass@k with intervals."""

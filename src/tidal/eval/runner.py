@@ -1,0 +1,246 @@
+"""`tidal eval`: k rollouts per task for each environment against one model; eval.json, eval.md, rollouts.jsonl.
+
+start the server (or use server_url) → for each env: tasks × k samples, bounded in flight, each under
+a timeout (a raising or hanging environment fails that rollout only, counted) → avg@k / pass@k with
+intervals per env → files → stop the server
+"""
+
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.config.eval import EvalConfig, EvalEnvSpec
+from tidal.envs.base import Environment, Task, Turn, run_episode
+from tidal.errors import UserError
+from tidal.eval.metrics import summarize
+from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed
+from tidal.inference.types import GenerateRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSampler:
+    """A `Sampler` for one rollout; unlike RL's it allows greedy decoding (temperature 0)."""
+
+    client: InferenceClient
+    tokenizer: Any
+    temperature: float
+    max_tokens: int
+    seed: int
+    session_id: str
+    num_calls: int = 0
+
+    async def complete(self, prompt_ids: list[int]) -> Turn:
+        request = GenerateRequest(
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=SamplingParams(
+                temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + self.num_calls
+            ),
+        )
+        self.num_calls += 1
+        generation = await self.client.generate(request, session_id=self.session_id)
+        out = generation.completions[0]
+        return Turn(
+            list(generation.prompt_token_ids),
+            list(out.token_ids),
+            list(out.logprobs),
+            out.text,
+            out.finish_reason,
+        )
+
+
+@dataclass
+class RolloutRecord:
+    """One evaluated rollout, as written to rollouts.jsonl."""
+
+    env: str
+    task_id: str
+    task_index: int
+    sample: int
+    reward: float = 0.0
+    failed: bool = False
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    answer: str = ""
+
+
+async def run_sample(
+    env: Environment, task: Task, sampler: EvalSampler, timeout: float, record: RolloutRecord
+) -> RolloutRecord:
+    """Fill `record` from one episode; environment exceptions and timeouts mark it failed, inference errors raise."""
+    try:
+        episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
+    except (NoHealthyServer, ServerFailed, asyncio.CancelledError):
+        raise
+    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
+        record.failed, record.error = True, f"{type(exc).__name__}: {exc}"[:500]
+        return record
+    finally:
+        sampler.client.end_session(sampler.session_id)
+    record.reward = episode.reward
+    record.messages = episode.messages
+    record.metrics = {
+        **episode.metrics,
+        "num_turns": float(episode.num_turns),
+        "completion_len": float(sum(episode.completion_mask)),
+    }
+    return record
+
+
+async def evaluate_env(
+    client: InferenceClient, tokenizer: Any, env: Environment, spec: EvalEnvSpec, config: EvalConfig
+) -> list[RolloutRecord]:
+    from tidal.orchestrator.rollouts import rollout_seed
+
+    num_tasks = min(spec.num_tasks or config.num_tasks, env.num_tasks())
+    gate = asyncio.Semaphore(config.max_concurrency)
+    name = spec.display_name
+
+    async def one(index: int, sample: int) -> RolloutRecord:
+        task = env.task(index)
+        sampler = EvalSampler(
+            client,
+            tokenizer,
+            config.sampling.temperature,
+            config.sampling.max_tokens,
+            rollout_seed(config.seed, index, sample),
+            f"eval/{name}/{index}#{sample}",
+        )
+        record = RolloutRecord(name, task.task_id, index, sample, answer=task.answer)
+        async with gate:
+            return await run_sample(env, task, sampler, config.timeout, record)
+
+    jobs = [one(i, s) for i in range(num_tasks) for s in range(config.k)]
+    return list(await asyncio.gather(*jobs))
+
+
+def env_report(records: list[RolloutRecord], config: EvalConfig) -> dict[str, Any]:
+    """avg@k / pass@k with intervals, failures, and the mean of every per-rollout metric."""
+    by_task: dict[int, list[float]] = {}
+    for r in records:
+        by_task.setdefault(r.task_index, []).append(r.reward)
+    report: dict[str, Any] = {
+        "num_tasks": len(by_task),
+        "k": config.k,
+        "num_rollouts": len(records),
+        "num_failed": sum(r.failed for r in records),
+        **summarize(list(by_task.values()), config.pass_threshold, config.confidence),
+    }
+    keys = sorted({key for r in records if not r.failed for key in r.metrics})
+    report["metrics"] = {
+        key: statistics.fmean(r.metrics[key] for r in records if not r.failed and key in r.metrics)
+        for key in keys
+    }
+    return report
+
+
+def markdown_table(model: str, reports: dict[str, dict[str, Any]], confidence: float) -> str:
+    """One row per environment: avg@k and each pass@j as `mean [low, high]`."""
+    columns = sorted({key for r in reports.values() for key in r if "@" in key}, key=_column_order)
+    lines = [
+        f"# tidal eval: {model}",
+        "",
+        f"Intervals: {confidence:.0%} normal approximation over tasks.",
+        "",
+        "| env | tasks | k | failed | " + " | ".join(columns) + " |",
+        "|---|---|---|---|" + "---|" * len(columns),
+    ]
+    for name, r in reports.items():
+        cells = [_cell(r[c]) if c in r else "" for c in columns]
+        lines.append(
+            f"| {name} | {r['num_tasks']} | {r['k']} | {r['num_failed']} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _column_order(key: str) -> tuple[int, int]:
+    kind, k = key.split("@")
+    return (0 if kind == "avg" else 1, int(k))
+
+
+def _cell(estimate: dict[str, float]) -> str:
+    return f"{estimate['mean']:.3f} [{estimate['ci_low']:.3f}, {estimate['ci_high']:.3f}]"
+
+
+def write_outputs(
+    config: EvalConfig, reports: dict[str, dict[str, Any]], records: list[RolloutRecord], seconds: float
+) -> Path:
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "model": config.model.name,
+        "seconds": seconds,
+        "envs": reports,
+        "config": config.model_dump(mode="json"),
+    }
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    (out / "eval.md").write_text(markdown_table(config.model.name, reports, config.confidence))
+    if config.save_rollouts:
+        with (out / "rollouts.jsonl").open("w") as fh:
+            for r in records:
+                fh.write(json.dumps(r.__dict__) + "\n")
+    return out
+
+
+async def evaluate(config: EvalConfig, url: str) -> tuple[dict[str, dict[str, Any]], list[RolloutRecord]]:
+    from transformers import AutoTokenizer
+
+    from tidal.envs.registry import build_env
+    from tidal.testing import resolve_model_name
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
+    envs = [(spec, build_env(spec)) for spec in config.env]
+    reports: dict[str, dict[str, Any]] = {}
+    records: list[RolloutRecord] = []
+    async with InferenceClient([url], timeout=config.timeout) as client:
+        await client.wait_healthy(timeout=60)
+        for spec, env in envs:
+            found = await evaluate_env(client, tokenizer, env, spec, config)
+            reports[spec.display_name] = env_report(found, config)
+            records += found
+    return reports, records
+
+
+def main(config: EvalConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    server = None
+    if config.server_url is None:
+        from tidal.inference.server import start_server
+
+        server = start_server(config.inference_config())
+    try:
+        if server is not None:
+            server.wait_ready(config.startup_timeout)
+        url = config.server_url or (server.url if server else "")
+        start = time.perf_counter()
+        try:
+            reports, records = asyncio.run(evaluate(config, url))
+        except (NoHealthyServer, ServerFailed) as exc:
+            raise UserError(f"inference failed: {exc}") from None
+        out = write_outputs(config, reports, records, time.perf_counter() - start)
+    finally:
+        if server is not None:
+            server.stop()
+    print(markdown_table(config.model.name, reports, config.confidence), end="")
+    print(f"tidal eval: wrote {out / 'eval.json'} and {out / 'eval.md'}", flush=True)
+    return 0
+
+
+def dry_run(config: EvalConfig) -> str:
+    """The resolved config as it will run: the server's model is the top-level one, no server with server_url."""
+    import tomli_w
+
+    data = config.model_dump(mode="json", exclude_none=True)
+    if config.server_url is None:
+        data["inference"] = config.inference_config().model_dump(mode="json", exclude_none=True)
+    else:
+        data.pop("inference")
+    return tomli_w.dumps(data)

@@ -121,7 +121,8 @@ class PythonSandbox:
             except TimeoutError:
                 return f"error: timed out after {self.timeout:g} s"
             finally:
-                _kill_group(process.pid)
+                _kill_group(process.pid)  # whatever the code started in its group goes too
+                await process.wait()  # reap it, so its pipes close on this event loop
         text = output.decode(errors="replace")
         if process.returncode and process.returncode < 0:
             text += f"\n[killed by signal {-process.returncode}]"

@@ -1,0 +1,141 @@
+"""Tool calling: parsing (bad JSON included), calculator bounds, the Python sandbox's limits, tool_use rollouts."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.unit.test_envs_multiturn import check_token_invariants, roll
+from tidal.envs.sandbox import PythonSandbox, calculate
+from tidal.envs.tool_use import ToolUseEnv, generate_question, parse_answer
+from tidal.envs.tools import ToolCall, parse_tool_calls, render_tool_prompt
+from tidal.testing.tiny import build_tokenizer
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def test_parse_tool_calls_accepts_openai_shapes_and_reports_bad_ones():
+    text = (
+        call("calculator", expression="1+2")
+        + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        + '<tool_call>{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3"}}}</tool_call>'
+    )
+    assert parse_tool_calls(text) == [
+        ToolCall("calculator", {"expression": "1+2"}),
+        ToolCall("python", {"code": "print(1)"}),
+        ToolCall("calculator", {"expression": "3"}),
+    ]
+    bad = parse_tool_calls(
+        "<tool_call>{not json</tool_call><tool_call>[1, 2]</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "x", "arguments": "{oops"}</tool_call>'
+        '<tool_call>{"name": "x", "arguments": 3}</tool_call><tool_call>{"name": "calculator"'
+    )
+    assert [c.error is not None for c in bad] == [True] * 6
+    assert "invalid JSON" in (bad[0].error or "") and "name" in (bad[2].error or "")
+    assert parse_tool_calls("no calls here") == []
+    assert parse_tool_calls("") == []
+
+
+def test_calculator_is_bounded():
+    assert calculate("(3 + 4) * 12") == "84"
+    assert calculate("7 / 2") == "3.5"
+    assert calculate("2 ** 10") == "1024"
+    for bad in ["9 ** 9 ** 9", "__import__('os')", "1 +", "x" * 500, "10 ** 200", "'a' * 3"]:
+        with pytest.raises(ValueError):
+            calculate(bad)
+    with pytest.raises(ZeroDivisionError):
+        calculate("1 / 0")
+
+
+def test_python_sandbox_limits():
+    box = PythonSandbox(timeout=2, memory_mb=256)
+
+    async def run_all():
+        return await asyncio.gather(
+            box.run("print(sum(range(10)))"),
+            box.run("while True: pass"),
+            box.run("x = bytearray(2 * 10**9)"),
+            box.run("import socket; socket.create_connection(('1.1.1.1', 80), timeout=1)"),
+            box.run("import os; print(os.getcwd())"),
+            box.run("print('y' * 100000)"),
+            box.run(""),
+        )
+
+    start = time.monotonic()
+    ok, spin, memory, network, cwd, huge, empty = asyncio.run(run_all())
+    assert time.monotonic() - start < 10
+    assert ok.strip() == "45"
+    assert "timed out" in spin
+    assert "MemoryError" in memory
+    assert "disabled" in network or "Network is unreachable" in network or "Errno" in network
+    assert "tidal-sandbox-" in cwd
+    assert len(huge) < 5000 and "characters cut" in huge
+    assert empty == "(no output)"
+
+
+def test_tools_go_into_the_system_prompt_when_the_template_ignores_them():
+    tok = build_tokenizer()
+    env = ToolUseEnv(num_examples=5)
+    text = tok.decode(render_tool_prompt(tok, env.task(0).messages, list(env.tools.values())))
+    assert '"name": "calculator"' in text and "<tool_call>" in text
+    assert text.count("<|im_start|>system") == 1
+
+
+def test_tool_aware_templates_render_the_tools_themselves():
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+        + tok.chat_template
+    )
+    env = ToolUseEnv(num_examples=5)
+    text = tok.decode(render_tool_prompt(tok, env.task(0).messages, list(env.tools.values())))
+    assert "TOOLS:calculator;python;" in text and "You may call these tools" not in text
+
+
+def test_tool_use_questions_are_deterministic_and_correct():
+    assert generate_question(3, 0) == generate_question(3, 0)
+    q, a = next(
+        generate_question(i, 0) for i in range(50) if generate_question(i, 0)[0].startswith("What is")
+    )
+    left, c = q.removeprefix("What is ").removesuffix("?").split(" - ")
+    x, y = left.split(" * ")
+    assert int(a) == int(x) * int(y) - int(c)
+    assert parse_answer("so <answer>1,234</answer>") == "1234"
+    assert parse_answer("1234") is None
+
+
+def test_tool_use_rollout_calls_tools_and_scores():
+    env = ToolUseEnv(num_examples=20)
+    index = next(i for i in range(20) if env.task(i).messages[1]["content"].startswith("What is"))
+    task = env.task(index)
+    expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
+    replies = [call("calculator", expression=expression), f"<answer>{task.answer}</answer>"]
+    episode, sampler = roll(env, task, replies)
+    assert episode.reward == 1.0 and episode.num_turns == 2
+    assert episode.messages[3] == {"role": "tool", "content": task.answer}
+    assert episode.metrics["tools/num_tool_calls"] == 1 and episode.metrics["tools/num_tool_errors"] == 0
+    check_token_invariants(episode, sampler)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "",
+        "z" * 100_000,
+        "<tool_call>{bad json</tool_call>",
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "9**9**9"}}</tool_call>',
+    ],
+)
+def test_tool_use_adversarial_replies_never_fail_the_rollout(reply):
+    env = ToolUseEnv(num_examples=5)
+    episode, _ = roll(env, env.task(0), [reply] * 10)
+    assert episode.reward == 0.0
+    assert episode.num_turns <= env.max_turns
+    if "tool_call" in reply:
+        assert episode.metrics["tools/num_tool_errors"] == episode.metrics["tools/num_tool_calls"] > 0
+        assert episode.messages[3]["role"] == "tool" and episode.messages[3]["content"].startswith("error:")

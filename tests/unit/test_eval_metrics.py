@@ -1,0 +1,82 @@
+"""Eval metrics (pass@k, intervals, summaries), the eval config and its report/markdown helpers."""
+
+import math
+from itertools import combinations
+
+import pytest
+
+from tidal.config.eval import EvalConfig
+from tidal.eval.metrics import k_values, mean_with_ci, pass_at_k, summarize
+from tidal.eval.runner import RolloutRecord, env_report, markdown_table
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Share of the k-subsets of n samples (the first c correct) holding at least one correct sample."""
+    subsets = list(combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k"), [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (8, 1, 4), (8, 7, 2), (6, 0, 6)]
+)
+def test_pass_at_k_matches_brute_force(n, c, k):
+    assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k))
+
+
+def test_pass_at_k_edge_cases():
+    assert pass_at_k(10, 10, 1) == 1.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the success rate
+    assert pass_at_k(1000, 1, 500) == pytest.approx(0.5)  # large n: no overflow
+    for bad in [(3, 4, 1), (3, 1, 0), (3, 1, 4)]:
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def test_mean_with_ci():
+    est = mean_with_ci([0.0, 1.0] * 50, confidence=0.95)
+    assert est.mean == 0.5
+    assert est.high - est.mean == pytest.approx(1.96 * math.sqrt(0.5 * 0.5 * 100 / 99) / 10, rel=1e-3)
+    assert mean_with_ci([1.0] * 5).low == mean_with_ci([1.0] * 5).high == 1.0
+    assert mean_with_ci([0.3]).mean == 0.3
+    assert math.isnan(mean_with_ci([]).mean)
+    tight, wide = mean_with_ci([0, 1] * 50, 0.5), mean_with_ci([0, 1] * 50, 0.99)
+    assert wide.high > tight.high
+    assert mean_with_ci([0.0, 0.0, 1.0]).low >= 0.0  # clipped to the values' range
+
+
+def test_summarize_reports_avg_and_pass_at_powers_of_two():
+    assert k_values(1) == [1] and k_values(4) == [1, 2, 4] and k_values(6) == [1, 2, 4, 6]
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 0.5, 1.0]]
+    out = summarize(rewards, threshold=1.0)
+    assert set(out) == {"avg@4", "pass@1", "pass@2", "pass@4"}
+    assert out["avg@4"]["mean"] == pytest.approx((0.25 + 0 + 0.875) / 3)
+    assert out["pass@1"]["mean"] == pytest.approx((0.25 + 0 + 0.75) / 3)
+    assert out["pass@4"]["mean"] == pytest.approx(2 / 3)
+    assert summarize([[0.5]], threshold=0.5)["pass@1"]["mean"] == 1.0
+
+
+def test_env_report_counts_failures_as_zero_reward():
+    config = EvalConfig(k=2)
+    records = [
+        RolloutRecord("e", "e/0", 0, 0, reward=1.0, metrics={"num_turns": 1.0}),
+        RolloutRecord("e", "e/0", 0, 1, failed=True, error="TimeoutError: "),
+        RolloutRecord("e", "e/1", 1, 0, reward=0.0, metrics={"num_turns": 3.0}),
+        RolloutRecord("e", "e/1", 1, 1, reward=1.0, metrics={"num_turns": 1.0}),
+    ]
+    report = env_report(records, config)
+    assert report["num_failed"] == 1 and report["num_tasks"] == 2
+    assert report["avg@2"]["mean"] == pytest.approx(0.5)
+    assert report["pass@2"]["mean"] == 1.0
+    assert report["metrics"]["num_turns"] == pytest.approx(5 / 3)
+    table = markdown_table("m", {"e": report}, 0.95)
+    assert "| env | tasks | k | failed | avg@2 | pass@1 | pass@2 |" in table
+    assert "| e | 2 | 2 | 1 | 0.500 [" in table
+
+
+def test_eval_config_checks():
+    with pytest.raises(ValueError, match="greedy"):
+        EvalConfig(k=4, sampling={"temperature": 0})
+    with pytest.raises(ValueError, match="appear twice"):
+        EvalConfig(env=[{"name": "math"}, {"name": "math"}])
+    config = EvalConfig(model={"name": "some/model"})
+    assert config.inference_config().model.name == "some/model"

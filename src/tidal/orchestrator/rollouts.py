@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Environment, Episode, Task, Turn, run_episode
+from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, Turn, run_episode
 from tidal.inference.client import InferenceClient
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.types import Group, Rollout
@@ -38,8 +38,13 @@ class ClientSampler:
     versions: list[int] = field(default_factory=list)
 
     async def complete(self, prompt_ids: list[int]) -> Turn:
+        return (await self.complete_n(prompt_ids, 1))[0]
+
+    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+        # vLLM seeds sample i of an n-sample request with seed + i; turn t of an episode uses seed + t
         request = GenerateRequest(
             prompt_token_ids=tuple(prompt_ids),
+            n=n,
             sampling=SamplingParams(
                 temperature=self.sampling.temperature,
                 max_tokens=self.sampling.max_tokens,
@@ -48,14 +53,11 @@ class ClientSampler:
         )
         generation = await self.client.generate(request, session_id=self.session_id)
         self.versions.append(generation.weight_version)
-        out = generation.completions[0]
-        return Turn(
-            list(generation.prompt_token_ids),
-            list(out.token_ids),
-            list(out.logprobs),
-            out.text,
-            out.finish_reason,
-        )
+        prompt = list(generation.prompt_token_ids)
+        return [
+            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
+            for c in generation.completions
+        ]
 
 
 async def run_group(
@@ -69,6 +71,11 @@ async def run_group(
     run_seed: int,
     timeout: float,
 ) -> Group:
+    if isinstance(env, SingleTurnEnv):
+        return await _single_turn_group(
+            client, env, tokenizer, task, position, group_size, sampling, run_seed, timeout
+        )
+
     async def one(index: int) -> Rollout:
         sampler = ClientSampler(
             client, tokenizer, sampling, rollout_seed(run_seed, position, index), f"{task.task_id}#{index}"
@@ -85,6 +92,34 @@ async def run_group(
             client.end_session(sampler.session_id)
 
     rollouts = await asyncio.gather(*(one(i) for i in range(group_size)))
+    return Group(task_id=task.task_id, env=env.name, rollouts=list(rollouts))
+
+
+async def _single_turn_group(
+    client: InferenceClient,
+    env: SingleTurnEnv,
+    tokenizer: Any,
+    task: Task,
+    position: int,
+    group_size: int,
+    sampling: SamplingConfig,
+    run_seed: int,
+    timeout: float,
+) -> Group:
+    """One n-sample request for the whole group, then each episode scored on its own (failures stay local)."""
+    sampler = ClientSampler(client, tokenizer, sampling, rollout_seed(run_seed, position, 0), task.task_id)
+    episodes = await env.rollout_group(task, sampler, group_size)
+    client.end_session(sampler.session_id)
+
+    async def score(episode: Episode) -> Rollout:
+        try:
+            await asyncio.wait_for(env.score(task, episode), timeout)
+            return to_rollout(env, task, episode, sampler.versions)
+        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - reward code may raise anything
+            logger.warning("scoring %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+            return failed_rollout(env, task, sampler.versions, type(exc).__name__)
+
+    rollouts = await asyncio.gather(*(score(e) for e in episodes))
     return Group(task_id=task.task_id, env=env.name, rollouts=list(rollouts))
 
 

@@ -58,11 +58,16 @@ def resolve_model_name(name: str) -> str:
     return name
 
 
-def build_tokenizer():  # -> PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int | None = None):  # -> PreTrainedTokenizerFast
+    """The char-level tokenizer; `vocab_size` pads the vocabulary with unused `<|filler_i|>` entries so a
+    random model with a real model's vocabulary (e.g. Qwen3's 151936) can be served and decoded."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tokens = SPECIAL_TOKENS + CHARS
+    if vocab_size is not None:
+        tokens += [f"<|filler_{i}|>" for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     # A BPE model without merges splits text into single characters; Fuse() joins them back without spaces.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()

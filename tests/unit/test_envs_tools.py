@@ -68,7 +68,7 @@ def test_python_sandbox_limits():
     ok, spin, memory, network, cwd, huge, empty = asyncio.run(run_all())
     assert time.monotonic() - start < 10
     assert ok.strip() == "45"
-    assert "timed out" in spin
+    assert "timed out" in spin or "killed by signal" in spin
     assert "MemoryError" in memory
     assert "disabled" in network or "Network is unreachable" in network or "Errno" in network
     assert "tidal-sandbox-" in cwd
@@ -80,7 +80,7 @@ def test_tools_go_into_the_system_prompt_when_the_template_ignores_them():
     tok = build_tokenizer()
     env = ToolUseEnv(num_examples=5)
     text = tok.decode(render_tool_prompt(tok, env.task(0).messages, list(env.tools.values())))
-    assert '"name": "calculator"' in text and "<tool_call>" in text
+    assert "- calculator(expression):" in text and "<tool_call>" in text
     assert text.count("<|im_start|>system") == 1
 
 
@@ -92,7 +92,7 @@ def test_tool_aware_templates_render_the_tools_themselves():
     )
     env = ToolUseEnv(num_examples=5)
     text = tok.decode(render_tool_prompt(tok, env.task(0).messages, list(env.tools.values())))
-    assert "TOOLS:calculator;python;" in text and "You may call these tools" not in text
+    assert "TOOLS:calculator;python;" in text and "Tools:" not in text
 
 
 def test_tool_use_questions_are_deterministic_and_correct():

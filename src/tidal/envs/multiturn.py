@@ -44,21 +44,20 @@ class MultiTurnEnv(Environment):
             reply = await self.env_response(task, episode)
             if not reply or episode.num_turns >= self.max_turns:
                 break
-            context = extend_context(sampler.tokenizer, episode, reply)
+            context = next_context(sampler.tokenizer, episode, reply)
             if self.max_context_tokens is not None and len(context) > self.max_context_tokens:
-                episode.info["truncated"] = True
+                episode.info["truncated"] = True  # the reply is left out: no turn would follow it
                 break
+            episode.add_env_tokens(context[len(episode.context_ids) :])
+            episode.messages.extend(reply)
         return episode
 
 
-def extend_context(tokenizer: Any, episode: Episode, reply: list[Message]) -> list[int]:
-    """Append the environment's reply (mask 0) and the next generation prompt; returns the new context."""
+def next_context(tokenizer: Any, episode: Episode, reply: list[Message]) -> list[int]:
+    """The episode's ids, the environment's reply and the next generation prompt (the episode is unchanged)."""
     history = [_chat_message(m) for m in episode.messages]
     new = [_chat_message(m) for m in reply]
-    context = continue_prompt(tokenizer, episode.context_ids, history, new)
-    episode.add_env_tokens(context[len(episode.context_ids) :])
-    episode.messages.extend(reply)
-    return context
+    return continue_prompt(tokenizer, episode.context_ids, history, new)
 
 
 def _chat_message(message: Message) -> ChatMessage:

@@ -71,7 +71,7 @@ def _bounded(value: int | float) -> int | float:
 
 CALCULATOR = Tool(
     name="calculator",
-    description="Evaluate an arithmetic expression (+ - * / // % ** and parentheses), e.g. '(3 + 4) * 12'.",
+    description="Evaluate arithmetic, e.g. (3 + 4) * 12.",
     parameters={
         "type": "object",
         "properties": {"expression": {"type": "string", "description": "The expression to evaluate."}},
@@ -130,7 +130,7 @@ class PythonSandbox:
 
     def _limit(self) -> None:
         """In the child, before exec: resource limits, then a network namespace if the kernel allows it."""
-        cpu = max(1, int(self.timeout))
+        cpu = int(self.timeout) + 1  # a backstop: the wall-clock timeout normally fires first
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         memory = self.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -160,7 +160,7 @@ def python_tool(sandbox: PythonSandbox | None = None) -> Tool:
 
     return Tool(
         name="python",
-        description="Run Python 3 code in a sandbox (no network, limited time and memory); returns what it prints.",
+        description="Run Python 3 code (no network); returns what it prints.",
         parameters={
             "type": "object",
             "properties": {

@@ -11,10 +11,7 @@ from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.sandbox import CALCULATOR, PythonSandbox, python_tool
 from tidal.envs.tools import ToolEnv
 
-SYSTEM_PROMPT = (
-    "Answer the question. Use the tools to compute; do not guess. "
-    "When you know the result, reply with <answer>number</answer> and no tool call."
-)
+SYSTEM_PROMPT = "Use the tools to compute, then reply <answer>number</answer> without a tool call."
 _ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 
 

@@ -93,14 +93,18 @@ def render_tool_prompt(tokenizer: Any, messages: list[Message], tools: list[Tool
 
 
 def with_tool_system_prompt(messages: list[Message], schemas: list[dict[str, Any]]) -> list[Message]:
-    described = "\n".join(json.dumps(s) for s in schemas)
+    """The tools as one compact line each (`name(arg, ...): description`): a fraction of the schemas' tokens."""
+    lines = []
+    for schema in schemas:
+        function = schema["function"]
+        arguments = ", ".join(function.get("parameters", {}).get("properties", {}))
+        lines.append(f"- {function['name']}({arguments}): {function.get('description', '')}")
     note = (
-        "You may call these tools:\n"
-        f"{described}\n"
-        'To call one, write <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.'
+        "Tools:\n" + "\n".join(lines) + "\n"
+        'Call one with <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
     )
     if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+        return [{"role": "system", "content": f"{messages[0]['content']}\n{note}"}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
 
 

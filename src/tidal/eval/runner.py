@@ -38,22 +38,23 @@ class EvalSampler:
     num_calls: int = 0
 
     async def complete(self, prompt_ids: list[int]) -> Turn:
+        return (await self.complete_n(prompt_ids, 1))[0]
+
+    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
         request = GenerateRequest(
             prompt_token_ids=tuple(prompt_ids),
+            n=n,
             sampling=SamplingParams(
                 temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + self.num_calls
             ),
         )
         self.num_calls += 1
         generation = await self.client.generate(request, session_id=self.session_id)
-        out = generation.completions[0]
-        return Turn(
-            list(generation.prompt_token_ids),
-            list(out.token_ids),
-            list(out.logprobs),
-            out.text,
-            out.finish_reason,
-        )
+        prompt = list(generation.prompt_token_ids)
+        return [
+            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
+            for c in generation.completions
+        ]
 
 
 @dataclass

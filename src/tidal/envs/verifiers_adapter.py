@@ -1,0 +1,224 @@
+"""Run environments written for `verifiers` (>= 0.4, `verifiers.v1`) in tidal, unchanged.
+
+How a verifiers rollout reaches a model: the environment's harness program talks to a per-rollout
+"interception" endpoint (OpenAI-compatible), and the interception server hands each request to a
+`verifiers.v1.Client`. This adapter loads the environment as `vf.load_environment` does (by taskset id),
+serves it once per event loop, and registers for each rollout a `SamplerClient`: a `Client` that renders
+the request with the model's chat template, extends the exact token ids of earlier turns
+(`continue_prompt`), samples through tidal's `Sampler` (so RL gets its seeds, versions and logprobs) and
+answers the harness with an OpenAI chat completion. The environment's own rewards score the rollout
+(`trace.rewards`, weighted as the task declares); tidal's Episode gets the recorded token ids, logprobs and
+mask (0 for every token the harness or environment added between turns).
+
+Defaults chosen for tidal: the `tidal_vf_chat` harness (in-process, see `vf_chat_harness`) and the
+subprocess runtime; pass `harness="null"` (needs `uv`) or another id to use verifiers' own harnesses.
+"""
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from typing import Any
+
+from tidal.envs.base import Environment, Episode, Sampler, Task, Turn, render_prompt
+from tidal.errors import UserError
+from tidal.inference.chat import continue_prompt
+from tidal.inference.types import ChatMessage
+
+try:
+    import verifiers.v1 as vf
+    from verifiers.v1.clients.train import serialize_completion
+    from verifiers.v1.dialects.chat import FINISH_REASONS
+    from verifiers.v1.interception import InterceptionServer
+    from verifiers.v1.types import content_text
+except ImportError:  # the optional extra: only this module needs it
+    vf = None
+
+if vf is not None:
+    from tidal.envs import vf_chat_harness
+
+    # verifiers resolves a harness id to a top-level module exporting the Harness via __all__
+    sys.modules.setdefault(vf_chat_harness.HARNESS_ID, vf_chat_harness)
+
+
+DEFAULT_HARNESS = "tidal_vf_chat"  # vf_chat_harness.HARNESS_ID, without importing verifiers
+
+
+class VerifiersRolloutFailed(RuntimeError):
+    """The verifiers episode did not complete (its own error is in the message)."""
+
+
+class SamplerClient(vf.Client if vf is not None else object):  # type: ignore[misc]
+    """A verifiers model client for one rollout: OpenAI chat requests in, tidal sampler turns out."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.turns: list[Turn] = []
+        self.history: list[ChatMessage] = []
+        """The last request's messages plus the reply: what `context` encodes."""
+        self.context: list[int] = []
+
+    async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # type: ignore[no-untyped-def]
+        request = dialect.parse_request(body)
+        messages = [ChatMessage(role=m.role, content=content_text(m.content) or "") for m in request.messages]
+        prompt_ids = self.prompt_ids(messages)
+        sampled = await self.sampler.complete(prompt_ids)
+        self.turns.append(sampled)
+        self.history = [*messages, ChatMessage(role="assistant", content=sampled.text)]
+        self.context = [*prompt_ids, *sampled.completion_ids]
+        response = vf.Response(
+            id=f"tidal-{uuid.uuid4().hex[:12]}",
+            created=int(time.time()),
+            model=str(body.get("model", "")),
+            message=vf.AssistantMessage(content=sampled.text),
+            finish_reason=sampled.finish_reason if sampled.finish_reason in FINISH_REASONS else None,
+            usage=vf.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(sampled.completion_ids)),
+            tokens=vf.TurnTokens(
+                prompt_ids=prompt_ids,
+                completion_ids=sampled.completion_ids,
+                completion_logprobs=sampled.logprobs,
+            ),
+        )
+        response.raw = serialize_completion(response, response.model)
+        return response
+
+    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """Continue the exact ids when the request extends the last conversation; else render afresh."""
+        n = len(self.history)
+        if n and len(messages) > n and messages[:n] == self.history:
+            return continue_prompt(self.sampler.tokenizer, self.context, self.history, messages[n:])
+        return render_prompt(self.sampler.tokenizer, [m.model_dump() for m in messages])
+
+
+def episode_from_turns(turns: list[Turn], messages: list[dict[str, Any]]) -> Episode:
+    """One token sequence from the sampled turns; ids between turns are the environment's (mask 0)."""
+    if not turns:
+        raise VerifiersRolloutFailed("the verifiers episode made no model call")
+    episode = Episode(prompt_ids=list(turns[0].prompt_ids), messages=messages)
+    for turn in turns:
+        context = episode.context_ids
+        if turn.prompt_ids[: len(context)] != context:
+            raise VerifiersRolloutFailed(
+                "the harness rewrote earlier turns (a prompt does not extend the previous one); "
+                "tidal trains on one token sequence per rollout"
+            )
+        episode.add_env_tokens(list(turn.prompt_ids[len(context) :]))
+        episode.add_model_turn(turn)
+    return episode
+
+
+class VerifiersEnv(Environment):
+    """A verifiers environment (taskset id, as `vf.load_environment` takes it) as a tidal Environment."""
+
+    def __init__(
+        self,
+        env_id: str,
+        num_examples: int | None = None,
+        harness: str = DEFAULT_HARNESS,
+        taskset: dict[str, Any] | None = None,
+        env: dict[str, Any] | None = None,
+    ):
+        if vf is None:
+            raise UserError(
+                "verifiers environments need the `verifiers` extra: pip install 'tidal[verifiers]'"
+            )
+        super().__init__(rewards=[])
+        self.name = f"vf:{env_id}"
+        self.vf_env = vf.load_environment(env_config(env_id, harness, taskset or {}, env or {}))
+        tasks = self.vf_env.taskset if num_examples is None else self.vf_env.taskset.take(num_examples)
+        self.tasks = list(tasks)
+        if not self.tasks:
+            raise UserError(f"verifiers environment {env_id!r} has no tasks")
+        self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
+
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def task(self, index: int) -> Task:
+        data = self.tasks[index].data
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(data.prompt, str):
+            messages.append({"role": "user", "content": data.prompt})
+        else:
+            messages += [
+                {"role": m.role, "content": content_text(getattr(m, "content", ""))}
+                for m in data.prompt or []
+            ]
+        return Task(task_id=f"{self.name}/{index}", messages=messages, info={"vf_index": index})
+
+    async def rollout(self, task: Task, sampler: Sampler) -> Episode:
+        interception = await self._interception()
+        client = SamplerClient(sampler)
+        config = vf.EvalClientConfig(base_url=f"http://tidal-rollout-{uuid.uuid4().hex}.invalid/v1")
+        key = config.model_dump_json()
+        interception.clients[key] = client  # the interception server's client for this rollout's config
+        try:
+            ctx = vf.ModelContext(model="tidal", client=config)
+            result = await self.vf_env.run_episode(self.tasks[task.info["vf_index"]], ctx)
+        finally:
+            interception.clients.pop(key, None)
+        if not result.ok:
+            error = result.last_error or next((t.last_error for t in result.traces if t.last_error), None)
+            raise VerifiersRolloutFailed(f"{error.type}: {error.message}" if error else "episode not ok")
+        messages = [*task.messages, *({"role": "assistant", "content": t.text} for t in client.turns)]
+        episode = episode_from_turns(client.turns, messages)
+        episode.info["vf_traces"] = result.traces
+        return episode
+
+    async def score(self, task: Task, episode: Episode) -> None:
+        """The environment scored itself during the rollout; copy its rewards and metrics."""
+        traces = episode.info.get("vf_traces", [])
+        episode.reward = sum(t.reward for t in traces) / max(1, len(traces))
+        for trace in traces:
+            for name, reward in trace.rewards.items():
+                if reward is not None:
+                    episode.metrics[f"reward/{name}"] = reward.score
+            for name, value in trace.metrics.items():
+                if value is not None:
+                    episode.metrics[f"vf/{name}"] = float(value)
+
+    async def _interception(self) -> "InterceptionServer":
+        """Serve the environment (shared tools, interception) once per event loop."""
+        loop = asyncio.get_running_loop()
+        if self._serving is None or self._serving[0] is not loop:
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self.vf_env.serving())
+            self._serving = (loop, stack)
+        interception = self.vf_env._interception  # set by serving(); verifiers has no public accessor
+        if not isinstance(interception, InterceptionServer):
+            raise UserError("verifiers adapter: set interception.type = 'server' for the environment")
+        return interception
+
+    async def aclose(self) -> None:
+        if self._serving is not None and self._serving[0] is asyncio.get_running_loop():
+            await self._serving[1].aclose()
+        self._serving = None
+
+
+def env_config(env_id: str, harness: str, taskset: dict[str, Any], env: dict[str, Any]) -> Any:
+    """The verifiers EnvConfig: every agent seat runs `harness` in the local subprocess runtime."""
+    cls = vf.env_config_type(env_id)
+    seats = {
+        name: {"harness": {"id": harness}, "runtime": {"type": "subprocess"}} for name in _seat_names(cls)
+    }
+    data = {"taskset": {"id": env_id, **taskset}, "interception": {"type": "server"}, **seats, **env}
+    try:
+        return vf.resolve_env_config(data)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"verifiers environment {env_id!r}: {exc}".splitlines()[0]) from None
+
+
+def _seat_names(cls: Any) -> list[str]:
+    return [name for name, field in cls.model_fields.items() if isinstance(field.default, vf.AgentConfig)]
+
+
+def load_verifiers_env(env_id: str, **kwargs: Any) -> VerifiersEnv:
+    """`load_env("vf:<id>", ...)`: the taskset package must be importable (installed, or on sys.path)."""
+    if vf is None:
+        raise UserError("verifiers environments need the `verifiers` extra: pip install 'tidal[verifiers]'")
+    try:
+        vf.import_taskset(env_id)
+    except ModuleNotFoundError:
+        raise UserError(f"verifiers environment {env_id!r} is not installed (pip install it first)") from None
+    return VerifiersEnv(env_id, **kwargs)

@@ -3,6 +3,7 @@
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,3 +161,32 @@ def test_env_mix_rollouts_record_their_environment(inference_server, tokenizer):
                 else "reward/sorted_agreement"
             )
             assert scored_by in rollout.metrics
+
+
+VF_ENVS = str(Path(__file__).parent / "vf_envs")
+
+
+def test_verifiers_env_rollouts_through_run_group(inference_server, tokenizer, monkeypatch):
+    monkeypatch.syspath_prepend(VF_ENVS)
+    env = load_env("vf:vf_reverse_words", num_examples=4)
+
+    async def go():
+        async with InferenceClient([inference_server.url]) as client:
+            try:
+                return await asyncio.gather(
+                    *(
+                        run_group(client, env, tokenizer, env.task(i), i, 2, SAMPLING, 0, 60.0)
+                        for i in range(2)
+                    )
+                )
+            finally:
+                await env.aclose()  # type: ignore[attr-defined]
+
+    found = asyncio.run(go())
+    for group in found:
+        assert group.env == "vf:vf_reverse_words"
+        for rollout in group.rollouts:
+            check_rollout(rollout, tokenizer)
+            assert "reward/exact" in rollout.metrics and "vf/reply_chars" in rollout.metrics
+            assert rollout.reward == rollout.metrics["reward/exact"]
+            assert all(rollout.completion_mask)  # one model turn: nothing inserted

@@ -203,10 +203,16 @@ async def evaluate(config: EvalConfig, url: str) -> tuple[dict[str, dict[str, An
     records: list[RolloutRecord] = []
     async with InferenceClient([url], timeout=config.timeout) as client:
         await client.wait_healthy(timeout=60)
-        for spec, env in envs:
-            found = await evaluate_env(client, tokenizer, env, spec, config)
-            reports[spec.display_name] = env_report(found, config)
-            records += found
+        try:
+            for spec, env in envs:
+                found = await evaluate_env(client, tokenizer, env, spec, config)
+                reports[spec.display_name] = env_report(found, config)
+                records += found
+        finally:
+            for _, env in envs:
+                close = getattr(env, "aclose", None)  # adapters holding servers (verifiers) release them
+                if close is not None:
+                    await close()
     return reports, records
 
 
@@ -216,7 +222,13 @@ def main(config: EvalConfig) -> int:
     if config.server_url is None:
         from tidal.inference.server import start_server
 
-        server = start_server(config.inference_config())
+        inference = config.inference_config()
+        if inference.server.log_file is None:  # vLLM's log would drown the report
+            log = Path(config.output_dir) / "logs" / "inference.log"
+            inference = inference.model_copy(
+                update={"server": inference.server.model_copy(update={"log_file": str(log)})}
+            )
+        server = start_server(inference)
     try:
         if server is not None:
             server.wait_ready(config.startup_timeout)

@@ -1,6 +1,7 @@
 """`tidal inference @ examples/reverse_text/infer.toml`: the official openai client can chat; SIGTERM leaves nothing."""
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -9,12 +10,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import SERVER_STARTUP_TIMEOUT, non_loopback_ip
+from .conftest import SERVER_STARTUP_TIMEOUT, free_port, non_loopback_ip
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-PORT = 18431
+DOC_PORT = 18431  # the port the example's docs use; another port if a parallel run holds it
+
+
+def pick_port() -> int:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", DOC_PORT))
+        except OSError:
+            return free_port()
+    return DOC_PORT
 
 
 def descendants(root: int) -> set[int]:
@@ -62,13 +72,14 @@ def test_cli_serves_openai_client_and_sigterm_stops_everything(
     import openai
 
     log = tmp_path / "inference.log"
+    port = pick_port()
     command = [
         *(sys.executable, "-m", "tidal", "inference", "@", "examples/reverse_text/infer.toml"),
-        *("--model.name", str(perturbed_weights), "--server.port", str(PORT), "--cpu.omp-threads-bind", "1"),
+        *("--model.name", str(perturbed_weights), "--server.port", str(port), "--cpu.omp-threads-bind", "1"),
     ]
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{PORT}"
+    url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
         started = descendants(process.pid)
@@ -86,7 +97,7 @@ def test_cli_serves_openai_client_and_sigterm_stops_everything(
         ip = non_loopback_ip()
         if ip is not None:  # bound to loopback only: unreachable through the machine's network address
             with pytest.raises(httpx.ConnectError):
-                httpx.get(f"http://{ip}:{PORT}/health", timeout=2)
+                httpx.get(f"http://{ip}:{port}/health", timeout=2)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

@@ -153,3 +153,34 @@ def test_failed_load_closes_the_update_and_resumes() -> None:
     report = asyncio.run(client_with(refusing, (A,)).update_weights("/x", 1))
     assert not report.all_ok and "safetensors" in (report.servers[0].error or "")
     assert calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+
+
+def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None:
+    from tidal.transport.nccl import AdminWeightSyncClient
+
+    seen: list[tuple[str, str | None, bytes]] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("x-admin-token"), request.read()))
+        return httpx.Response(200, json={})
+
+    client = AdminWeightSyncClient("http://a:1/", admin_token="t", transport=httpx.MockTransport(record))
+    client.pause()
+    client.init_weight_transfer_engine({"world_size": 2})
+    client.start_weight_update()
+    client.update_weights({"names": ["w"]})
+    client.finish_weight_update()
+    client.set_version(4)
+    client.resume()
+    paths = [p for p, _, _ in seen]
+    assert paths == [
+        "/pause",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert all(token == "t" for _, token, _ in seen)
+    assert b'"new_version":"4"' in seen[5][2].replace(b" ", b"")

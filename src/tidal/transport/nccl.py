@@ -4,7 +4,8 @@ The server runs with `weights.backend = "nccl"`. vLLM's trainer-side engine driv
 `VLLMWeightSyncClient`; `AdminWeightSyncClient` is that client over tidal's token-guarded admin routes
 (vLLM's own HTTP client sends no token). One server per sender: vLLM places the receiving workers at NCCL
 ranks 1..N behind the single trainer rank 0, so several servers would need one group each.
-Written against vLLM 0.32's trainer API (`WeightTransferTrainerFactory`); not yet run on GPUs.
+vLLM 0.3x has a trainer-side engine (`WeightTransferTrainerFactory`); 0.26 has only the worker engine and a
+static broadcast, so the sender drives the same routes itself there. Neither path has been run on GPUs yet.
 """
 
 from typing import Any
@@ -17,9 +18,16 @@ from tidal.inference.guard import TOKEN_HEADER
 class AdminWeightSyncClient:
     """vLLM's four-call weight-sync protocol (plus pause/resume/version) over HTTP with the admin token."""
 
-    def __init__(self, url: str, admin_token: str | None = None, timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        admin_token: str | None = None,
+        timeout: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout, headers={TOKEN_HEADER: admin_token} if admin_token else {})
+        headers = {TOKEN_HEADER: admin_token} if admin_token else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers, transport=transport)
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
         response = self._http.post(self.url + path, json=body)
@@ -62,32 +70,93 @@ class NcclWeightSender:
         inference_world_size: int,
         admin_token: str | None = None,
     ):
+        self.client = AdminWeightSyncClient(url, admin_token)
+        self.is_sender = rank == 0
+        self.model = model
+        rendezvous = {"master_address": master_address, "master_port": master_port}
+        world_size = inference_world_size + 1  # the trainer's rank 0, then every inference worker
+        if _has_trainer_engines():
+            self._init_032(rank, world_size, rendezvous)
+        else:
+            self._init_026(world_size, rendezvous)
+
+    def _init_032(self, rank: int, world_size: int, rendezvous: dict[str, Any]) -> None:
+        """vLLM >= 0.3x: its trainer engine drives the handshake and the round trip."""
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        self.client = AdminWeightSyncClient(url, admin_token)
-        self.is_sender = rank == 0
-        init_info = NCCLTrainerInitInfo(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=inference_world_size + 1,
-            rank=rank,
+        init_info = NCCLTrainerInitInfo(**rendezvous, world_size=world_size, rank=rank)
+        self.engine: Any = WeightTransferTrainerFactory.trainer_init(
+            init_info, client=self.client, source=ModuleSource(self.model)
         )
-        self.engine = WeightTransferTrainerFactory.trainer_init(
-            init_info, client=self.client, source=ModuleSource(model)
-        )
+        self.group: Any = None
+
+    def _init_026(self, world_size: int, rendezvous: dict[str, Any]) -> None:
+        """vLLM 0.26: no trainer engine; open the NCCL group while the workers join it (both block)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.engine = None
+        self.group = None
+        if not self.is_sender:
+            return
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(
+                self.client.init_weight_transfer_engine,
+                {**rendezvous, "rank_offset": 1, "world_size": world_size},
+            )
+            self.group = trainer_init({**rendezvous, "world_size": world_size})
+            joined.result()
 
     def send(self, version: int) -> None:
-        """Pause the server, broadcast every parameter, tag the version, resume."""
+        """Pause the server, broadcast every parameter, tag the version (where vLLM keeps one), resume."""
         if self.is_sender:
             self.client.pause()
         try:
-            self.engine.send_weights()
-            if self.is_sender:
-                self.client.set_version(version)
+            if self.engine is not None:
+                self.engine.send_weights()
+                if self.is_sender:
+                    self.client.set_version(version)
+            else:
+                self._send_026()
         finally:
             if self.is_sender:
                 self.client.resume()
 
+    def _send_026(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        params = [(name, _full(p)) for name, p in self.model.named_parameters()]  # a collective under FSDP
+        if not self.is_sender:
+            return
+        info = {
+            "names": [n for n, _ in params],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in params],
+            "shapes": [list(t.shape) for _, t in params],
+            "packed": True,
+        }
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            received = pool.submit(self.client.update_weights, info)  # workers receive while we broadcast
+            send = NCCLWeightTransferEngine.trainer_send_weights  # type: ignore[attr-defined]  # 0.26 only
+            send(iter(params), {"group": self.group, "packed": True})
+            received.result()
+        self.client.finish_weight_update()
+
     def close(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def _has_trainer_engines() -> bool:
+    import vllm.distributed.weight_transfer.nccl_engine as nccl
+
+    return hasattr(nccl, "NCCLTrainerInitInfo")
+
+
+def _full(tensor: Any) -> Any:
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if callable(gather) else tensor.detach()

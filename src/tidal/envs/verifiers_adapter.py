@@ -131,6 +131,7 @@ class VerifiersEnv(Environment):
         if not self.tasks:
             raise UserError(f"verifiers environment {env_id!r} has no tasks")
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def num_tasks(self) -> int:
         return len(self.tasks)
@@ -181,10 +182,13 @@ class VerifiersEnv(Environment):
     async def _interception(self) -> "InterceptionServer":
         """Serve the environment (shared tools, interception) once per event loop."""
         loop = asyncio.get_running_loop()
-        if self._serving is None or self._serving[0] is not loop:
-            stack = contextlib.AsyncExitStack()
-            await stack.enter_async_context(self.vf_env.serving())
-            self._serving = (loop, stack)
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:  # concurrent first rollouts must share one server, not race to start two
+            if self._serving is None or self._serving[0] is not loop:
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(self.vf_env.serving())
+                self._serving = (loop, stack)
         interception = self.vf_env._interception  # set by serving(); verifiers has no public accessor
         if not isinstance(interception, InterceptionServer):
             raise UserError("verifiers adapter: set interception.type = 'server' for the environment")

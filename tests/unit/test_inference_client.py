@@ -184,3 +184,14 @@ def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None
     ]
     assert all(token == "t" for _, token, _ in seen)
     assert b'"new_version":"4"' in seen[5][2].replace(b" ", b"")
+
+
+def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out() -> None:
+    def slow_a(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            raise httpx.ReadTimeout("took too long", request=request)
+        return completion(request)
+
+    client = client_with(slow_a)
+    assert asyncio.run(client.generate(REQUEST)).server == B  # least recently used A was tried first
+    assert client.servers[A].healthy  # slow is not dead: only the health watch decides that

@@ -1,0 +1,79 @@
+"""The verifiers adapter with scripted model replies: rewards, metrics, tokens and failures map to tidal."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_envs_multiturn import ScriptedSampler
+from tidal.envs.base import Turn, run_episode
+from tidal.envs.registry import load_env
+from tidal.errors import UserError
+
+pytest.importorskip("verifiers.v1")
+
+from tidal.envs.verifiers_adapter import VerifiersRolloutFailed, episode_from_turns  # noqa: E402
+
+VF_ENVS = str(Path(__file__).parents[1] / "integration" / "vf_envs")
+
+
+@pytest.fixture(autouse=True)
+def vf_envs_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(VF_ENVS)
+
+
+def test_verifiers_env_rewards_metrics_and_tokens():
+    env = load_env("vf:vf_reverse_words", num_examples=3, taskset={"seed": 1})
+    assert env.name == "vf:vf_reverse_words" and env.num_tasks() == 3
+    task = env.task(0)
+    assert task.messages[0] == {"role": "system", "content": "Reverse the text character by character."}
+    word = task.messages[1]["content"]
+
+    async def go():
+        try:
+            right = ScriptedSampler([word[::-1]])
+            wrong = ScriptedSampler(["?"])
+            results = await asyncio.gather(run_episode(env, task, right), run_episode(env, task, wrong))
+            return results, right
+        finally:
+            await env.aclose()
+
+    (good, bad), sampler = asyncio.run(go())
+    assert good.reward == 1.0 and good.metrics["reward/exact"] == 1.0
+    assert good.metrics["vf/reply_chars"] == len(word)
+    assert bad.reward == 0.0
+    assert good.prompt_ids == sampler.prompts[0]  # rendered with the model's chat template
+    assert good.completion_ids == sampler.sampled[0] and all(good.completion_mask)
+    assert good.messages[-1] == {"role": "assistant", "content": word[::-1]}
+
+
+def test_verifiers_reward_exceptions_fail_the_rollout():
+    env = load_env("vf:vf_broken_reward")
+
+    async def go():
+        try:
+            return await run_episode(env, env.task(0), ScriptedSampler(["hi"]))
+        finally:
+            await env.aclose()
+
+    with pytest.raises(VerifiersRolloutFailed, match="reward bug"):
+        asyncio.run(go())
+
+
+def test_episodes_from_turns_need_one_token_sequence():
+    first = Turn([1, 2], [3, 4], [-0.1, -0.2], "x")
+    second = Turn([1, 2, 3, 4, 9, 9], [5], [-0.3], "y")
+    episode = episode_from_turns([first, second], [])
+    assert episode.prompt_ids == [1, 2]
+    assert episode.completion_ids == [3, 4, 9, 9, 5]
+    assert episode.completion_mask == [1, 1, 0, 0, 1]
+    assert episode.completion_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    with pytest.raises(VerifiersRolloutFailed, match="rewrote"):
+        episode_from_turns([first, Turn([1, 7], [5], [-0.3], "y")], [])
+    with pytest.raises(VerifiersRolloutFailed):
+        episode_from_turns([], [])
+
+
+def test_unknown_verifiers_env_is_a_user_error():
+    with pytest.raises(UserError, match="not installed"):
+        load_env("vf:no_such_env_here")

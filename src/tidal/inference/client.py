@@ -116,6 +116,9 @@ class InferenceClient:
         )
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._latest_weights: tuple[int, str] | None = None
+        # One fan-out or catch-up at a time: a server re-admitted during a fan-out that skipped it would
+        # otherwise come back with the weights from before that fan-out.
+        self._weights_lock = asyncio.Lock()
         self._loras: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
         self._picks = 0
@@ -276,9 +279,13 @@ class InferenceClient:
             ok = False
         if not ok:
             self.mark_down(server, "health check failed")
-        elif not server.healthy and await self._catch_up(server):
-            logger.warning("inference server %s back in rotation (version %d)", server.url, server.version)
-            server.healthy = True
+        elif not server.healthy:
+            async with self._weights_lock:
+                if await self._catch_up(server):
+                    logger.warning(
+                        "inference server %s back in rotation (version %d)", server.url, server.version
+                    )
+                    server.healthy = True
 
     async def _catch_up(self, server: ServerState) -> bool:
         """Bring a returning server to the latest weights and adapters; False if that failed."""
@@ -307,12 +314,14 @@ class InferenceClient:
 
         Servers that are down now are updated by the health watch before they return to rotation.
         """
-        results = await asyncio.gather(
-            *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
-        )
-        if any(r.ok for r in results):  # a path every server refused must not be replayed on returning ones
-            self._latest_weights = (version, str(path))
-        return WeightUpdateReport(version=version, path=str(path), servers=tuple(results))
+        async with self._weights_lock:
+            results = await asyncio.gather(
+                *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
+            )
+            # A path that every server refused must not be replayed on returning ones.
+            if any(r.ok for r in results):
+                self._latest_weights = (version, str(path))
+            return WeightUpdateReport(version=version, path=str(path), servers=tuple(results))
 
     async def _update_or_skip(self, server: ServerState, path: str, version: int) -> ServerVersion:
         if not server.healthy:

@@ -55,6 +55,13 @@ class EnvMix(Environment):
     async def score(self, task: Task, episode: Episode) -> None:
         await self.env_of(task).score(task, episode)
 
+    async def aclose(self) -> None:
+        """Release what members hold (a verifiers environment serves an interception endpoint)."""
+        for env in self.envs.values():
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                await close()
+
 
 def env_name(env: Environment, task: Task) -> str:
     """The environment a task belongs to: its mix member if it came from an `EnvMix`."""

@@ -184,7 +184,9 @@ class VerifiersEnv(Environment):
         loop = asyncio.get_running_loop()
         if self._starting is None or self._starting[0] is not loop:
             self._starting = (loop, asyncio.Lock())
-        async with self._starting[1]:  # concurrent first rollouts must share one server, not race to start two
+        async with self._starting[
+            1
+        ]:  # concurrent first rollouts must share one server, not race to start two
             if self._serving is None or self._serving[0] is not loop:
                 stack = contextlib.AsyncExitStack()
                 await stack.enter_async_context(self.vf_env.serving())

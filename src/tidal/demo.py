@@ -16,7 +16,7 @@ SFT_CONFIG = "examples/reverse_text/sft.toml"
 RL_CONFIG = "examples/reverse_text/rl.toml"
 # A short warm-up on purpose: the model learns the format but is far from perfect when sampled at T = 1,
 # which leaves RL something to show. (The full 300-step SFT reaches 0.95 greedy exact match by itself.)
-WARMUP_STEPS = 120
+WARMUP_STEPS = 180
 
 
 def run(args: list[str]) -> None:

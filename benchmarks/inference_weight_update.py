@@ -7,6 +7,9 @@ them. The timed span is what RL waits for: from the pause request to the resumed
     python benchmarks/inference_weight_update.py --arch tiny --out benchmarks/results/weight_update_cpu_tiny.json
     python benchmarks/inference_weight_update.py --arch qwen3-0.6b --dtype bfloat16 \\
         --gpu-memory-utilization 0.4 --out benchmarks/results/weight_update_h200_qwen3_0.6b.json
+    # two GPUs: the server on GPU 1, a trainer process holding the model on GPU 0 broadcasts over NCCL
+    python benchmarks/inference_weight_update.py --backend nccl --arch qwen3-0.6b --dtype bfloat16 \\
+        --gpu-memory-utilization 0.4 --out benchmarks/results/weight_update_nccl_h200x2_qwen3_0.6b.json
 """
 
 import argparse
@@ -38,6 +41,7 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["filesystem", "nccl"], default="filesystem")
     parser.add_argument("--arch", choices=["tiny", *ARCHS], default="tiny")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=6)
@@ -84,19 +88,55 @@ async def time_updates(url: str, paths: list[Path], repeats: int) -> list[float]
     return seconds
 
 
-def serve(args: argparse.Namespace, model_dir: Path) -> Any:
+def serve(args: argparse.Namespace, model_dir: Path, gpu: str | None = None) -> Any:
+    import dataclasses
+
     from tidal.config.inference import InferenceConfig
-    from tidal.inference.server import start_server
+    from tidal.inference.server import ServerProcess, build_launch, resolve_device
 
     vllm: dict[str, Any] = {"max_model_len": 1024, "enforce_eager": True}
     if args.gpu_memory_utilization is not None:
         vllm["gpu_memory_utilization"] = args.gpu_memory_utilization
     config = InferenceConfig.model_validate(
-        {"model": {"name": str(model_dir), "dtype": args.dtype}, "server": {"port": args.port}, "vllm": vllm}
+        {
+            "model": {"name": str(model_dir), "dtype": args.dtype},
+            "server": {"port": args.port},
+            "vllm": vllm,
+            "weights": {"backend": args.backend},
+        }
     )
-    server = start_server(config)
+    launch = build_launch(config, str(model_dir), resolve_device(config))
+    if gpu is not None:
+        launch = dataclasses.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": gpu})
+    server = ServerProcess(launch).start()
     server.wait_ready(900)
     return server
+
+
+def time_nccl_updates(url: str, model_dir: Path, dtype: str, repeats: int) -> list[float]:
+    """The trainer side on GPU 0: load the checkpoint, then broadcast it to the server `repeats` times."""
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidal.transport.nccl import NcclWeightSender
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to("cuda:0")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    sender = NcclWeightSender(
+        model, url, rank=0, master_address="127.0.0.1", master_port=port, inference_world_size=1
+    )
+    seconds = []
+    for version in range(1, repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        sender.send(version)
+        seconds.append(time.perf_counter() - start)
+    sender.close()
+    return seconds
 
 
 def main() -> None:
@@ -105,15 +145,19 @@ def main() -> None:
     paths = publish_checkpoints(args.arch, args.dtype, workdir)
     size = sum(f.stat().st_size for f in paths[0].glob("*.safetensors"))
     started = time.perf_counter()
-    server = serve(args, paths[0])
+    server = serve(args, paths[0], gpu="1" if args.backend == "nccl" else None)
     startup = time.perf_counter() - started
     try:
-        seconds = asyncio.run(time_updates(server.url, paths, args.repeats))
+        if args.backend == "nccl":
+            seconds = time_nccl_updates(server.url, paths[1], args.dtype, args.repeats)
+        else:
+            seconds = asyncio.run(time_updates(server.url, paths, args.repeats))
     finally:
         server.stop()
     median = statistics.median(seconds)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "backend": args.backend,
         "arch": args.arch,
         "dtype": args.dtype,
         "safetensors_bytes": size,

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import tomli_w
 from pydantic import BaseModel
 
 from tidal.config.help import render_help
@@ -70,6 +69,12 @@ def _load(ref: str) -> object:
     return getattr(importlib.import_module(module), attr)
 
 
+def _as_toml(config: BaseModel) -> str:
+    import tomli_w  # only here: the GPU machines run tidal without it
+
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [
@@ -112,12 +117,7 @@ def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
         config = load_config(schema, parsed.files, parsed.overrides)
         if parsed.dry_run:
             show = _load(command.dry_run) if command.dry_run else None
-            text = (
-                show(config)
-                if callable(show)
-                else tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
-            )
-            print(text, end="")
+            print(show(config) if callable(show) else _as_toml(config), end="")
             return 0
         entry = _load(command.entry)
         assert callable(entry)

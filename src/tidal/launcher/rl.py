@@ -55,6 +55,9 @@ class StepReporter:
         self._printed = -1
 
     def poll(self) -> None:
+        # the orchestrator writes step n before the trainer can train on it: read it first
+        for record in self._read_new(self.orchestrator):
+            self._orch[record["step"]] = record
         for record in self._read_new(self.trainer):
             orch = self._orch.get(record["step"], {})
             print(
@@ -64,8 +67,6 @@ class StepReporter:
                 f" | trainer waited {record['time/wait_for_data']:.2f} s",
                 flush=True,
             )
-        for record in self._read_new(self.orchestrator):
-            self._orch[record["step"]] = record
 
     def _read_new(self, path: Path) -> list[dict[str, Any]]:
         if not path.exists():

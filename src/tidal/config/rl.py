@@ -14,6 +14,7 @@ from tidal.config.common import (
     SchedulerConfig,
     WandbConfig,
 )
+from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.inference import InferenceConfig
 from tidal.config.loss import LossConfig
 
@@ -39,19 +40,6 @@ class ZMQTransport(Config):
 
 
 RolloutTransport = Annotated[FilesystemTransport | ZMQTransport, Field(discriminator="type")]
-
-
-class EnvConfig(Config):
-    """Which environment the rollouts come from."""
-
-    name: Literal["reverse_text"] = "reverse_text"
-    """Built-in environment."""
-    num_examples: int = Field(default=10_000, gt=0)
-    """Tasks generated for training."""
-    seed: int = 0
-    """Task generator seed."""
-    timeout: float = Field(default=300.0, gt=0)
-    """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
 
 
 class SamplingConfig(Config):
@@ -109,7 +97,10 @@ class OrchestratorConfig(Config):
     max_async_level: int = Field(default=1, ge=0)
     """Rollouts from policy version v may train step n only if n − v ≤ this (0: fully synchronous)."""
     model: ModelConfig = ModelConfig()
-    env: EnvConfig = EnvConfig()
+    env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
+    """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
+    rollout_timeout: float = Field(default=300.0, gt=0)
+    """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
     sampling: SamplingConfig = SamplingConfig()
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
@@ -117,6 +108,13 @@ class OrchestratorConfig(Config):
     ckpt_interval: int = Field(default=10, gt=0)
     """Save orchestrator state (step, task position, buffered groups) every N steps."""
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check_envs(self) -> "OrchestratorConfig":
+        problem = check_distinct(self.env)
+        if problem is not None:
+            raise ConfigProblem("env", problem)
+        return self
 
 
 class PublishConfig(Config):

@@ -57,12 +57,23 @@ class StepStats:
     num_failed_rollouts: int = 0
     num_stale_rollouts: int = 0
     num_groups_run: int = 0
+    env_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """Rewards of every finished rollout per environment, kept or dropped (zero-signal groups included)."""
+    env_failed: dict[str, int] = field(default_factory=dict)
+
+    def record(self, groups: list[Group]) -> None:
+        for group in groups:
+            self.env_rewards.setdefault(group.env, []).extend(r.reward for r in group.rollouts)
+            self.env_failed[group.env] = self.env_failed.get(group.env, 0) + sum(
+                r.failed for r in group.rollouts
+            )
 
 
 def build_env(config: OrchestratorConfig) -> Environment:
-    from tidal.envs.reverse_text import ReverseTextEnv
+    """One environment, or an EnvMix over several by weight (task order seeded by the run's seed)."""
+    from tidal.envs.registry import build_envs
 
-    return ReverseTextEnv(num_examples=config.env.num_examples, seed=config.env.seed)
+    return build_envs(config.env, seed=config.seed)
 
 
 class Orchestrator:
@@ -103,6 +114,9 @@ class Orchestrator:
             finally:
                 await policy.stop()
                 sender.close()
+                close = getattr(self.env, "aclose", None)  # verifiers environments serve an endpoint
+                if close is not None:
+                    await close()
         self.metrics.close()
         return 0
 
@@ -167,6 +181,7 @@ class Orchestrator:
         advantages: list[list[float]],
         stats: StepStats,
     ) -> None:
+        stats.record(groups)
         split = self.tracker.keep_fresh(groups, step)
         stats.num_stale_rollouts += split.num_stale_rollouts
         result = filter_groups(
@@ -191,7 +206,7 @@ class Orchestrator:
                 cfg.batch.group_size,
                 cfg.sampling,
                 cfg.seed,
-                cfg.env.timeout,
+                cfg.rollout_timeout,
             )
         except InferenceError as exc:
             raise UserError(f"inference failed for task {task.task_id}: {exc}") from exc
@@ -234,6 +249,7 @@ class Orchestrator:
             "time/wait_for_policy": waited,
             "time/weight_updates_total": policy.update_seconds,
         }
+        metrics.update(per_env_metrics(stats, groups))
         self.metrics.log(step, metrics)
         print(
             f"orchestrator step {step} | reward {metrics['reward/mean']:.3f} | off-policy ≤{metrics['off_policy/max']}"
@@ -272,6 +288,19 @@ class Orchestrator:
         sender.discard_from(step)
         _discard_weights_after(self.out, step)
         print(f"orchestrator: resuming at step {step}", flush=True)
+
+
+def per_env_metrics(stats: StepStats, kept: list[Group]) -> dict[str, float]:
+    """Per environment (`env/<name>/...`): mean reward and failures over every rollout run this step (a mixed
+    run drops zero-signal groups per env, so the kept batch alone would hide an env that earns nothing), and
+    the groups that made it into the batch."""
+    out: dict[str, float] = {}
+    for name, rewards in stats.env_rewards.items():
+        out[f"env/{name}/reward/mean"] = statistics.fmean(rewards) if rewards else 0.0
+        out[f"env/{name}/rollouts"] = float(len(rewards))
+        out[f"env/{name}/failed"] = float(stats.env_failed.get(name, 0))
+        out[f"env/{name}/kept_groups"] = float(sum(g.env == name for g in kept))
+    return out
 
 
 def _discard_weights_after(output_dir: Path, step: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tidal.config.rl import SamplingConfig
 from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, Turn, run_episode
+from tidal.envs.mix import EnvMix, env_name
 from tidal.inference.client import InferenceClient
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.types import Group, Rollout
@@ -71,9 +72,12 @@ async def run_group(
     run_seed: int,
     timeout: float,
 ) -> Group:
-    if isinstance(env, SingleTurnEnv):
+    member = (
+        env.env_of(task) if isinstance(env, EnvMix) else env
+    )  # a mixed single-turn env keeps its n-sample path
+    if isinstance(member, SingleTurnEnv):
         return await _single_turn_group(
-            client, env, tokenizer, task, position, group_size, sampling, run_seed, timeout
+            client, member, tokenizer, task, position, group_size, sampling, run_seed, timeout
         )
 
     async def one(index: int) -> Rollout:
@@ -92,7 +96,7 @@ async def run_group(
             client.end_session(sampler.session_id)
 
     rollouts = await asyncio.gather(*(one(i) for i in range(group_size)))
-    return Group(task_id=task.task_id, env=env.name, rollouts=list(rollouts))
+    return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
 
 
 async def _single_turn_group(
@@ -120,7 +124,7 @@ async def _single_turn_group(
             return failed_rollout(env, task, sampler.versions, type(exc).__name__)
 
     rollouts = await asyncio.gather(*(score(e) for e in episodes))
-    return Group(task_id=task.task_id, env=env.name, rollouts=list(rollouts))
+    return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
 
 
 def _is_infrastructure_error(exc: BaseException) -> bool:
@@ -144,7 +148,7 @@ def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[in
         reward=episode.reward,
         policy_version=min(versions, default=0),
         policy_version_max=max(versions, default=0),
-        env=env.name,
+        env=env_name(env, task),
         task_id=task.task_id,
         metrics=metrics,
     )
@@ -160,7 +164,7 @@ def failed_rollout(env: Environment, task: Task, versions: list[int], error: str
         reward=0.0,
         policy_version=version,
         policy_version_max=max(versions, default=version),
-        env=env.name,
+        env=env_name(env, task),
         task_id=task.task_id,
         metrics={f"error/{error}": 1.0},
         failed=True,

@@ -134,3 +134,16 @@ def test_rl_config_errors_are_one_line(tmp_path):
     result = run_tidal("rl", "@", CONFIG, "--orchestrator.batch.group-size", "1")
     assert result.returncode == 2
     assert "orchestrator.batch.group_size" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_two_environment_mix_reports_per_environment_rewards(tmp_path):
+    out = tmp_path / "mix"
+    result = run_tidal(
+        "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
+        "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530", timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    for record in metrics(out, "orchestrator"):
+        for env in ("reverse_text", "alphabet_sort"):
+            assert f"env/{env}/reward/mean" in record, sorted(record)
+            assert record[f"env/{env}/rollouts"] > 0

@@ -16,45 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.eval import EvalConfig, EvalEnvSpec
-from tidal.envs.base import Environment, Task, Turn, run_episode
+from tidal.envs.base import Environment, Task, run_episode
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
 from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed
-from tidal.inference.types import GenerateRequest, SamplingParams
+from tidal.inference.sampler import ClientSampler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalSampler:
-    """A `Sampler` for one rollout; unlike RL's it allows greedy decoding (temperature 0)."""
-
-    client: InferenceClient
-    tokenizer: Any
-    temperature: float
-    max_tokens: int
-    seed: int
-    session_id: str
-    num_calls: int = 0
-
-    async def complete(self, prompt_ids: list[int]) -> Turn:
-        return (await self.complete_n(prompt_ids, 1))[0]
-
-    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
-        request = GenerateRequest(
-            prompt_token_ids=tuple(prompt_ids),
-            n=n,
-            sampling=SamplingParams(
-                temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + self.num_calls
-            ),
-        )
-        self.num_calls += 1
-        generation = await self.client.generate(request, session_id=self.session_id)
-        prompt = list(generation.prompt_token_ids)
-        return [
-            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
-            for c in generation.completions
-        ]
 
 
 @dataclass
@@ -74,7 +42,7 @@ class RolloutRecord:
 
 
 async def run_sample(
-    env: Environment, task: Task, sampler: EvalSampler, timeout: float, record: RolloutRecord
+    env: Environment, task: Task, sampler: ClientSampler, timeout: float, record: RolloutRecord
 ) -> RolloutRecord:
     """Fill `record` from one episode; environment exceptions and timeouts mark it failed, inference errors raise."""
     try:
@@ -107,7 +75,7 @@ async def evaluate_env(
 
     async def one(index: int, sample: int) -> RolloutRecord:
         task = env.task(index)
-        sampler = EvalSampler(
+        sampler = ClientSampler(
             client,
             tokenizer,
             config.sampling.temperature,

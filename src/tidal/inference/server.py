@@ -10,8 +10,6 @@ console script does not), started with:
 It runs in its own session (process group); stopping kills the whole group, engine processes included.
 """
 
-import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -27,6 +25,7 @@ from typing import IO, Literal
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
 from tidal.inference.guard import BIND_HOST_ENV, WEIGHTS_BACKEND_ENV
+from tidal.launcher.process import die_with_parent, signal_group, wait_group_gone
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -140,12 +139,6 @@ def _vllm_flags(config: InferenceConfig) -> list[str]:
     return flags + list(v.extra_args)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the supervisor is SIGKILLed, the server gets SIGTERM (Linux)."""
-    with contextlib.suppress(OSError):  # not Linux: no parent-death signal, stop() still cleans up
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 @dataclass
 class ServerProcess:
     """One vLLM server in its own process group: start, wait until healthy, stop everything it started."""
@@ -168,7 +161,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         return self
 
@@ -199,36 +192,19 @@ class ServerProcess:
         if self.process is None:
             return None
         pgid = self.process.pid  # leader of its own session, so its pid is the group id
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         try:
             self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
             self.process.wait()
-        _wait_group_gone(pgid, grace)
+        wait_group_gone(pgid, grace)
         if self._log is not None:
             self._log.close()
         return self.process.returncode
 
     def _log_hint(self) -> str:
         return f" (see {self.launch.log_file})" if self.launch.log_file else " (see its output above)"
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _wait_group_gone(pgid: int, grace: float) -> None:
-    """Engine processes may outlive the API server by a moment; make sure none is left behind."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    _signal_group(pgid, signal.SIGKILL)
 
 
 def start_server(config: InferenceConfig) -> ServerProcess:

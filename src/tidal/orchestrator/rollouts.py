@@ -8,14 +8,13 @@ policy versions that produced its tokens. An exception or a timeout fails that r
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, Turn, run_episode
+from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, run_episode
 from tidal.envs.mix import EnvMix, env_name
 from tidal.inference.client import InferenceClient
-from tidal.inference.types import GenerateRequest, SamplingParams
+from tidal.inference.sampler import ClientSampler
 from tidal.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -25,40 +24,6 @@ def rollout_seed(run_seed: int, position: int, index: int) -> int:
     """A per-rollout sampling seed: a rerun (or a resumed run) samples the same tokens for the same task."""
     digest = hashlib.sha256(f"{run_seed}/{position}/{index}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x3FFF_FFFF
-
-
-@dataclass
-class ClientSampler:
-    """A `Sampler` over the inference client for one episode; turn t uses seed + t."""
-
-    client: InferenceClient
-    tokenizer: Any
-    sampling: SamplingConfig
-    seed: int
-    session_id: str
-    versions: list[int] = field(default_factory=list)
-
-    async def complete(self, prompt_ids: list[int]) -> Turn:
-        return (await self.complete_n(prompt_ids, 1))[0]
-
-    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
-        # vLLM seeds sample i of an n-sample request with seed + i; turn t of an episode uses seed + t
-        request = GenerateRequest(
-            prompt_token_ids=tuple(prompt_ids),
-            n=n,
-            sampling=SamplingParams(
-                temperature=self.sampling.temperature,
-                max_tokens=self.sampling.max_tokens,
-                seed=self.seed + len(self.versions),
-            ),
-        )
-        generation = await self.client.generate(request, session_id=self.session_id)
-        self.versions.append(generation.weight_version)
-        prompt = list(generation.prompt_token_ids)
-        return [
-            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
-            for c in generation.completions
-        ]
 
 
 async def run_group(
@@ -81,8 +46,9 @@ async def run_group(
         )
 
     async def one(index: int) -> Rollout:
+        seed = rollout_seed(run_seed, position, index)
         sampler = ClientSampler(
-            client, tokenizer, sampling, rollout_seed(run_seed, position, index), f"{task.task_id}#{index}"
+            client, tokenizer, sampling.temperature, sampling.max_tokens, seed, f"{task.task_id}#{index}"
         )
         try:
             episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
@@ -111,7 +77,8 @@ async def _single_turn_group(
     timeout: float,
 ) -> Group:
     """One n-sample request for the whole group, then each episode scored on its own (failures stay local)."""
-    sampler = ClientSampler(client, tokenizer, sampling, rollout_seed(run_seed, position, 0), task.task_id)
+    seed = rollout_seed(run_seed, position, 0)
+    sampler = ClientSampler(client, tokenizer, sampling.temperature, sampling.max_tokens, seed, task.task_id)
     episodes = await env.rollout_group(task, sampler, group_size)
     client.end_session(sampler.session_id)
 

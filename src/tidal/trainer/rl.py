@@ -26,7 +26,14 @@ from tidal.trainer.parallel import (
     set_num_threads,
     shutdown,
 )
-from tidal.trainer.session import TrainState, check_output_dir, end_of_step, make_printer, maybe_resume
+from tidal.trainer.session import (
+    TrainState,
+    check_output_dir,
+    end_of_step,
+    make_printer,
+    maybe_resume,
+    optimizer_step,
+)
 from tidal.trainer.signals import StopSignal
 from tidal.transport.rollouts import setup_receiver
 from tidal.transport.weights import WeightPublisher, step_dir
@@ -120,13 +127,7 @@ def rl_step(
         loss_sum += loss.item()
         parts.append(metrics)
         num_tokens += int((t["sample_ids"] >= 0).sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm, lr = optimizer_step(model, optimizer, scheduler, config.optim.max_grad_norm)
     elapsed = time.perf_counter() - start
     merged = merge_loss_metrics(parts)
     return {
@@ -137,7 +138,7 @@ def rl_step(
         "ratio/max": merged["ratio_max"],
         "entropy/mean": merged.get("entropy", 0.0),
         "nonfinite_tokens": merged["num_nonfinite"],
-        "grad_norm": float(grad_norm),
+        "grad_norm": grad_norm,
         "lr": lr,
         "tokens_per_s": all_reduce_sum(num_tokens, info) / elapsed,
         "time/forward_backward": elapsed,

@@ -91,3 +91,20 @@ def end_of_step(
     if stopping:
         say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
     return stopping
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float,
+) -> tuple[float, float]:
+    """Clip the global gradient norm, step optimizer and schedule, clear gradients; returns (norm, lr used)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), lr

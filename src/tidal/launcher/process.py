@@ -36,6 +36,20 @@ def wait_group_gone(pgid: int, grace: float) -> None:
     signal_group(pgid, signal.SIGKILL)
 
 
+def stop_group(process: "subprocess.Popen[bytes]", grace: float) -> int:
+    """SIGTERM the process group led by `process`, SIGKILL after `grace` s, wait until none of it is left."""
+    pgid = process.pid  # a session leader's pid is its group id
+    if process.poll() is None:
+        signal_group(pgid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            signal_group(pgid, signal.SIGKILL)
+            process.wait()
+    wait_group_gone(pgid, grace)
+    return process.returncode
+
+
 class ManagedProcess:
     """One named child in its own session, its stdout+stderr appended to `log_path`."""
 
@@ -72,19 +86,11 @@ class ManagedProcess:
         """SIGTERM the whole group, SIGKILL after `grace` s, and wait until no process of the group is left."""
         if self.process is None:
             return None
-        pgid = self.process.pid  # a session leader's pid is its group id
-        if self.process.poll() is None:
-            signal_group(pgid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                signal_group(pgid, signal.SIGKILL)
-                self.process.wait()
-        wait_group_gone(pgid, grace)
+        code = stop_group(self.process, grace)
         if self._log is not None:
             self._log.close()
             self._log = None
-        return self.process.returncode
+        return code
 
     def log_tail(self, num_lines: int = 20) -> str:
         try:

@@ -111,7 +111,8 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
         assert launcher.poll() is None, launcher.communicate()
         time.sleep(0.2)
     family = _descendants(launcher.pid)
-    trainers = [p for p in family if "trainer" in " ".join(p.cmdline())]
+    # the `tidal trainer @ …` process itself (the run dir's path holds "trainer" too: match the argument)
+    trainers = [p for p in family if "trainer" in p.cmdline()[:6]]
     assert trainers, [p.cmdline() for p in family]
     trainers[0].kill()
     stdout, stderr = launcher.communicate(timeout=120)

@@ -9,7 +9,7 @@ environment.
 import random
 from dataclasses import replace
 
-from tidal.envs.base import Environment, Episode, Sampler, Task
+from tidal.envs.base import Environment, Episode, Sampler, Task, close_env
 
 
 class EnvMix(Environment):
@@ -58,9 +58,7 @@ class EnvMix(Environment):
     async def aclose(self) -> None:
         """Release what members hold (a verifiers environment serves an interception endpoint)."""
         for env in self.envs.values():
-            close = getattr(env, "aclose", None)
-            if close is not None:
-                await close()
+            await close_env(env)
 
 
 def env_name(env: Environment, task: Task) -> str:

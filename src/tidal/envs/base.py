@@ -165,13 +165,6 @@ def completion_text(episode: Episode) -> str:
     return ""
 
 
-async def close_env(env: Environment) -> None:
-    """Release what an environment holds, for those that hold something (a verifiers env serves an endpoint)."""
-    close = getattr(env, "aclose", None)
-    if close is not None:
-        await close()
-
-
 async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:
     episode = await env.rollout(task, sampler)
     await env.score(task, episode)

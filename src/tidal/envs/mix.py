@@ -9,7 +9,7 @@ environment.
 import random
 from dataclasses import replace
 
-from tidal.envs.base import Environment, Episode, Sampler, Task, close_env
+from tidal.envs.base import Environment, Episode, Sampler, Task
 
 
 class EnvMix(Environment):
@@ -58,7 +58,9 @@ class EnvMix(Environment):
     async def aclose(self) -> None:
         """Release what members hold (a verifiers environment serves an interception endpoint)."""
         for env in self.envs.values():
-            await close_env(env)
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def env_name(env: Environment, task: Task) -> str:

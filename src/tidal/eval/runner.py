@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.eval import EvalConfig, EvalEnvSpec
-from tidal.envs.base import Environment, Task, close_env, run_episode
+from tidal.envs.base import Environment, Task, run_episode
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
 from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed
@@ -174,7 +174,9 @@ async def evaluate(config: EvalConfig, url: str) -> tuple[dict[str, dict[str, An
                 records += found
         finally:
             for _, env in envs:
-                await close_env(env)
+                close = getattr(env, "aclose", None)  # adapters holding servers (verifiers) release them
+                if close is not None:
+                    await close()
     return reports, records
 
 

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal import run_layout
-from tidal.config.eval import EvalConfig, EvalEnvSpec
 from tidal.config.rl import OrchestratorConfig
-from tidal.envs.base import Environment, Task, close_env
+from tidal.envs.base import Environment, Task
 from tidal.errors import UserError
 from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
@@ -93,7 +92,6 @@ class Orchestrator:
         self.tracker = StalenessTracker(config.max_async_level)
         self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
-        self.eval_config, self.eval_envs = build_online_eval(config)
 
     async def run(self) -> int:
         cfg = self.config
@@ -116,8 +114,9 @@ class Orchestrator:
             finally:
                 await policy.stop()
                 sender.close()
-                for env in [self.env, *(env for _, env in self.eval_envs)]:
-                    await close_env(env)
+                close = getattr(self.env, "aclose", None)  # verifiers environments serve an endpoint
+                if close is not None:
+                    await close()
         self.metrics.close()
         return 0
 
@@ -179,11 +178,17 @@ class Orchestrator:
 
     async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
         """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/..."""
+        from tidal.config.eval import EvalConfig
+        from tidal.envs.registry import build_env as build_one
         from tidal.eval.runner import env_report, evaluate_env
 
-        eval_config = self.eval_config
+        spec = self.config.online_eval
+        eval_config = EvalConfig(
+            env=spec.env, num_tasks=spec.num_tasks, k=spec.k, sampling=spec.sampling, seed=self.config.seed
+        )
         metrics: dict[str, float] = {"eval/policy_version": version}
-        for env_spec, env in self.eval_envs:
+        for env_spec in eval_config.env:
+            env = build_one(env_spec)
             report = env_report(
                 await evaluate_env(client, self.tokenizer, env, env_spec, eval_config), eval_config
             )
@@ -317,18 +322,6 @@ class Orchestrator:
         sender.discard_from(step)
         _discard_weights_after(self.out, step)
         print(f"orchestrator: resuming at step {step}", flush=True)
-
-
-def build_online_eval(config: OrchestratorConfig) -> tuple[EvalConfig, list[tuple[EvalEnvSpec, Environment]]]:
-    """The eval config and environments of online eval, built once (none when it is off)."""
-    from tidal.envs.registry import build_env as build_one
-
-    spec = config.online_eval
-    eval_config = EvalConfig(
-        env=spec.env, num_tasks=spec.num_tasks, k=spec.k, sampling=spec.sampling, seed=config.seed
-    )
-    envs = [(env_spec, build_one(env_spec)) for env_spec in eval_config.env] if spec.interval else []
-    return eval_config, envs
 
 
 def per_env_metrics(stats: StepStats, kept: list[Group]) -> dict[str, float]:

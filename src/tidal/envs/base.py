@@ -74,14 +74,6 @@ class Episode:
         self.completion_logprobs += [0.0] * len(ids)
         self.completion_mask += [0] * len(ids)
 
-    def summary_metrics(self) -> dict[str, float]:
-        """The episode's own metrics plus its shape: turns taken and model tokens produced."""
-        return {
-            **self.metrics,
-            "num_turns": float(self.num_turns),
-            "completion_len": float(sum(self.completion_mask)),
-        }
-
     @property
     def context_ids(self) -> list[int]:
         """Everything the model has seen and said so far."""

@@ -45,18 +45,22 @@ async def run_sample(
     env: Environment, task: Task, sampler: ClientSampler, timeout: float, record: RolloutRecord
 ) -> RolloutRecord:
     """Fill `record` from one episode; environment exceptions and timeouts mark it failed, inference errors raise."""
-    from tidal.orchestrator.rollouts import guarded
-
     try:
-        episode, error = await guarded(run_episode(env, task, sampler), timeout)
+        episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
+    except (NoHealthyServer, ServerFailed, asyncio.CancelledError):
+        raise
+    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
+        record.failed, record.error = True, f"{type(exc).__name__}: {exc}"[:500]
+        return record
     finally:
         sampler.client.end_session(sampler.session_id)
-    if episode is None or error is not None:
-        record.failed, record.error = True, f"{type(error).__name__}: {error}"[:500]
-        return record
     record.reward = episode.reward
     record.messages = episode.messages
-    record.metrics = episode.summary_metrics()
+    record.metrics = {
+        **episode.metrics,
+        "num_turns": float(episode.num_turns),
+        "completion_len": float(sum(episode.completion_mask)),
+    }
     return record
 
 

@@ -44,39 +44,72 @@ def trainer_argv(config_path: Path, num_ranks: int) -> list[str]:
 
 
 class StepReporter:
-    """Tails the orchestrator's and trainer's metrics.jsonl and prints one line per finished step."""
+    """Tails the orchestrator's and trainer's metrics.jsonl and prints one line per finished step.
+
+    On `--resume` the files already hold the earlier run's steps (printed by that run): reading starts at
+    their current end. A resumed child rewrites its file without the steps it will redo (a new file under
+    the same name): the reporter then skips the kept history and follows the new file. A line it cannot
+    parse is skipped: the summary must never stop the run it reports on.
+    """
 
     def __init__(self, output_dir: Path, max_steps: int):
         self.orchestrator = run_layout.orchestrator_dir(output_dir) / "metrics.jsonl"
         self.trainer = run_layout.trainer_dir(output_dir) / "metrics.jsonl"
         self.max_steps = max_steps
-        self._offsets = {self.orchestrator: 0, self.trainer: 0}
+        self._files = {path: _file_identity(path) for path in (self.orchestrator, self.trainer)}
         self._orch: dict[int, dict[str, Any]] = {}
-        self._printed = -1
 
     def poll(self) -> None:
         # the orchestrator writes step n before the trainer can train on it: read it first
         for record in self._read_new(self.orchestrator):
             self._orch[record["step"]] = record
         for record in self._read_new(self.trainer):
-            orch = self._orch.get(record["step"], {})
-            print(
-                f"step {record['step'] + 1}/{self.max_steps} | reward {orch.get('reward/mean', float('nan')):.3f}"
-                f" | off-policy {orch.get('off_policy/max', '?')} | loss {record['loss']:+.4f}"
-                f" | trainer {record['tokens_per_s'] / 1e3:.1f}k tok/s | inference {orch.get('tokens_per_s', 0):.0f} tok/s"
-                f" | trainer waited {record['time/wait_for_data']:.2f} s",
-                flush=True,
-            )
+            print(self._line(record), flush=True)
+
+    def _line(self, record: dict[str, Any]) -> str:
+        orch = self._orch.get(record["step"], {})
+        return (
+            f"step {record['step'] + 1}/{self.max_steps} | reward {orch.get('reward/mean', float('nan')):.3f}"
+            f" | off-policy {orch.get('off_policy/max', '?')} | loss {record.get('loss', float('nan')):+.4f}"
+            f" | trainer {record.get('tokens_per_s', 0) / 1e3:.1f}k tok/s"
+            f" | inference {orch.get('tokens_per_s', 0):.0f} tok/s"
+            f" | trainer waited {record.get('time/wait_for_data', 0):.2f} s"
+        )
 
     def _read_new(self, path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
+        inode, offset = self._files[path]
+        current = _file_identity(path)
+        if current[0] is None:
             return []
-        with path.open() as fh:
-            fh.seek(self._offsets[path])
-            text = fh.read()
-        complete = text[: text.rfind("\n") + 1]
-        self._offsets[path] += len(complete.encode())
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        if inode is None:  # created since we started: all of it is new
+            inode, offset = current[0], 0
+        elif current[0] != inode or current[1] < offset:
+            # rewritten by a resumed child: what it kept is history, already reported
+            self._files[path] = current
+            return []
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._files[path] = (inode, offset + len(complete))
+        return [r for r in map(_parse, complete.decode(errors="replace").splitlines()) if r is not None]
+
+
+def _file_identity(path: Path) -> tuple[int | None, int]:
+    """(inode, size) of a file, (None, 0) while it does not exist."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None, 0
+    return stat.st_ino, stat.st_size
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 class Launcher:

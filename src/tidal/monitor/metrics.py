@@ -24,12 +24,11 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
+        # a new file renamed over the old one: a reader following the old file never sees it shrink mid-line
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -46,6 +45,14 @@ class MetricsLogger:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _step_of(line: str) -> float:
+    """The step of one record; a line a killed writer left half-written counts as past every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return float("inf")
 
 
 def _clean(value: Any) -> Any:

@@ -49,11 +49,20 @@ def cache_dir() -> Path:
 
 
 def resolve_model_name(name: str) -> str:
-    """Map a config's model name to something `from_pretrained` accepts, building the tiny model if needed."""
+    """Map a config's model name to something `from_pretrained` accepts, building a local test model
+    (`tidal-testing/tiny-qwen3`, `tidal-testing/random-qwen3-0.6b`) on first use."""
     if name == TINY_MODEL_NAME:
         target = cache_dir() / f"tiny-qwen3-{_RECIPE_VERSION}"
         if not (target / "config.json").exists():
             build_tiny_model(target)
+        return str(target)
+    from tidal.testing.random_models import RANDOM_MODELS, build_random_model  # imports tiny: cycle
+
+    spec = RANDOM_MODELS.get(name)
+    if spec is not None:
+        target = cache_dir() / spec.dir_name
+        if not (target / "config.json").exists():
+            build_random_model(target, spec)
         return str(target)
     return name
 
@@ -86,10 +95,8 @@ def build_tokenizer(vocab_size: int | None = None):  # -> PreTrainedTokenizerFas
 def build_tiny_model(target: Path, seed: int = 0) -> Path:
     """Write the tiny model and tokenizer to `target` atomically (safe if several ranks race)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -102,6 +109,14 @@ def build_tiny_model(target: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+    return write_model_dir(Path(target), model, tokenizer)
+
+
+def write_model_dir(target: Path, model: Any, tokenizer: Any) -> Path:
+    """Save model, tokenizer and a greedy generation config to `target` via a staging dir and one rename."""
+    from transformers import GenerationConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)

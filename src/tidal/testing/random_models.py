@@ -1,0 +1,69 @@
+"""Random-weight models with a real model's architecture, built locally for GPU benchmarks and numerics tests.
+
+`tidal-testing/random-qwen3-0.6b` has Qwen3-0.6B's exact shapes (28 layers, hidden 1024, GQA 16/8 heads,
+151,936-token vocabulary, tied embeddings) with random weights and the tiny model's char-level tokenizer
+padded to Qwen's vocabulary size, so it costs what Qwen3-0.6B costs to serve and to train without a
+download. Random weights never learn to stop: completions run to `max_tokens`, which then sets the length.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RANDOM_QWEN3_0_6B = "tidal-testing/random-qwen3-0.6b"
+
+# Qwen/Qwen3-0.6B's config.json (architecture fields only).
+QWEN3_0_6B_CONFIG: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class RandomModelSpec:
+    """How to build one named random model: its cache directory, architecture and stored dtype."""
+
+    dir_name: str
+    config: dict[str, Any]
+    dtype: str = "bfloat16"
+    """Stored dtype: the real checkpoint's (vLLM serves it in this dtype; the trainer upcasts to fp32)."""
+    seed: int = 0
+
+
+# Bump a dir_name's version when its recipe changes so cached copies are rebuilt instead of reused.
+RANDOM_MODELS: dict[str, RandomModelSpec] = {
+    RANDOM_QWEN3_0_6B: RandomModelSpec("random-qwen3-0.6b-v1", QWEN3_0_6B_CONFIG),
+}
+
+
+def build_random_model(target: Path, spec: RandomModelSpec) -> Path:
+    """Write a seeded random Qwen3 of `spec`'s shape and the padded char tokenizer to `target` atomically."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tidal.testing.tiny import build_tokenizer, write_model_dir
+
+    tokenizer = build_tokenizer(spec.config["vocab_size"])
+    tokenizer.model_max_length = spec.config["max_position_embeddings"]
+    config = Qwen3Config(
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=spec.dtype,
+        **spec.config,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        # initialise in fp32 (the same numbers on any machine), then round once to the stored dtype
+        model = Qwen3ForCausalLM(config).to(getattr(torch, spec.dtype))
+    return write_model_dir(Path(target), model, tokenizer)

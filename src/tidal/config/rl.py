@@ -18,6 +18,7 @@ from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.loss import LossConfig
+from tidal.config.perf import PerfConfig
 
 
 class FilesystemTransport(Config):
@@ -160,6 +161,7 @@ class RLTrainerConfig(Config):
     """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig(lr=3e-6)
+    perf: PerfConfig = PerfConfig()
     scheduler: SchedulerConfig = SchedulerConfig(type="constant")
     loss: LossConfig = LossConfig()
     temperature: float = Field(default=1.0, gt=0)

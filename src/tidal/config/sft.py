@@ -15,6 +15,7 @@ from tidal.config.common import (
     SchedulerConfig,
     WandbConfig,
 )
+from tidal.config.perf import PerfConfig
 
 
 class SFTDataConfig(Config):
@@ -63,6 +64,7 @@ class SFTConfig(Config):
     model: ModelConfig = ModelConfig()
     data: SFTDataConfig
     optim: OptimConfig = OptimConfig()
+    perf: PerfConfig = PerfConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     eval: SFTEvalConfig = SFTEvalConfig()

@@ -6,14 +6,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tidal.config.loss import LossConfig
+from tidal.trainer.chunked import chunk_scores
 
 LOGITS_CHUNK = 1024  # tokens per chunk: one fp32 [chunk, vocab] slab lives at a time
 
 
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    scaled = logits.float() / temperature  # [chunk, vocab]
-    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [chunk]
-    return picked - torch.logsumexp(scaled, dim=-1)  # [chunk]
+    return chunk_scores(logits, targets, temperature, with_entropy=False)[0]  # [chunk]
 
 
 def selective_log_softmax(

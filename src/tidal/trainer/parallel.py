@@ -1,13 +1,18 @@
 """Process group, device placement and FSDP2 sharding: one `parallelize()` that composes the pieces."""
 
-import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from tidal.config.perf import PerfConfig
+from tidal.trainer.attention import use_varlen, varlen_works
+from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
+from tidal.trainer.chunked import TokenScorer
 
 
 @dataclass(frozen=True)
@@ -58,22 +63,88 @@ def set_num_threads(num_threads: int | None, info: DistInfo) -> int:
     return num_threads
 
 
-def parallelize(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """Move to the device and, with several ranks, shard each decoder layer and then the root with FSDP2.
+def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> TokenScorer:
+    """Wrap `model` in a TokenScorer and compose attention, activation checkpointing, compile and FSDP2.
 
-    On GPU the FSDP2 policy computes in bf16 and reduces gradients in fp32 (master weights stay fp32); a single
-    GPU process uses autocast instead (see `autocast`). CPU trains in fp32.
+    Returns the module to call for training; `model` keeps its HF parameter names for the optimizer,
+    checkpoints and exported weights (the parameters are shared). On GPU, and with several ranks, FSDP2
+    shards each decoder layer, then the root (embedding, final norm, head), and its policy computes in
+    bf16 while master weights and gradient reductions stay fp32; a single process then uses a 1-rank group.
     """
-    model.to(info.device)
-    if not info.distributed:
-        return model
-    mp = MixedPrecisionPolicy()  # no casting: fp32 on CPU
-    if info.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    setup_attention(model, perf.attention, info.device)
+    layers = _decoder_layers(model)
+    apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
+    if perf.compile:
+        apply_compile(layers)
+    scorer = TokenScorer(model, perf.loss_chunk_tokens)
+    if not uses_fsdp(perf, info):
+        return scorer.to(info.device)
+    if not perf.cpu_offload:
+        scorer.to(info.device)
+    apply_fsdp(scorer, layers, info, perf)
+    return scorer
+
+
+def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:
+    """FSDP2 whenever several ranks, a GPU, bf16 compute or CPU offload is involved; plain fp32 CPU otherwise."""
+    return (
+        info.distributed or info.device.type == "cuda" or perf.mixed_precision == "bf16" or perf.cpu_offload
+    )
+
+
+def resolve_checkpointing(perf: PerfConfig, info: DistInfo) -> str:
+    if perf.activation_checkpointing == "auto":
+        return "full" if info.device.type == "cuda" else "none"
+    return perf.activation_checkpointing
+
+
+def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -> str:
+    """Switch to tidal's varlen attention when asked (or, for `auto`, when its flash kernel works here)."""
+    flash = varlen_works(device)
+    if choice == "varlen" or (choice == "auto" and flash):
+        use_varlen(model, flash)
+        return "varlen"
+    return "hf"
+
+
+def mp_policy(perf: PerfConfig, info: DistInfo) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 reductions (master weights stay in their fp32 load dtype), or no casting."""
+    bf16 = perf.mixed_precision == "bf16" or (perf.mixed_precision == "auto" and info.device.type == "cuda")
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def mesh_shape(world_size: int, replicate: int) -> tuple[int, ...]:
+    """(shard,) for FSDP, (replicate, shard) for HSDP."""
+    if world_size % replicate:
+        raise ValueError(f"perf.replicate = {replicate} does not divide the world size {world_size}")
+    return (world_size,) if replicate == 1 else (replicate, world_size // replicate)
+
+
+def apply_fsdp(
+    root: torch.nn.Module, layers: list[torch.nn.Module], info: DistInfo, perf: PerfConfig
+) -> None:
+    """Shard each layer, then the root (which keeps its parameters gathered: the head needs them in backward)."""
+    _ensure_process_group(info)
+    shape = mesh_shape(info.world_size, perf.replicate)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+    common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(perf, info)}
+    if perf.cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=perf.reshard_after_forward, **common)
+    fully_shard(root, reshard_after_forward=False, **common)
+
+
+def _ensure_process_group(info: DistInfo) -> None:
+    """FSDP2 needs a process group even for one rank: make a 1-rank group when torchrun did not."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    device_id = info.device if info.device.type == "cuda" else None
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -82,16 +153,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
     return list(layers)
-
-
-@contextlib.contextmanager
-def autocast(info: DistInfo) -> Iterator[None]:
-    """bf16 autocast for a single-GPU process; FSDP2's policy already covers the distributed GPU case."""
-    if info.device.type == "cuda" and not info.distributed:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            yield
-    else:
-        yield
 
 
 def all_reduce_sum(value: float, info: DistInfo) -> float:
@@ -108,5 +169,5 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
+    if dist.is_initialized():  # torchrun's group, or the 1-rank group FSDP needed
         dist.destroy_process_group()

@@ -14,13 +14,13 @@ import torch
 from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
 from tidal.monitor.metrics import MetricsLogger
-from tidal.trainer.loss import entropy_from_logits, merge_loss_metrics, rl_loss, selective_log_softmax
+from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.loss import merge_loss_metrics, rl_loss
 from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
 from tidal.trainer.optim import build_optimizer, build_scheduler
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
-    autocast,
     init_distributed,
     parallelize,
     set_num_threads,
@@ -59,7 +59,8 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     say = make_printer(info)
 
     tokenizer = load_tokenizer(config.model)
-    model = parallelize(load_model(config.model), info)
+    model = load_model(config.model)
+    scorer = parallelize(model, info, config.perf)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
     logger = (
@@ -80,7 +81,7 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
             say(f"stopped by signal {stop.received} while waiting for batch {step}")
             return stop.exit_code
         waited = time.perf_counter() - wait_start
-        metrics = rl_step(model, optimizer, scheduler, batch, info, config)
+        metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
         publish_start = time.perf_counter()
         publisher.publish_model(step + 1, model, tokenizer, info)
         metrics["time/publish"] = time.perf_counter() - publish_start
@@ -99,7 +100,7 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
 
 
 def rl_step(
-    model: torch.nn.Module,
+    scorer: TokenScorer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: TrainBatch,
@@ -108,16 +109,14 @@ def rl_step(
 ) -> dict[str, Any]:
     """One optimizer step on this rank's micro-batches; the loss is normalised by global counts."""
     start = time.perf_counter()
-    model.train()
+    scorer.train()
     loss_sum, parts, num_tokens = 0.0, [], 0
     for micro in batch.micro_batches:
         t = micro.to_tensors(info.device)
-        with autocast(info):
-            logits = model(
-                input_ids=t["input_ids"], position_ids=t["position_ids"], use_cache=False
-            ).logits  # [rows, seq, vocab]
-        logprobs = selective_log_softmax(logits, t["target_ids"], config.temperature)  # [rows, seq]
-        entropy = entropy_from_logits(logits.detach(), config.temperature)  # [rows, seq]
+        # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
+        logprobs, entropy = scorer(
+            t["input_ids"], t["position_ids"], t["target_ids"], config.temperature, with_entropy=True
+        )
         loss, metrics = rl_loss(
             logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
             batch.num_loss_tokens_global, batch.num_samples_global, entropy,
@@ -127,7 +126,7 @@ def rl_step(
         loss_sum += loss.item()
         parts.append(metrics)
         num_tokens += int((t["sample_ids"] >= 0).sum())
-    grad_norm, lr = optimizer_step(model, optimizer, scheduler, config.optim.max_grad_norm)
+    grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
     elapsed = time.perf_counter() - start
     merged = merge_loss_metrics(parts)
     return {

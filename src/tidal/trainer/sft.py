@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
+from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.data import (
     IGNORE_INDEX,
     EpochSampler,
@@ -34,7 +34,6 @@ from tidal.trainer.optim import build_optimizer, build_scheduler
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
-    autocast,
     init_distributed,
     parallelize,
     set_num_threads,
@@ -113,7 +112,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
 
     tokenizer = load_tokenizer(config.model)
     data = SFTData(config, load_conversations(config.data.train), tokenizer, info)
-    model = parallelize(load_model(config.model), info)
+    model = load_model(config.model)
+    scorer = parallelize(model, info, config.perf)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
     logger = (
@@ -135,7 +135,7 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     bar = tqdm(total=config.max_steps, initial=step, disable=not show_bar)
     while step < config.max_steps:
         batch = data.next_batch()
-        metrics = train_step(model, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
+        metrics = train_step(scorer, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
         step += 1
         metrics["epoch"] = data.sampler.epoch
         bar.update(1)
@@ -159,7 +159,7 @@ def train(config: SFTConfig, info: DistInfo) -> int:
 
 
 def train_step(
-    model: torch.nn.Module,
+    scorer: TokenScorer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: StepBatch,
@@ -168,27 +168,18 @@ def train_step(
 ) -> dict[str, float]:
     """Mean token cross-entropy over the whole global batch, accumulated over micro-batches."""
     start = time.perf_counter()
-    model.train()
+    scorer.train()
     # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
     scale = info.world_size / max(1, batch.num_loss_tokens)
     loss_sum = 0.0
     for rows in batch.micro_batches:
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
-        with autocast(info):
-            # use_cache=False matters: with a KV cache transformers ignores the position-id resets that keep packed
-            # samples from attending to each other.
-            logits = model(
-                input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False
-            ).logits  # [b, s, vocab]
-        nll = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            inputs["labels"].flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        labels = inputs["labels"]  # [b, s]
+        logprobs, _ = scorer(inputs["input_ids"], inputs["position_ids"], labels)  # [b, s]
+        nll = -torch.where(labels != IGNORE_INDEX, logprobs, 0.0).sum()
         (nll * scale).backward()
         loss_sum += nll.item()
-    grad_norm, lr = optimizer_step(model, optimizer, scheduler, max_grad_norm)
+    grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, max_grad_norm)
     elapsed = time.perf_counter() - start
     return {
         "loss": all_reduce_sum(loss_sum, info) / max(1, batch.num_loss_tokens),

@@ -1,0 +1,295 @@
+"""Trainer throughput, MFU and peak memory: tidal's training step against a plain transformers step.
+
+Random-init models with Qwen3 shapes (configs below, no hub access). For each model, in one process and on
+the same packed row (documents of random lengths, positions restarting per document; or one document):
+
+- `hf`: the plain transformers step — bf16 parameters, fused AdamW, SDPA (documents masked through the
+  position-id resets), HF gradient checkpointing, the model's own loss on full logits;
+- `tidal`: `tidal.trainer.sft.train_step` after `parallelize` — FSDP2 bf16 compute over fp32 master weights,
+  fp32 AdamW, varlen flash attention, activation checkpointing as configured, chunked head, grad clipping.
+
+MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/H200 dense bf16), as in NOTES.md.
+
+    python benchmarks/trainer_mfu.py --models qwen3-4b --seq 16384 --out benchmarks/results/trainer_mfu_h200.json
+    python benchmarks/trainer_mfu.py --device cpu --models tiny --seq 256 --steps 1 --warmup 1   # smoke test
+"""
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEAK_FLOPS = 989e12
+QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8, "tie_word_embeddings": True}
+CONFIGS: dict[str, dict[str, Any]] = {
+    # architecture fields of Qwen/Qwen3-*'s config.json
+    "qwen3-0.6b": {**QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16},
+    "qwen3-1.7b": {**QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16},
+    "qwen3-4b": {**QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32},
+    "tiny": {"vocab_size": 1000, "head_dim": 16, "num_key_value_heads": 2, "tie_word_embeddings": True,
+             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+}  # fmt: skip
+# tidal variants: name -> PerfConfig fields (the default is PerfConfig's defaults)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "full": {"activation_checkpointing": "full"},
+    "selective": {"activation_checkpointing": "selective"},
+    "attention": {"activation_checkpointing": "attention"},
+    "every2": {"activation_checkpointing": "full", "checkpoint_every": 2},
+    "none": {"activation_checkpointing": "none"},
+    "compile": {"compile": True},
+    "attention-compile": {"activation_checkpointing": "attention", "compile": True},
+}
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**CONFIGS[name], attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(seed)
+    with device:  # initialise in place on the GPU: seconds, not minutes
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype)
+
+
+def document_lengths(seq: int, layout: str, seed: int) -> list[int]:
+    """`single`: one document; `packed`: random lengths in [seq/32, seq/4] filling the row exactly."""
+    if layout == "single":
+        return [seq]
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        lengths.append(int(torch.randint(seq // 32, seq // 4 + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - seq
+    return lengths
+
+
+def make_row(seq: int, vocab: int, lengths: list[int], seed: int) -> dict[str, list[int]]:
+    """One packed row: ids, restarting positions, next-token targets within each document (−100 at its end)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (seq,), generator=gen).tolist()
+    positions, targets, start = [], [], 0
+    for n in lengths:
+        positions += list(range(n))
+        targets += ids[start + 1 : start + n] + [-100]
+        start += n
+    return {"input_ids": ids, "position_ids": positions, "targets": targets}
+
+
+def model_flops_per_token(name: str, num_params: int, seq: int) -> float:
+    c = CONFIGS[name]
+    return 6 * num_params + 6 * c["num_hidden_layers"] * seq * c["num_attention_heads"] * c["head_dim"]
+
+
+def hf_runner(
+    name: str, row: dict[str, list[int]], device: torch.device, seed: int
+) -> tuple[Any, dict[str, Any]]:
+    """The plain transformers step; returns (step function returning the loss, facts about the run)."""
+    model = build_model(name, torch.bfloat16, device, seed)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    ids = torch.tensor([row["input_ids"]], device=device)  # [1, seq]
+    positions = torch.tensor([row["position_ids"]], device=device)  # [1, seq]
+    # HF shifts labels itself: label i is predicted at position i-1, so a document's first token is ignored
+    labels = torch.where(positions == 0, -100, ids)  # [1, seq]
+
+    def step() -> float:
+        loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step, {"num_params": sum(p.numel() for p in model.parameters())}
+
+
+def tidal_runner(
+    name: str, row: dict[str, list[int]], device: torch.device, seed: int, overrides: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """tidal's SFT training step on the same row; returns (step function returning the loss, run facts)."""
+    from tidal.config.common import OptimConfig, SchedulerConfig
+    from tidal.config.perf import PerfConfig
+    from tidal.trainer.data import PackedRow
+    from tidal.trainer.optim import build_optimizer, build_scheduler
+    from tidal.trainer.parallel import DistInfo, parallelize, resolve_checkpointing
+    from tidal.trainer.sft import StepBatch, train_step
+
+    model = build_model(name, torch.float32, device, seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
+    perf = PerfConfig(**overrides)
+    scorer = parallelize(model, info, perf)
+    facts = {
+        "num_params": num_params,
+        "attention": model.config._attn_implementation,
+        "activation_checkpointing": resolve_checkpointing(perf, info),
+    }
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
+    scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
+    packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
+    num_loss = packed.num_loss_tokens
+    batch = StepBatch([[packed]], num_loss_tokens=num_loss, num_tokens=len(packed), num_truncated=0)
+
+    def step() -> float:
+        return train_step(scorer, optimizer, scheduler, batch, info, max_grad_norm=1.0)["loss"]
+
+    return step, facts
+
+
+def measure(make: Any, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+    """Build, warm up, time `steps` steps; tokens/s is filled in by the caller. Frees everything after."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        step, facts = make()
+        first_loss = step()  # random init: close to ln(vocab) for both implementations
+        for _ in range(warmup - 1):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - start) / steps
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        return {"step_s": elapsed, "peak_mem_gib": peak, "first_loss": first_loss, **facts}
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory"}
+    finally:
+        step = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def run_one(
+    args: argparse.Namespace, name: str, layout: str, impl: str, device: torch.device
+) -> dict[str, Any]:
+    seed = 0
+    lengths = document_lengths(args.seq, layout, seed)
+    row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed)
+    if impl == "hf":
+        result = measure(lambda: hf_runner(name, row, device, seed), device, args.warmup, args.steps)
+        options: dict[str, Any] = {"activation_checkpointing": "full"}
+    else:
+        options = VARIANTS[impl.removeprefix("tidal:")]
+        result = measure(
+            lambda: tidal_runner(name, row, device, seed, options), device, args.warmup, args.steps
+        )
+    record: dict[str, Any] = {
+        "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
+        "docs": layout, "num_docs": len(lengths), "options": options, **result,
+    }  # fmt: skip
+    if "step_s" in result:
+        record["tokens_per_s"] = args.seq / result["step_s"]
+        flops = model_flops_per_token(name, result["num_params"], args.seq)
+        record["mfu"] = flops * record["tokens_per_s"] / PEAK_FLOPS
+    return record
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return f"{torch.cuda.get_device_name(device)} (1 GPU), torch {torch.__version__}"
+
+
+def summarise(results: list[dict[str, Any]]) -> list[str]:
+    """One line per run, tidal lines with their ratio to the hf run of the same model, seq and layout."""
+    base = {
+        (r["model"], r["seq"], r["docs"]): r for r in results if r["impl"] == "hf" and "tokens_per_s" in r
+    }
+    lines = [
+        f"{'model':11} {'seq':>6} {'docs':6} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5}"
+    ]
+    for r in results:
+        label = r["impl"] if r["impl"] == "hf" else f"tidal:{r['variant']}"
+        if "tokens_per_s" not in r:
+            lines.append(f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r.get('error')}")
+            continue
+        hf = base.get((r["model"], r["seq"], r["docs"]))
+        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf else "-"
+        peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        lines.append(
+            f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r['tokens_per_s']:>8.0f} "
+            f"{r['mfu']:>6.1%} {peak:>8} {ratio:>5}"
+        )
+    return lines
+
+
+def merge(paths: list[str], out: str) -> None:
+    """Join result files of several runs (e.g. one process per GPU) into one."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {
+        "command": " & ".join(p["command"] for p in parts),
+        "device": parts[0]["device"],
+        "results": [r for p in parts for r in p["results"]],
+    }
+    Path(out).write_text(json.dumps(merged, indent=2) + "\n")
+    print("\n".join(summarise(merged["results"])))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,qwen3-4b", help="comma-separated")
+    parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one packed row)")
+    parser.add_argument("--docs", default="packed", help="document layouts, comma-separated: packed,single")
+    parser.add_argument(
+        "--impls", default="hf,tidal:default", help="hf and/or tidal:<variant>, comma-separated"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default=None, help="write results JSON here (appends to an existing file)")
+    parser.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    args.warmup = max(1, args.warmup)
+    if args.merge:
+        merge(args.merge, args.out)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tidal.trainer.model import quiet_transformers
+
+    quiet_transformers()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    command = "python " + shlex.join(["benchmarks/trainer_mfu.py", *argv])
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        command = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} {command}"
+    if device.type == "cuda":
+        from tidal.trainer.attention import varlen_works
+
+        print(f"flash varlen attention works here: {varlen_works(device)}", flush=True)
+    results: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        for layout in args.docs.split(","):
+            for impl in args.impls.split(","):
+                record = run_one(args, name, layout, impl, device)
+                print(json.dumps(record), flush=True)
+                results.append(record)
+                if args.out:  # after every run, so a timeout keeps what was measured
+                    payload = {"command": command, "device": device_name(device), "results": results}
+                    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print("\n".join(summarise(results)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

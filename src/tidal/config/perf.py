@@ -1,0 +1,46 @@
+"""Trainer speed and memory knobs shared by `tidal sft` and the RL trainer (`[trainer.perf]`, `[perf]`)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from tidal.config.base import Config
+
+
+class PerfConfig(Config):
+    """How the trainer runs the model: precision, sharding, recomputation, attention kernel, loss chunking.
+
+    The defaults are right for most runs: on GPU bf16 compute with fp32 master weights and reductions,
+    variable-length flash attention over packed rows and full activation checkpointing; on CPU plain fp32.
+    """
+
+    mixed_precision: Literal["auto", "bf16", "off"] = "auto"
+    """`bf16`: FSDP2 computes in bf16 while master weights, gradients, optimizer state and gradient
+    reductions stay fp32. `off`: compute in the parameters' dtype. `auto`: bf16 on GPU, off on CPU."""
+    activation_checkpointing: Literal["auto", "none", "full", "selective", "attention"] = "auto"
+    """Recompute activations in backward to save memory. `full`: keep only each decoder layer's input.
+    `selective`: also keep attention outputs and every second matmul output (less recomputation, more
+    memory). `attention`: keep attention outputs only (long sequences: attention is the costly recompute).
+    `none`: keep everything. `auto`: full on GPU, none on CPU."""
+    checkpoint_every: int = Field(default=1, ge=1)
+    """Apply activation checkpointing to every N-th decoder layer only (1 = all layers); the other layers
+    keep their activations, trading memory for less recomputation."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (fuses norms, RoPE and activations; the first steps compile)."""
+    attention: Literal["auto", "varlen", "hf"] = "auto"
+    """Attention over packed rows. `varlen`: variable-length flash attention on the documents of a row (no
+    padding, no attention across documents; on CPU a per-document SDPA loop). `hf`: the model's
+    `model.attn_implementation`, which masks documents by their position-id resets. `auto`: `varlen` where
+    the flash varlen kernel works (CUDA), else `hf`."""
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per chunk of the output head: logits exist for one [chunk, vocab] slab at a time, forward and
+    backward, never for the whole [tokens, vocab]."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy); the optimizer
+    step runs on the CPU. Saves GPU memory at a large cost in speed."""
+    replicate: int = Field(default=1, ge=1)
+    """HSDP: replicate the model over this many groups and shard it within each (world size must be a
+    multiple); e.g. nodes × GPUs-per-node with replicate = nodes keeps all-gathers inside a node."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
+    backward (ZeRO-2-like: faster, more memory)."""

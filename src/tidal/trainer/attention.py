@@ -1,0 +1,138 @@
+"""Variable-length causal attention over packed rows, registered with transformers as `tidal_varlen`.
+
+A packed row holds several documents; a document starts where its position id is 0. The decoder gets the
+document boundaries (`cu_seqlens`) as keyword arguments, and each attention layer attends within documents
+only: flash varlen attention (`torch.nn.attention.varlen`) on CUDA, a per-document SDPA loop elsewhere (the
+reference the kernel is checked against). No padding, no mask tensor, no attention across documents.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "tidal_varlen"
+_flash = {"enabled": False}  # set once by `use_varlen`; read by every attention call
+_varlen: dict[str, Any] = {}  # torch's varlen_attn and its calling convention, filled by `_load_varlen`
+
+
+def document_bounds(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative document starts (int32 [num_docs + 1]) of the flattened rows `position_ids` [rows, seq].
+
+    A document starts at every position id 0 and at every row start (rows never share a document).
+    """
+    rows, seq = position_ids.shape
+    starts = position_ids == 0  # [rows, seq]
+    starts[:, 0] = True
+    flat = starts.flatten().nonzero().flatten()  # [num_docs]
+    end = torch.tensor([rows * seq], device=flat.device, dtype=flat.dtype)
+    return torch.cat([flat, end]).to(torch.int32)
+
+
+def reference_varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention per document with SDPA; q [tokens, heads, dim], k/v [tokens, kv_heads, dim]."""
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, len, dim]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        outputs.append(out.transpose(0, 1))  # [len, heads, dim]
+    return torch.cat(outputs)
+
+
+def _load_varlen() -> bool:
+    """Find torch's varlen_attn and how to call it (its causal argument changed in 2.11); False if absent.
+
+    Resolved once, outside any compiled region: inspecting signatures inside torch.compile breaks graphs.
+    """
+    if _varlen:
+        return True
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    params = inspect.signature(varlen_attn).parameters
+    _varlen["fn"] = varlen_attn
+    _varlen["causal"] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    _varlen["has_scale"] = "scale" in params
+    _varlen["has_gqa"] = "enable_gqa" in params
+    return True
+
+
+def flash_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """torch's flash varlen kernel, causal within documents; the kernel handles grouped-query heads."""
+    kwargs = dict(_varlen["causal"])
+    if _varlen["has_scale"]:
+        kwargs["scale"] = scale
+    elif abs(scale - query.shape[-1] ** -0.5) > 1e-9:
+        raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs scale {scale}")
+    if _varlen["has_gqa"] and key.shape[1] != query.shape[1]:
+        kwargs["enable_gqa"] = True
+    out = _varlen["fn"](query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def varlen_works(device: torch.device) -> bool:
+    """Whether the flash varlen kernel runs here and matches the SDPA reference (GQA, two documents)."""
+    if device.type != "cuda" or not _load_varlen():
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
+    try:
+        got = flash_varlen(q, k, v, cu, 96, 0.125)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    want = reference_varlen(q, k, v, cu, 0.125)
+    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tidal_cu_seqlens: torch.Tensor | None = None,
+    tidal_max_seqlen: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: q [b, heads, s, d], k/v [b, kv_heads, s, d] → out [b, s, heads, d]."""
+    if tidal_cu_seqlens is None or tidal_max_seqlen is None:
+        raise ValueError("tidal_varlen attention needs tidal_cu_seqlens / tidal_max_seqlen (see TokenScorer)")
+    batch, heads, seq, dim = query.shape
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [tokens, heads, dim]
+    k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [tokens, kv_heads, dim]
+    v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)  # [tokens, kv_heads, dim]
+    if _flash["enabled"] and q.is_cuda:
+        out = flash_varlen(q, k, v, tidal_cu_seqlens, tidal_max_seqlen, scale)
+    else:
+        out = reference_varlen(q, k, v, tidal_cu_seqlens, scale)
+    return out.view(batch, seq, heads, dim), None
+
+
+def register() -> None:
+    """Make `tidal_varlen` a transformers attention implementation; it needs no mask, so none is built."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
+
+
+def use_varlen(model: torch.nn.Module, flash: bool) -> None:
+    """Switch `model` to tidal_varlen; `flash` picks the CUDA kernel over the per-document SDPA loop."""
+    register()
+    model.config._attn_implementation = ATTN_NAME  # type: ignore[attr-defined,union-attr]
+    _flash["enabled"] = flash

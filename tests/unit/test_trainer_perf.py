@@ -1,0 +1,168 @@
+"""Trainer performance features keep the numbers: varlen attention, chunked head, checkpointing, FSDP2 paths."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.config.perf import PerfConfig
+from tidal.trainer.attention import document_bounds, reference_varlen
+from tidal.trainer.chunked import TokenScorer, chunked_head_scores
+from tidal.trainer.export import full_state_dict
+from tidal.trainer.parallel import DistInfo, mesh_shape, parallelize, resolve_checkpointing, shutdown
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+DOC_LENGTHS = [5, 9, 3, 7]  # one packed row of 24 tokens
+
+
+def tiny_lm(seed: int = 0, tied: bool = True) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def packed_row(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, position_ids, targets [1, 24]: four documents with restarting positions."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 61, (1, sum(DOC_LENGTHS)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in DOC_LENGTHS]).unsqueeze(0)
+    targets = torch.randint(0, 61, ids.shape, generator=gen)
+    return ids, positions, targets
+
+
+def plain_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The obvious computation: full logits of one document, log_softmax, gather. [1, len]"""
+    logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, len, vocab]
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def per_document_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    parts, start = [], 0
+    for n in DOC_LENGTHS:
+        parts.append(plain_logprobs(model, ids[:, start : start + n], targets[:, start : start + n]))
+        start += n
+    return torch.cat(parts, dim=1)  # [1, 24]
+
+
+@pytest.mark.parametrize("attention", ["varlen", "hf"])
+def test_packed_row_scores_equal_each_document_alone(attention):
+    model = tiny_lm()
+    ids, positions, targets = packed_row()
+    with torch.no_grad():
+        alone = per_document_logprobs(model, ids, targets)
+        scorer = parallelize(model, CPU, PerfConfig(attention=attention, loss_chunk_tokens=7))
+        packed, _ = scorer(ids, positions, targets)
+        # the check can fail: attending across documents changes every document after the first
+        crossed, _ = scorer(ids, torch.arange(ids.shape[1]).unsqueeze(0), targets)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    assert (crossed[:, DOC_LENGTHS[0] :] - alone[:, DOC_LENGTHS[0] :]).abs().max() > 1e-3
+
+
+def test_document_bounds_start_at_position_zero_and_at_each_row():
+    positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]])
+    assert document_bounds(positions).tolist() == [0, 3, 5, 7, 10]
+
+
+def test_reference_varlen_is_causal_attention_per_document_with_grouped_heads():
+    q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    got = reference_varlen(q, k, v, torch.tensor([0, 2, 6]), 8**-0.5)
+    second = torch.nn.functional.scaled_dot_product_attention(
+        q[2:].transpose(0, 1), k[2:].repeat_interleave(2, 1).transpose(0, 1),
+        v[2:].repeat_interleave(2, 1).transpose(0, 1), is_causal=True,
+    ).transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(got[2:], second)
+    torch.testing.assert_close(got[0], v[0].repeat_interleave(2, 0))  # first token sees only itself
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_head_gives_the_full_logits_values_entropy_and_gradients(tied):
+    reference, model = tiny_lm(tied=tied), tiny_lm(tied=tied)
+    ids, positions, targets = packed_row()
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)  # one document: compare with a plain forward
+    logits = reference(input_ids=ids, use_cache=False).logits / 0.7  # [1, 24, vocab]
+    want = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want_entropy = torch.distributions.Categorical(logits=logits).entropy()
+    want.sum().backward()
+
+    scorer = TokenScorer(model, chunk_size=5)
+    got, entropy = scorer(ids, positions, targets, temperature=0.7, with_entropy=True)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(entropy, want_entropy.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_chunked_head_keeps_no_full_logits_for_backward():
+    hidden = torch.randn(64, 16, requires_grad=True)
+    weight = torch.randn(1000, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        logprobs, _ = chunked_head_scores(
+            hidden, weight, None, torch.zeros(64, dtype=torch.long), chunk_size=8
+        )
+    assert max(saved) < 64 * 1000  # the [tokens, vocab] logits would be 64000 elements
+    logprobs.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    "perf",
+    [
+        PerfConfig(activation_checkpointing="full"),
+        PerfConfig(activation_checkpointing="selective"),
+        PerfConfig(activation_checkpointing="attention", attention="varlen"),
+        PerfConfig(activation_checkpointing="full", checkpoint_every=2, attention="varlen"),
+    ],
+    ids=["full", "selective", "attention", "every-2"],
+)
+def test_activation_checkpointing_keeps_gradients(perf):
+    ids, positions, targets = packed_row()
+    grads = []
+    for config in (PerfConfig(activation_checkpointing="none", attention=perf.attention), perf):
+        model = tiny_lm()
+        logprobs, _ = parallelize(model, CPU, config)(ids, positions, targets)
+        logprobs.sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, checkpointed in zip(*grads, strict=True):
+        torch.testing.assert_close(checkpointed, plain)
+
+
+def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():
+    """The single-GPU path, on CPU: a 1-rank group, FSDP2 with bf16 compute, fp32 weights and gradients."""
+    reference, model = tiny_lm(), tiny_lm()
+    names = set(reference.state_dict())
+    ids, positions, targets = packed_row()
+    try:
+        scorer = parallelize(model, CPU, PerfConfig(mixed_precision="bf16", attention="varlen"))
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        logprobs, _ = scorer(ids, positions, targets)
+        logprobs.sum().backward()
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+        state = full_state_dict(model)
+    finally:
+        shutdown(CPU)
+    assert set(state) == names
+    with torch.no_grad():
+        want = per_document_logprobs(reference, ids, targets)
+    error = (logprobs.detach() - want).abs().max().item()
+    assert 0 < error < 0.1  # bf16 compute: close to fp32, but not bit-equal (it did run in bf16)
+
+
+def test_defaults_keep_cpu_runs_in_fp32_without_checkpointing():
+    assert resolve_checkpointing(PerfConfig(), CPU) == "none"
+    gpu = DistInfo(0, 1, 0, 1, torch.device("cuda", 0))
+    assert resolve_checkpointing(PerfConfig(), gpu) == "full"
+
+
+def test_mesh_shape_for_fsdp_and_hsdp():
+    assert mesh_shape(8, 1) == (8,)
+    assert mesh_shape(8, 2) == (2, 4)
+    with pytest.raises(ValueError, match="does not divide"):
+        mesh_shape(6, 4)

@@ -120,6 +120,15 @@ class Hanging(Exploding):
         return [(hang, 1.0)]
 
 
+class Unrenderable(Exploding):
+    """Its prompt cannot be turned into a request (raises before any sampling)."""
+
+    name = "unrenderable"
+
+    async def rollout_group(self, task: Task, sampler, n: int):
+        raise ValueError(f"cannot render the prompt of {task.task_id}")
+
+
 def test_raising_and_hanging_envs_fail_their_rollouts_only(inference_server, tokenizer):
     good = load_env("reverse_text", num_examples=4)
 
@@ -128,15 +137,18 @@ def test_raising_and_hanging_envs_fail_their_rollouts_only(inference_server, tok
             bad = await asyncio.gather(
                 run_group(client, Exploding(), tokenizer, Exploding().task(0), 0, 2, SAMPLING, 0, 30.0),
                 run_group(client, Hanging(), tokenizer, Hanging().task(0), 1, 2, SAMPLING, 0, 2.0),
+                run_group(client, Unrenderable(), tokenizer, Unrenderable().task(0), 3, 2, SAMPLING, 0, 30.0),
             )
             after = await run_group(client, good, tokenizer, good.task(0), 2, 2, SAMPLING, 0, 30.0)
             return bad, after
 
     start = time.perf_counter()
-    (exploded, hung), after = asyncio.run(go())
+    (exploded, hung, unrendered), after = asyncio.run(go())
     assert time.perf_counter() - start < 30  # the hanging reward was cut at its 2 s timeout
     assert all(r.failed and r.metrics == {"error/ValueError": 1.0} for r in exploded.rollouts)
     assert all(r.failed and r.metrics == {"error/TimeoutError": 1.0} for r in hung.rollouts)
+    assert len(unrendered.rollouts) == 2
+    assert all(r.failed and r.metrics == {"error/ValueError": 1.0} for r in unrendered.rollouts)
     assert not any(r.failed for r in after.rollouts)  # the run goes on
 
 

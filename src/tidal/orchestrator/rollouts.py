@@ -8,6 +8,7 @@ policy versions that produced its tokens. An exception or a timeout fails that r
 import asyncio
 import hashlib
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
@@ -51,13 +52,7 @@ async def run_group(
             client, tokenizer, sampling.temperature, sampling.max_tokens, seed, f"{task.task_id}#{index}"
         )
         try:
-            episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
-            return to_rollout(env, task, episode, sampler.versions)
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
-            if _is_infrastructure_error(exc):
-                raise
-            logger.warning("rollout of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-            return failed_rollout(env, task, sampler.versions, type(exc).__name__)
+            return await _fails_alone(run_episode(env, task, sampler), env, task, sampler.versions, timeout)
         finally:
             client.end_session(sampler.session_id)
 
@@ -79,19 +74,42 @@ async def _single_turn_group(
     """One n-sample request for the whole group, then each episode scored on its own (failures stay local)."""
     seed = rollout_seed(run_seed, position, 0)
     sampler = ClientSampler(client, tokenizer, sampling.temperature, sampling.max_tokens, seed, task.task_id)
-    episodes = await env.rollout_group(task, sampler, group_size)
-    client.end_session(sampler.session_id)
+    try:
+        episodes = await env.rollout_group(task, sampler, group_size)
+    except Exception as exc:  # noqa: BLE001 - e.g. a prompt the environment cannot render
+        if _is_infrastructure_error(exc):
+            raise
+        logger.warning("rollouts of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+        failed = [failed_rollout(env, task, sampler.versions, type(exc).__name__) for _ in range(group_size)]
+        return Group(task_id=task.task_id, env=env_name(env, task), rollouts=failed)
+    finally:
+        client.end_session(sampler.session_id)
 
-    async def score(episode: Episode) -> Rollout:
-        try:
-            await asyncio.wait_for(env.score(task, episode), timeout)
-            return to_rollout(env, task, episode, sampler.versions)
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - reward code may raise anything
-            logger.warning("scoring %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-            return failed_rollout(env, task, sampler.versions, type(exc).__name__)
+    async def score(episode: Episode) -> Episode:
+        await env.score(task, episode)
+        return episode
 
-    rollouts = await asyncio.gather(*(score(e) for e in episodes))
+    rollouts = await asyncio.gather(
+        *(_fails_alone(score(e), env, task, sampler.versions, timeout) for e in episodes)
+    )
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
+
+
+async def _fails_alone(
+    work: Awaitable[Episode], env: Environment, task: Task, versions: list[int], timeout: float
+) -> Rollout:
+    """The rollout of `work`; an environment exception or a timeout fails this rollout only (counted).
+
+    Inference being unreachable is not the environment's failure: that stops the run instead.
+    """
+    try:
+        episode = await asyncio.wait_for(work, timeout)
+        return to_rollout(env, task, episode, versions)
+    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
+        if _is_infrastructure_error(exc):
+            raise
+        logger.warning("rollout of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+        return failed_rollout(env, task, versions, type(exc).__name__)
 
 
 def _is_infrastructure_error(exc: BaseException) -> bool:

@@ -2,7 +2,8 @@
 
 Each level is a fresh `tidal rl` run (vLLM, orchestrator, trainer). While it runs, this process samples at
 ~10 Hz vLLM's Prometheus `/metrics` (`vllm:num_requests_running`) and the trainer's metrics.jsonl (the time
-each step lands). Over the steady-state window (trainer steps after `--warmup-steps`) it reports:
+each step lands). Over the steady-state window (see `steady_window`: warm-up and the batches generated
+ahead at the start, and at the end the steps trained after generation stopped, are left out) it reports:
 
 - steps_per_min: trainer steps finished per minute;
 - trainer_idle: the trainer's `time/wait_for_data` summed over the window, divided by the window;
@@ -66,23 +67,44 @@ def parse_prometheus(text: str, names: Sequence[str]) -> dict[str, float]:
     return totals
 
 
-def window(done_at: Mapping[int, float], warmup_steps: int) -> tuple[float, float, int]:
-    """(start, end, steps) of the steady state: from the end of step warmup−1 to the end of the last step.
+@dataclass(frozen=True)
+class Window:
+    """The steady state: trainer steps first_step … last_step, from the end of step first_step − 1 (start)
+    to the end of last_step (end), in sampler time."""
 
-    Steps 0 … warmup−1 are left out: they carry CUDA warm-up and, with asynchrony, batches the orchestrator
-    generated ahead while the trainer was still loading, which would flatter the rate.
+    first_step: int
+    last_step: int
+    start: float
+    end: float
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step + 1
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def steps_per_min(self) -> float:
+        return 60.0 * self.steps / self.seconds
+
+
+def steady_window(done_at: Mapping[int, float], level: int, warmup_steps: int) -> Window:
+    """The trainer steps where generation and training both run, at async level `level`.
+
+    Left out at the start: `warmup_steps` steps (CUDA warm-up), and at least level + 1, the batches the
+    orchestrator generated ahead while the trainer was still loading. Left out at the end: the last
+    `level` steps, trained on batches generated earlier while inference had nothing left to do (they
+    would flatter the trainer's rate and count the finished orchestrator as idle inference).
     """
-    if warmup_steps < 1:
-        raise ValueError("warmup_steps must be at least 1 (the window starts when step warmup−1 ends)")
-    last = max(done_at)
-    if warmup_steps - 1 not in done_at or last < warmup_steps:
-        raise ValueError(f"need trainer steps {warmup_steps - 1}..>{warmup_steps - 1}, got {sorted(done_at)}")
-    return done_at[warmup_steps - 1], done_at[last], last - warmup_steps + 1
-
-
-def steps_per_minute(done_at: Mapping[int, float], warmup_steps: int) -> float:
-    start, end, steps = window(done_at, warmup_steps)
-    return 60.0 * steps / (end - start)
+    first = max(warmup_steps, level + 1)
+    last = max(done_at, default=-1) - level
+    if first - 1 not in done_at or last < first:
+        raise ValueError(
+            f"level {level}: the window needs trainer steps {first - 1}..{first + level}, got {sorted(done_at)}"
+        )
+    return Window(first, last, done_at[first - 1], done_at[last])
 
 
 def idle_fraction(samples: Sequence[tuple[float, float | None]], start: float, end: float) -> float:
@@ -93,14 +115,18 @@ def idle_fraction(samples: Sequence[tuple[float, float | None]], start: float, e
     return sum(running == 0 for running in inside) / len(inside)
 
 
-def trainer_idle(records: Sequence[Mapping[str, Any]], first_step: int, seconds: float) -> float:
-    """Seconds the trainer waited for batches of steps ≥ first_step, as a share of `seconds` (the window)."""
-    waited = sum(r["time/wait_for_data"] for r in records if r["step"] >= first_step)
-    return waited / seconds
+def trainer_idle(records: Sequence[Mapping[str, Any]], window: Window) -> float:
+    """Seconds the trainer waited for the batches of the window's steps, as a share of the window."""
+    waited = sum(
+        r["time/wait_for_data"] for r in records if window.first_step <= r["step"] <= window.last_step
+    )
+    return waited / window.seconds
 
 
-def mean_of(records: Sequence[Mapping[str, Any]], key: str, first_step: int) -> float:
-    values = [float(r[key]) for r in records if r["step"] >= first_step and key in r]
+def mean_of(records: Sequence[Mapping[str, Any]], key: str, window: Window) -> float:
+    values = [
+        float(r[key]) for r in records if window.first_step <= r["step"] <= window.last_step and key in r
+    ]
     return statistics.fmean(values) if values else math.nan
 
 
@@ -113,22 +139,23 @@ def counter_rate(samples: Sequence[tuple[float, float]], start: float, end: floa
 
 
 def breakdown(
-    trainer: Sequence[Mapping[str, Any]], orchestrator: Sequence[Mapping[str, Any]], first_step: int
+    trainer: Sequence[Mapping[str, Any]], orchestrator: Sequence[Mapping[str, Any]], window: Window
 ) -> dict[str, float]:
     """Mean seconds per step of each part, over the measured steps (orchestrator step n feeds trainer step n)."""
     out = {
-        f"trainer/{key.split('/')[-1]}_s": mean_of(trainer, key, first_step)
+        f"trainer/{key.split('/')[-1]}_s": mean_of(trainer, key, window)
         for key in ("time/step", "time/wait_for_data", "time/forward_backward", "time/publish")
     }
-    out["trainer/tokens_per_s"] = mean_of(trainer, "tokens_per_s", first_step)
-    out["orchestrator/step_s"] = mean_of(orchestrator, "time/step", first_step)
-    out["orchestrator/wait_for_policy_s"] = mean_of(orchestrator, "time/wait_for_policy", first_step)
+    out["trainer/tokens_per_s"] = mean_of(trainer, "tokens_per_s", window)
+    out["orchestrator/step_s"] = mean_of(orchestrator, "time/step", window)
+    out["orchestrator/wait_for_policy_s"] = mean_of(orchestrator, "time/wait_for_policy", window)
     out["orchestrator/generate_s"] = out["orchestrator/step_s"] - out["orchestrator/wait_for_policy_s"]
-    out["orchestrator/tokens_per_s"] = mean_of(orchestrator, "tokens_per_s", first_step)
-    out["orchestrator/completion_len"] = mean_of(orchestrator, "completion_len/mean", first_step)
-    out["orchestrator/off_policy_mean"] = mean_of(orchestrator, "off_policy/mean", first_step)
+    out["orchestrator/tokens_per_s"] = mean_of(orchestrator, "tokens_per_s", window)
+    out["orchestrator/completion_len"] = mean_of(orchestrator, "completion_len/mean", window)
+    out["orchestrator/off_policy_mean"] = mean_of(orchestrator, "off_policy/mean", window)
     keys = ("policy_version", "time/weight_updates_total")
-    measured = [r for r in orchestrator if r["step"] >= first_step - 1 and all(k in r for k in keys)]
+    steps = range(window.first_step - 1, window.last_step + 1)
+    measured = [r for r in orchestrator if r["step"] in steps and all(k in r for k in keys)]
     if len(measured) >= 2:
         updates = measured[-1]["policy_version"] - measured[0]["policy_version"]
         seconds = measured[-1]["time/weight_updates_total"] - measured[0]["time/weight_updates_total"]
@@ -145,22 +172,22 @@ def summarise(
     warmup_steps: int,
 ) -> dict[str, Any]:
     """One entry of `results`: the headline numbers over the steady-state window, plus the breakdown."""
-    start, end, steps = window(done_at, warmup_steps)
-    rate = steps_per_minute(done_at, warmup_steps)
-    parts = breakdown(trainer, orchestrator, warmup_steps)
-    parts["inference/busy_tokens_per_s"] = counter_rate(samples.generated, start, end) / max(
-        1e-9, 1 - idle_fraction(samples.running, start, end)
+    win = steady_window(done_at, level, warmup_steps)
+    idle = idle_fraction(samples.running, win.start, win.end)
+    parts = breakdown(trainer, orchestrator, win)
+    parts["inference/busy_tokens_per_s"] = counter_rate(samples.generated, win.start, win.end) / max(
+        1e-9, 1 - idle
     )
     return {
         "max_async_level": level,
-        "steps_per_min": rate,
-        "trainer_idle": trainer_idle(trainer, warmup_steps, end - start),
-        "inference_idle": idle_fraction(samples.running, start, end),
-        "reward_mean": mean_of(orchestrator, "reward/mean", warmup_steps),
-        "mismatch_kl": mean_of(trainer, "mismatch_kl/mean", warmup_steps),
-        "measured_steps": steps,
-        "window_s": end - start,
-        "num_metric_samples": sum(start <= t <= end for t, _ in samples.running),
+        "steps_per_min": win.steps_per_min,
+        "trainer_idle": trainer_idle(trainer, win),
+        "inference_idle": idle,
+        "reward_mean": mean_of(orchestrator, "reward/mean", win),
+        "mismatch_kl": mean_of(trainer, "mismatch_kl/mean", win),
+        "window_steps": [win.first_step, win.last_step],
+        "window_s": win.seconds,
+        "num_metric_samples": sum(win.start <= t <= win.end for t, _ in samples.running),
         "breakdown": parts,
     }
 
@@ -168,17 +195,39 @@ def summarise(
 # ---- sampling a live run --------------------------------------------------------------------------------
 
 
+class StepTimes:
+    """Follows one metrics.jsonl and records when each step's line first appeared (sampler time)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.done_at: dict[int, float] = {}
+        self._offset = 0
+
+    def poll(self, now: float) -> None:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for line in complete.decode().splitlines():
+            step = json.loads(line).get("step")
+            if isinstance(step, int):
+                self.done_at.setdefault(step, now)
+
+
 class Sampler(threading.Thread):
     """Polls vLLM's /metrics and the trainer's metrics.jsonl every `interval` seconds until stopped."""
 
-    def __init__(self, metrics_url: str, trainer_metrics: Path, interval: float = 0.1):
+    def __init__(self, metrics_url: str, run_dir: Path, interval: float = 0.1):
         super().__init__(daemon=True)
         self.metrics_url = metrics_url
-        self.trainer_metrics = trainer_metrics
+        self.trainer = StepTimes(run_dir / "trainer" / "metrics.jsonl")
+        self.orchestrator = StepTimes(run_dir / "orchestrator" / "metrics.jsonl")
         self.interval = interval
         self.samples = Samples()
-        self.done_at: dict[int, float] = {}
-        self._offset = 0
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -188,7 +237,8 @@ class Sampler(threading.Thread):
             while not self._halt.is_set():
                 tick = time.monotonic()
                 self._poll_metrics(http, tick)
-                self._poll_trainer(tick)
+                self.trainer.poll(tick)
+                self.orchestrator.poll(tick)
                 self._halt.wait(max(0.0, self.interval - (time.monotonic() - tick)))
 
     def stop(self) -> None:
@@ -211,20 +261,6 @@ class Sampler(threading.Thread):
         if WAITING in values:
             self.samples.waiting.append((now, values[WAITING]))
 
-    def _poll_trainer(self, now: float) -> None:
-        try:
-            with self.trainer_metrics.open("rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return
-        complete = data[: data.rfind(b"\n") + 1]
-        self._offset += len(complete)
-        for line in complete.decode().splitlines():
-            step = json.loads(line).get("step")
-            if isinstance(step, int):
-                self.done_at.setdefault(step, now)
-
 
 # ---- one level ----------------------------------------------------------------------------------------
 
@@ -242,7 +278,7 @@ def run_level(args: argparse.Namespace, level: int) -> tuple[dict[str, Any], int
     out = args.workdir / f"async_level_{level}"
     argv = rl_argv(args, level, out)
     print(f"async_overlap: level {level}: {shlex.join(argv)}", flush=True)
-    sampler = Sampler(f"http://127.0.0.1:{args.port}/metrics", out / "trainer" / "metrics.jsonl")
+    sampler = Sampler(f"http://127.0.0.1:{args.port}/metrics", out)
     log = (args.workdir / f"async_level_{level}.log").open("w")
     child = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sampler.start()
@@ -258,11 +294,16 @@ def run_level(args: argparse.Namespace, level: int) -> tuple[dict[str, Any], int
     trainer = read_jsonl(out / "trainer" / "metrics.jsonl")
     orchestrator = read_jsonl(out / "orchestrator" / "metrics.jsonl")
     try:
-        summary = summarise(level, sampler.done_at, trainer, orchestrator, sampler.samples, args.warmup_steps)
+        summary = summarise(
+            level, sampler.trainer.done_at, trainer, orchestrator, sampler.samples, args.warmup_steps
+        )
     except ValueError as exc:  # the run died early: keep what it did for the record
         summary = {"max_async_level": level, "error": str(exc)}
     summary["exit_code"] = code
-    summary["steps"] = per_step(trainer, orchestrator, sampler.done_at)
+    origin = min(sampler.trainer.done_at.values(), default=0.0)
+    summary["steps"] = per_step(trainer, orchestrator, sampler, origin)
+    # the raw gauge, so idle time can be recomputed over any other window (seconds from trainer step 0's end)
+    summary["num_requests_running"] = [[round(t - origin, 2), v] for t, v in sampler.samples.running]
     return summary, code, argv
 
 
@@ -287,18 +328,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def per_step(
     trainer: Sequence[Mapping[str, Any]],
     orchestrator: Sequence[Mapping[str, Any]],
-    done_at: Mapping[int, float],
+    sampler: Sampler,
+    origin: float,
 ) -> list[dict[str, Any]]:
-    """A compact per-step table for the results file (times relative to the first step's end)."""
-    origin = min(done_at.values(), default=0.0)
+    """A compact per-step table for the results file (times in seconds from the end of trainer step 0)."""
     orch = {r["step"]: r for r in orchestrator}
+
+    def at(times: Mapping[int, float], step: int) -> float | None:
+        return round(times[step] - origin, 2) if step in times else None
+
     rows = []
     for r in trainer:
         o = orch.get(r["step"], {})
         rows.append(
             {
                 "step": r["step"],
-                "done_at_s": round(done_at[r["step"]] - origin, 2) if r["step"] in done_at else None,
+                "trainer_done_at_s": at(sampler.trainer.done_at, r["step"]),
+                "batch_done_at_s": at(sampler.orchestrator.done_at, r["step"]),
                 "trainer_wait_s": r.get("time/wait_for_data"),
                 "trainer_forward_backward_s": r.get("time/forward_backward"),
                 "trainer_publish_s": r.get("time/publish"),
@@ -307,6 +353,7 @@ def per_step(
                 "reward_mean": o.get("reward/mean"),
                 "off_policy_max": o.get("off_policy/max"),
                 "mismatch_kl": r.get("mismatch_kl/mean"),
+                "masked_fraction": r.get("masked_fraction"),
             }
         )
     return rows
@@ -320,7 +367,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default=None, help=f"tidal rl config (default {GPU_CONFIG})")
     parser.add_argument("--smoke", action="store_true", help=f"CPU dry run: {SMOKE_CONFIG}, 4 steps")
     parser.add_argument("--levels", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--max-steps", type=int, default=None, help="default: 8 (smoke: 4)")
+    parser.add_argument("--max-steps", type=int, default=None, help="default: 10 (smoke: 6)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="left out of the window (smoke: 1)")
     parser.add_argument("--port", type=int, default=0, help="vLLM port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
@@ -329,13 +376,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("extra", nargs="*", help="further `tidal rl` flags (after --)")
     args = parser.parse_args(argv)
     args.config = args.config or (SMOKE_CONFIG if args.smoke else GPU_CONFIG)
-    args.max_steps = args.max_steps or (4 if args.smoke else 8)
+    args.max_steps = args.max_steps or (6 if args.smoke else 10)
     args.warmup_steps = args.warmup_steps or (1 if args.smoke else 2)
     # a fixed port can be taken by another run on the machine; the launcher would then take that server's
     # /health for its own and the run would talk to (and update the weights of) the wrong server
     args.port = args.port or free_port()
-    if args.warmup_steps >= args.max_steps:
-        parser.error("--warmup-steps must be below --max-steps: the window needs a step after warm-up")
+    level = max(args.levels)
+    if args.max_steps < max(args.warmup_steps, level + 1) + 1 + level:
+        parser.error(
+            f"--max-steps {args.max_steps} leaves no steady-state step at level {level} (see steady_window)"
+        )
     return args
 
 

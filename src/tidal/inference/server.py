@@ -13,6 +13,7 @@ It runs in its own session (process group); stopping kills the whole group, engi
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -206,7 +207,27 @@ def start_server(config: InferenceConfig) -> ServerProcess:
 
     device = resolve_device(config)
     check_model_path(config.model.name)
+    check_port_free(config.server.host, config.server.port)
     return ServerProcess(build_launch(config, resolve_model_name(config.model.name), device)).start()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast when something already listens on host:port.
+
+    Otherwise a client (or `tidal rl`'s health wait) would find the OTHER server healthy and send it
+    requests and weight updates. SO_REUSEADDR as uvicorn sets it: only a listener blocks the bind, not
+    the TIME_WAIT connections a run that just ended leaves behind.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UserError(
+                f"inference.server.port: {host}:{port} is already in use ({exc.strerror}); "
+                "stop what listens there or choose another port"
+            ) from None
 
 
 def check_model_path(name: str) -> None:

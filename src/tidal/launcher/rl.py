@@ -137,6 +137,10 @@ class Launcher:
                 signal.signal(sig, handler)
 
     def _supervise(self, roles: RoleConfigs, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> int:
+        from tidal.inference.server import check_port_free
+
+        # before starting anything: a server already on that port would pass the health wait below
+        check_port_free(roles.inference.server.host, roles.inference.server.port)
         logs = self.out / "logs"
         inference = self._start(
             "inference", tidal_argv("inference", paths["inference"]), logs, env["inference"]

@@ -12,6 +12,7 @@ MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/
 
     python benchmarks/trainer_mfu.py --models qwen3-4b --seq 16384 --out benchmarks/results/trainer_mfu_h200.json
     python benchmarks/trainer_mfu.py --device cpu --models tiny --seq 256 --steps 1 --warmup 1   # smoke test
+    torchrun --nproc-per-node 2 benchmarks/trainer_mfu.py --impls tidal:default   # FSDP2 over 2 GPUs, per GPU
 """
 
 import argparse
@@ -115,19 +116,18 @@ def hf_runner(
 
 
 def tidal_runner(
-    name: str, row: dict[str, list[int]], device: torch.device, seed: int, overrides: dict[str, Any]
+    name: str, row: dict[str, list[int]], info: Any, seed: int, overrides: dict[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
     """tidal's SFT training step on the same row; returns (step function returning the loss, run facts)."""
     from tidal.config.common import OptimConfig, SchedulerConfig
     from tidal.config.perf import PerfConfig
     from tidal.trainer.data import PackedRow
     from tidal.trainer.optim import build_optimizer, build_scheduler
-    from tidal.trainer.parallel import DistInfo, parallelize, resolve_checkpointing
+    from tidal.trainer.parallel import parallelize, resolve_checkpointing
     from tidal.trainer.sft import StepBatch, train_step
 
-    model = build_model(name, torch.float32, device, seed)
+    model = build_model(name, torch.float32, info.device, seed)
     num_params = sum(p.numel() for p in model.parameters())
-    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
     perf = PerfConfig(**overrides)
     scorer = parallelize(model, info, perf)
     facts = {
@@ -138,7 +138,7 @@ def tidal_runner(
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
-    num_loss = packed.num_loss_tokens
+    num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
     batch = StepBatch([[packed]], num_loss_tokens=num_loss, num_tokens=len(packed), num_truncated=0)
 
     def step() -> float:
@@ -176,47 +176,112 @@ def measure(make: Any, device: torch.device, warmup: int, steps: int) -> dict[st
             torch.cuda.empty_cache()
 
 
-def run_one(
-    args: argparse.Namespace, name: str, layout: str, impl: str, device: torch.device
-) -> dict[str, Any]:
-    seed = 0
+def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: Any) -> dict[str, Any]:
+    """One measurement; under torchrun every rank trains its own row (data parallel, FSDP2 sharded)."""
+    seed, device = 0, info.device
     lengths = document_lengths(args.seq, layout, seed)
-    row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed)
+    row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed + info.rank)
     if impl == "hf":
         result = measure(lambda: hf_runner(name, row, device, seed), device, args.warmup, args.steps)
         options: dict[str, Any] = {"activation_checkpointing": "full"}
     else:
         options = VARIANTS[impl.removeprefix("tidal:")]
         result = measure(
-            lambda: tidal_runner(name, row, device, seed, options), device, args.warmup, args.steps
+            lambda: tidal_runner(name, row, info, seed, options), device, args.warmup, args.steps
         )
     record: dict[str, Any] = {
         "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
-        "docs": layout, "num_docs": len(lengths), "options": options, **result,
+        "docs": layout, "num_docs": len(lengths), "gpus": info.world_size, "options": options, **result,
     }  # fmt: skip
-    if "step_s" in result:
+    if info.world_size > 1 and result.get("peak_mem_gib") is not None:
+        record["peak_mem_gib"] = max_over_ranks(result["peak_mem_gib"], device)
+    if "step_s" in result:  # per GPU
         record["tokens_per_s"] = args.seq / result["step_s"]
         flops = model_flops_per_token(name, result["num_params"], args.seq)
         record["mfu"] = flops * record["tokens_per_s"] / PEAK_FLOPS
     return record
 
 
-def device_name(device: torch.device) -> str:
+def attention_kernels(seq: int, device: torch.device) -> list[dict[str, Any]]:
+    """fwd+bwd time of the attention kernels on Qwen3-4B's heads (32 query, 8 kv, dim 128), bf16, one row."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tidal.trainer.attention import document_bounds, flash_varlen, varlen_works
+
+    varlen_works(device)  # resolves the varlen calling convention
+    q = torch.randn(1, 32, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(1, 8, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
+    )
+    flat = [x.detach().transpose(1, 2)[0].contiguous().requires_grad_() for x in (q, k, v)]  # [seq, h, d]
+
+    def causal_sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    cases: dict[str, Any] = {}
+    for layout in ("single", "packed"):
+        positions = torch.tensor([make_row(seq, 2, document_lengths(seq, layout, 0), 0)["position_ids"]])
+        cu = document_bounds(positions).to(device)
+        cases[f"varlen/{layout}"] = (lambda cu=cu: flash_varlen(*flat, cu, seq, 128**-0.5), None)
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        cases[f"sdpa/{name.lower()}/single"] = (causal_sdpa, getattr(SDPBackend, name))
+    cases["sdpa/default/single"] = (causal_sdpa, None)
+    return [_time_kernel(label, fn, backend, sdpa_kernel, device) for label, (fn, backend) in cases.items()]
+
+
+def _time_kernel(label: str, fn: Any, backend: Any, sdpa_kernel: Any, device: torch.device) -> dict[str, Any]:
+    import contextlib
+
+    try:
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            for _ in range(2):
+                fn().sum().backward()
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(5):
+                fn().sum().backward()
+            torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        return {"kernel": label, "error": str(exc).splitlines()[0][:120]}
+    return {"kernel": label, "fwd_bwd_ms": (time.perf_counter() - start) / 5 * 1e3}
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def device_name(device: torch.device, world_size: int) -> str:
     if device.type != "cuda":
         return "cpu"
-    return f"{torch.cuda.get_device_name(device)} (1 GPU), torch {torch.__version__}"
+    return f"{torch.cuda.get_device_name(device)} ({world_size} GPU), torch {torch.__version__}"
+
+
+def setup(device: str) -> Any:
+    """This process's DistInfo: torchrun's ranks when launched by it, else one process on GPU 0 or the CPU."""
+    from tidal.trainer.parallel import DistInfo, init_distributed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return init_distributed(device)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=dev)
 
 
 def summarise(results: list[dict[str, Any]]) -> list[str]:
     """One line per run, tidal lines with their ratio to the hf run of the same model, seq and layout."""
     base = {
         (r["model"], r["seq"], r["docs"]): r for r in results if r["impl"] == "hf" and "tokens_per_s" in r
-    }
+    }  # tidal rows on several GPUs compare their per-GPU tokens/s with it
     lines = [
         f"{'model':11} {'seq':>6} {'docs':6} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5}"
     ]
     for r in results:
         label = r["impl"] if r["impl"] == "hf" else f"tidal:{r['variant']}"
+        if r.get("gpus", 1) > 1:
+            label += f" x{r['gpus']}gpu"
         if "tokens_per_s" not in r:
             lines.append(f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r.get('error')}")
             continue
@@ -231,10 +296,10 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
 
 
 def merge(paths: list[str], out: str) -> None:
-    """Join result files of several runs (e.g. one process per GPU) into one."""
+    """Join result files of several runs (e.g. one process per GPU, or several device calls) into one."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     merged = {
-        "command": " & ".join(p["command"] for p in parts),
+        "command": " ; ".join(p["command"] for p in parts),
         "device": parts[0]["device"],
         "results": [r for p in parts for r in p["results"]],
     }
@@ -256,6 +321,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", default=None, help="write results JSON here (appends to an existing file)")
     parser.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out")
+    parser.add_argument("--attention-kernels", action="store_true", help="time attention kernels, then exit")
     return parser.parse_args(argv)
 
 
@@ -270,25 +336,40 @@ def main(argv: list[str]) -> None:
     from tidal.trainer.model import quiet_transformers
 
     quiet_transformers()
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    info = setup(args.device)
+    device = info.device
+    if info.world_size > 1 and "hf" in args.impls.split(","):
+        raise SystemExit("under torchrun only tidal variants run (the hf baseline is single-GPU)")
     command = "python " + shlex.join(["benchmarks/trainer_mfu.py", *argv])
+    if info.world_size > 1:
+        command = f"torchrun --nproc-per-node {info.world_size} " + command.removeprefix("python ")
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         command = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} {command}"
+    say = print if info.is_main else (lambda *a, **k: None)
     if device.type == "cuda":
         from tidal.trainer.attention import varlen_works
 
-        print(f"flash varlen attention works here: {varlen_works(device)}", flush=True)
+        say(f"flash varlen attention works here: {varlen_works(device)}", flush=True)
+        if args.attention_kernels:
+            for line in attention_kernels(args.seq, device):
+                say(json.dumps(line), flush=True)
+            return
     results: list[dict[str, Any]] = []
     for name in args.models.split(","):
         for layout in args.docs.split(","):
             for impl in args.impls.split(","):
-                record = run_one(args, name, layout, impl, device)
-                print(json.dumps(record), flush=True)
+                record = run_one(args, name, layout, impl, info)
+                say(json.dumps(record), flush=True)
                 results.append(record)
-                if args.out:  # after every run, so a timeout keeps what was measured
-                    payload = {"command": command, "device": device_name(device), "results": results}
+                if args.out and info.is_main:  # after every run, so a timeout keeps what was measured
+                    where = device_name(device, info.world_size)
+                    payload = {"command": command, "device": where, "results": results}
                     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
-    print("\n".join(summarise(results)))
+    say("\n".join(summarise(results)))
+    if info.world_size > 1:
+        from tidal.trainer.parallel import shutdown
+
+        shutdown(info)
 
 
 if __name__ == "__main__":

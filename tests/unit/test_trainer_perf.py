@@ -64,6 +64,17 @@ def test_packed_row_scores_equal_each_document_alone(attention):
     assert (crossed[:, DOC_LENGTHS[0] :] - alone[:, DOC_LENGTHS[0] :]).abs().max() > 1e-3
 
 
+def test_rows_of_one_document_take_the_plain_causal_path_with_the_same_scores():
+    model = tiny_lm()
+    ids, _, targets = packed_row()
+    positions = torch.arange(ids.shape[1]).expand(2, -1)  # two rows, one document each
+    ids, targets = torch.cat([ids, ids.flip(1)]), torch.cat([targets, targets.flip(1)])
+    with torch.no_grad():
+        want = torch.cat([plain_logprobs(model, ids[i : i + 1], targets[i : i + 1]) for i in range(2)])
+        got, _ = parallelize(model, CPU, PerfConfig(attention="varlen"))(ids, positions, targets)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_document_bounds_start_at_position_zero_and_at_each_row():
     positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]])
     assert document_bounds(positions).tolist() == [0, 3, 5, 7, 10]
@@ -158,7 +169,7 @@ def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():
 def test_defaults_keep_cpu_runs_in_fp32_without_checkpointing():
     assert resolve_checkpointing(PerfConfig(), CPU) == "none"
     gpu = DistInfo(0, 1, 0, 1, torch.device("cuda", 0))
-    assert resolve_checkpointing(PerfConfig(), gpu) == "full"
+    assert resolve_checkpointing(PerfConfig(), gpu) == "attention"
 
 
 def test_mesh_shape_for_fsdp_and_hsdp():

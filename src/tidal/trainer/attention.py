@@ -78,23 +78,33 @@ def flash_varlen(
         raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs scale {scale}")
     if _varlen["has_gqa"] and key.shape[1] != query.shape[1]:
         kwargs["enable_gqa"] = True
+    if _varlen.get("repeat_kv") and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = _varlen["fn"](query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
 def varlen_works(device: torch.device) -> bool:
-    """Whether the flash varlen kernel runs here and matches the SDPA reference (GQA, two documents)."""
+    """Whether the flash varlen kernel runs here and matches the SDPA reference (GQA, two documents).
+
+    If the kernel refuses grouped-query heads, it is tried once more with key/value heads repeated.
+    """
     if device.type != "cuda" or not _load_varlen():
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
     cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
-    try:
-        got = flash_varlen(q, k, v, cu, 96, 0.125)
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    want = reference_varlen(q, k, v, cu, 0.125)
-    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
+    want = reference_varlen(q, k, v, cu, 0.125).float()
+    for repeat_kv in (False, True):
+        _varlen["repeat_kv"] = repeat_kv
+        try:
+            got = flash_varlen(q, k, v, cu, 96, 0.125)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        if torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+            return True
+    return False
 
 
 def varlen_attention_forward(
@@ -114,6 +124,11 @@ def varlen_attention_forward(
         raise ValueError("tidal_varlen attention needs tidal_cu_seqlens / tidal_max_seqlen (see TokenScorer)")
     batch, heads, seq, dim = query.shape
     scale = scaling if scaling is not None else dim**-0.5
+    if tidal_cu_seqlens.shape[0] == batch + 1:
+        # every row is one document: plain causal SDPA, which may pick a faster kernel (cuDNN) than varlen's
+        gqa = key.shape[1] != heads
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2), None
     q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [tokens, heads, dim]
     k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [tokens, kv_heads, dim]
     v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)  # [tokens, kv_heads, dim]

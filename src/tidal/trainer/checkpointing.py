@@ -84,6 +84,9 @@ def apply_compile(layers: list[torch.nn.Module]) -> None:
     import torch._dynamo
 
     # one cache entry per layer in the worst case; the default limit (8) would silently fall back to eager
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(layers) + 8)
+    config = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), len(layers) + 8))
     for layer in layers:
         layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]

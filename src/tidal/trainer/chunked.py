@@ -106,7 +106,7 @@ class TokenScorer(torch.nn.Module):
                 "tidal_cu_seqlens": document_bounds(position_ids),
                 "tidal_max_seqlen": input_ids.shape[1],
             }
-        decoder = self.lm.get_decoder()  # type: ignore[operator]
+        decoder = getattr(self.lm, str(self.lm.base_model_prefix))  # e.g. Qwen3ForCausalLM.model
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]

@@ -71,6 +71,10 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     shards each decoder layer, then the root (embedding, final norm, head), and its policy computes in
     bf16 while master weights and gradient reductions stay fp32; a single process then uses a 1-rank group.
     """
+    if perf.cpu_offload and info.device.type != "cuda":
+        from tidal.errors import UserError
+
+        raise UserError("perf.cpu_offload moves state from a GPU to the CPU; this run has no GPU")
     setup_attention(model, perf.attention, info.device)
     layers = _decoder_layers(model)
     apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
@@ -94,7 +98,7 @@ def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:
 
 def resolve_checkpointing(perf: PerfConfig, info: DistInfo) -> str:
     if perf.activation_checkpointing == "auto":
-        return "full" if info.device.type == "cuda" else "none"
+        return "attention" if info.device.type == "cuda" else "none"
     return perf.activation_checkpointing
 
 

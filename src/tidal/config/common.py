@@ -127,3 +127,25 @@ class LogConfig(Config):
     """Print a one-line summary every N steps."""
     progress_bar: bool = True
     """Show a progress bar when stderr is a terminal."""
+
+
+class RunConfig(Config):
+    """Keys every command that runs numbered steps shares (the RL processes get them from `tidal rl`)."""
+
+    output_dir: Path = Path("outputs/run")
+    """Run directory: metrics, checkpoints and exports are written below it."""
+    max_steps: int = Field(default=100, gt=0)
+    """Training steps (for the orchestrator: batches to produce)."""
+    seed: int = 0
+    """Seed for data order, sampling and anything else random."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir (a fresh start when there is none)."""
+
+
+class TrainerRunConfig(RunConfig):
+    """A run of a training process: where it computes and with how many CPU threads."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses CUDA when available."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch CPU threads per process (default: CPU cores divided by local ranks)."""

@@ -11,7 +11,9 @@ from tidal.config.common import (
     LogConfig,
     ModelConfig,
     OptimConfig,
+    RunConfig,
     SchedulerConfig,
+    TrainerRunConfig,
     WandbConfig,
 )
 from tidal.config.envs import EnvSpec, check_distinct
@@ -100,17 +102,11 @@ class OnlineEvalConfig(Config):
     """Greedy by default, so the number moves only when the policy does."""
 
 
-class OrchestratorConfig(Config):
+class OrchestratorConfig(RunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the trainer (rollouts/, weights/, orchestrator/)."""
-    max_steps: int = Field(default=100, gt=0)
-    """Batches to produce."""
-    seed: int = 0
-    """Seed for task order and sampling."""
-    resume: bool = False
-    """Continue from the last orchestrator checkpoint in output_dir."""
     max_async_level: int = Field(default=1, ge=0)
     """Rollouts from policy version v may train step n only if n − v ≤ this (0: fully synchronous)."""
     model: ModelConfig = ModelConfig()
@@ -144,21 +140,11 @@ class PublishConfig(Config):
     """Published steps kept on disk (a server may still be loading the previous one)."""
 
 
-class RLTrainerConfig(Config):
+class RLTrainerConfig(TrainerRunConfig):
     """`tidal trainer`: consume batches, take one optimizer step per batch, publish weights."""
 
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the orchestrator."""
-    max_steps: int = Field(default=100, gt=0)
-    """Optimizer steps (one per batch)."""
-    seed: int = 0
-    """Seed."""
-    resume: bool = False
-    """Continue from the latest trainer checkpoint."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto` uses CUDA when available."""
-    num_threads: int | None = Field(default=None, gt=0)
-    """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig(lr=3e-6)
     perf: PerfConfig = PerfConfig()
@@ -188,15 +174,11 @@ class DeploymentConfig(Config):
     """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
 
 
-class RLConfig(Config):
+class RLConfig(RunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
 
     output_dir: Path = Path("outputs/rl")
     """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/."""
-    max_steps: int = Field(default=100, gt=0)
-    """Training steps."""
-    seed: int = 0
-    """Seed for every process."""
     resume: bool = False
     """Resume trainer and orchestrator and reload the latest weights into inference."""
     max_async_level: int = Field(default=1, ge=0)

@@ -1,7 +1,6 @@
 """Schema of `tidal sft`: supervised fine-tuning on chat conversations."""
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -13,6 +12,7 @@ from tidal.config.common import (
     ModelConfig,
     OptimConfig,
     SchedulerConfig,
+    TrainerRunConfig,
     WandbConfig,
 )
 from tidal.config.perf import PerfConfig
@@ -46,21 +46,11 @@ class SFTEvalConfig(Config):
     """Conversations generated together."""
 
 
-class SFTConfig(Config):
+class SFTConfig(TrainerRunConfig):
     """`tidal sft`: fine-tune a causal LM on the assistant turns of chat conversations."""
 
     output_dir: Path = Path("outputs/sft")
     """Where metrics.jsonl, checkpoints/ and final/ are written."""
-    max_steps: int = Field(default=100, gt=0)
-    """Number of optimizer steps."""
-    seed: int = 0
-    """Seed for data order and initialisation of anything random."""
-    resume: bool = False
-    """Continue from the latest checkpoint in output_dir (starts fresh if there is none)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto` uses CUDA when available."""
-    num_threads: int | None = Field(default=None, gt=0)
-    """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
     model: ModelConfig = ModelConfig()
     data: SFTDataConfig
     optim: OptimConfig = OptimConfig()

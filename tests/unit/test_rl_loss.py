@@ -8,6 +8,7 @@ import torch
 from tidal.config.loss import LossConfig
 from tidal.trainer.loss import (
     entropy_from_logits,
+    k3,
     merge_loss_metrics,
     rl_loss,
     selective_log_softmax,
@@ -294,3 +295,11 @@ def test_loss_config_defaults_and_problems():
         LossConfig(norm="constant")
     with pytest.raises(ValueError):
         LossConfig(max_prob_diff=1.5)
+
+
+def test_k3_is_never_negative_and_keeps_second_order_for_tiny_log_ratios():
+    x = torch.tensor([-1e-3, -1e-6, -1e-9, 0.0, 1e-9, 1e-6, 1e-3], dtype=torch.float32)
+    value = k3(x)
+    assert (value >= 0).all()
+    assert value[0].item() == pytest.approx(1e-6 / 2, rel=1e-2)  # r − log r − 1 ≈ x²/2
+    assert value[3].item() == 0.0

@@ -91,7 +91,9 @@ def trust_region(
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """k3 estimator r − log r − 1 with r = π/μ: unbiased for KL(μ‖π) on tokens sampled from μ, always ≥ 0."""
-    return log_ratio.exp() - log_ratio - 1
+    # expm1 keeps the x²/2 of a tiny log ratio that exp(x) − 1 rounds away; the clamp removes the last
+    # rounding below 0 (an fp32 run with equal policies logged −1e-10), so the estimator stays ≥ 0 as it must
+    return (torch.expm1(log_ratio) - log_ratio).clamp(min=0)
 
 
 def normalise(

@@ -13,25 +13,19 @@ import torch
 
 from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
-from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.loss import merge_loss_metrics, rl_loss
-from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
-from tidal.trainer.optim import build_optimizer, build_scheduler
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
     init_distributed,
-    parallelize,
-    set_num_threads,
     shutdown,
 )
 from tidal.trainer.session import (
     TrainState,
-    check_output_dir,
     end_of_step,
-    make_printer,
     maybe_resume,
+    open_trainer,
     optimizer_step,
 )
 from tidal.trainer.signals import StopSignal
@@ -49,28 +43,16 @@ def main(config: RLTrainerConfig) -> int:
 
 
 def train(config: RLTrainerConfig, info: DistInfo) -> int:
-    set_num_threads(config.num_threads, info)
-    quiet_transformers()
-    torch.manual_seed(config.seed)
     out = config.output_dir
     ckpt_root = run_layout.trainer_checkpoints_dir(out)
-    metrics_path = run_layout.trainer_dir(out) / "metrics.jsonl"
-    check_output_dir(metrics_path, ckpt_root, config.resume)
-    say = make_printer(info)
-
-    tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model)
-    scorer = parallelize(model, info, config.perf)
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
-    logger = (
-        MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json")) if info.is_main else None
-    )
+    t = open_trainer(config, info, run_layout.trainer_dir(out) / "metrics.jsonl", ckpt_root)
+    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
+    scorer, logger, say = t.scorer, t.logger, t.say
     state = TrainState(model, optimizer, scheduler, dict)
     step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
     publisher = WeightPublisher(out, config.publish.keep_last)
     if step > 0 and not step_dir(out, step).exists():
-        publisher.publish_model(step, model, tokenizer, info)  # inference must restart from this policy
+        publisher.publish_model(step, model, t.tokenizer, info)  # inference must restart from this policy
     receiver = setup_receiver(config.transport, out, info.rank)
     stop = StopSignal().install()
     say(f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device}")
@@ -83,7 +65,7 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
         waited = time.perf_counter() - wait_start
         metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
         publish_start = time.perf_counter()
-        publisher.publish_model(step + 1, model, tokenizer, info)
+        publisher.publish_model(step + 1, model, t.tokenizer, info)
         metrics["time/publish"] = time.perf_counter() - publish_start
         metrics["time/wait_for_data"] = waited
         metrics["time/step"] = time.perf_counter() - wait_start

@@ -7,13 +7,54 @@ from typing import Any
 
 import torch
 
+from tidal.config.rl import RLTrainerConfig
+from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer import ckpt
-from tidal.trainer.parallel import DistInfo, all_reduce_sum
+from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
+from tidal.trainer.optim import build_optimizer, build_scheduler
+from tidal.trainer.parallel import DistInfo, all_reduce_sum, parallelize, set_num_threads
 from tidal.trainer.signals import StopSignal
 
 Say = Callable[..., None]
+
+
+@dataclass
+class Trainer:
+    """What a training process holds once set up: model (and its scorer), optimizer, schedule, sinks."""
+
+    tokenizer: Any
+    model: torch.nn.Module
+    """The HF model (FSDP-sharded in place): what checkpoints and exports read."""
+    scorer: TokenScorer
+    """The model as trained: decoder + chunked head, returning target logprobs (and entropy)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    logger: MetricsLogger | None
+    """Rank 0's metrics sink; None on other ranks."""
+    say: Say
+
+
+def open_trainer(
+    config: SFTConfig | RLTrainerConfig, info: DistInfo, metrics_path: Path, ckpt_root: Path
+) -> Trainer:
+    """Set up a trainer process the same way for SFT and RL: threads, seed, output-dir check, model → device
+    → sharding, optimizer, schedule, metrics. Resuming is left to `maybe_resume` (it needs the data state)."""
+    set_num_threads(config.num_threads, info)
+    quiet_transformers()
+    torch.manual_seed(config.seed)
+    check_output_dir(metrics_path, ckpt_root, config.resume)
+    tokenizer = load_tokenizer(config.model)
+    model = load_model(config.model)
+    scorer = parallelize(model, info, config.perf)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    logger = None
+    if info.is_main:
+        logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json"))
+    return Trainer(tokenizer, model, scorer, optimizer, scheduler, logger, make_printer(info))
 
 
 @dataclass

@@ -29,22 +29,17 @@ from tidal.trainer.data import (
 )
 from tidal.trainer.evaluate import greedy_exact_match
 from tidal.trainer.export import export_model
-from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
-from tidal.trainer.optim import build_optimizer, build_scheduler
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
     init_distributed,
-    parallelize,
-    set_num_threads,
     shutdown,
 )
 from tidal.trainer.session import (
     TrainState,
-    check_output_dir,
     end_of_step,
-    make_printer,
     maybe_resume,
+    open_trainer,
     optimizer_step,
 )
 from tidal.trainer.signals import StopSignal
@@ -102,25 +97,14 @@ def main(config: SFTConfig) -> int:
 
 
 def train(config: SFTConfig, info: DistInfo) -> int:
-    set_num_threads(config.num_threads, info)
-    quiet_transformers()
-    torch.manual_seed(config.seed)
     out = config.output_dir
     ckpt_root = out / "checkpoints"
-    check_output_dir(out / "metrics.jsonl", ckpt_root, config.resume)
-    say = make_printer(info)
-
-    tokenizer = load_tokenizer(config.model)
-    data = SFTData(config, load_conversations(config.data.train), tokenizer, info)
-    model = load_model(config.model)
-    scorer = parallelize(model, info, config.perf)
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
-    logger = (
-        MetricsLogger(out / "metrics.jsonl", config.wandb, config.model_dump(mode="json"))
-        if info.is_main
-        else None
-    )
+    conversations = load_conversations(config.data.train)  # before the model: bad data fails fast
+    t = open_trainer(config, info, out / "metrics.jsonl", ckpt_root)
+    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
+    scorer, logger, say = t.scorer, t.logger, t.say
+    tokenizer = t.tokenizer
+    data = SFTData(config, conversations, tokenizer, info)
 
     state = TrainState(model, optimizer, scheduler, data.sampler.state_dict)
     step, data_state = maybe_resume(ckpt_root, state, info, logger, say, config.resume)

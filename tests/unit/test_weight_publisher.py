@@ -54,3 +54,34 @@ def test_half_written_directories_are_ignored_and_refused(tmp_path: Path) -> Non
 def test_keep_last_below_two_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 2"):
         WeightPublisher(tmp_path, keep_last=1)
+
+
+def test_publish_model_writes_the_served_dtype_and_leaves_the_trainer_config_alone(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from tidal.trainer.parallel import DistInfo
+
+    model, tokenizer = small_model()  # fp32 master weights
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    path = WeightPublisher(tmp_path, dtype=torch.bfloat16).publish_model(1, model, tokenizer, info)
+    saved = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    expected = model.state_dict()["model.embed_tokens.weight"].to(torch.bfloat16)
+    assert torch.equal(saved["model.embed_tokens.weight"], expected)  # the same rounding vLLM would apply
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert next(model.parameters()).dtype == torch.float32 and model.config.dtype != torch.bfloat16
+
+
+def test_served_dtype_explicit_then_model_dtype_then_the_checkpoint_s_own(tmp_path: Path) -> None:
+    from tidal.config.common import ModelConfig
+    from tidal.trainer.model import served_dtype
+
+    model, _ = small_model()
+    model.config.dtype = torch.bfloat16
+    model.config.save_pretrained(tmp_path)  # a checkpoint stored in bf16, like the Qwen releases
+    stored = ModelConfig(name=str(tmp_path))
+    assert served_dtype(stored) == torch.bfloat16  # vLLM serves what the checkpoint stores
+    assert served_dtype(stored, "float16") == torch.float16
+    assert served_dtype(ModelConfig(name=str(tmp_path), dtype="float32")) == torch.float32

@@ -138,6 +138,9 @@ class PublishConfig(Config):
     """`filesystem`: HF safetensors under <output_dir>/weights/step_<n>/."""
     keep_last: int = Field(default=3, ge=2)
     """Published steps kept on disk (a server may still be loading the previous one)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the published weights. `auto`: the dtype inference serves — model.dtype when set, else the
+    checkpoint's own (config.json); fp32 master weights are then cast once here instead of written in fp32."""
 
 
 class RLTrainerConfig(TrainerRunConfig):

@@ -4,6 +4,7 @@ The directory appears under its final name only when every file is written, and 
 last thing created, so a reader polling for new weights never loads half a checkpoint.
 """
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ def save_hf_checkpoint(
             tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
         ).contiguous()
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:
+        hf_config = copy.deepcopy(hf_config)  # the trainer's own config keeps describing its master weights
+        hf_config.dtype = dtype
     hf_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     GenerationConfig(
@@ -57,11 +61,13 @@ def save_hf_checkpoint(
     return target
 
 
-def export_model(target: Path, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
-    """Gather on every rank, write on rank 0, wait for it."""
+def export_model(
+    target: Path, model: torch.nn.Module, tokenizer: Any, info: DistInfo, dtype: torch.dtype | None = None
+) -> Path:
+    """Gather on every rank, write on rank 0 (floating tensors cast to `dtype` when given), wait for it."""
     state_dict = full_state_dict(model)
     if info.is_main:
         hf_config = model.config  # type: ignore[attr-defined]
-        save_hf_checkpoint(target, state_dict, hf_config, tokenizer)
+        save_hf_checkpoint(target, state_dict, hf_config, tokenizer, dtype)
     barrier(info)
     return target

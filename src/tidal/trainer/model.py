@@ -57,6 +57,30 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
     return model
 
 
+def served_dtype(config: ModelConfig, publish_dtype: str = "auto") -> torch.dtype | None:
+    """The dtype inference computes in, so weights can be published in it (None: keep the trainer's).
+
+    An explicit publish dtype wins; then model.dtype (inference gets the same `--dtype`); under `auto`
+    vLLM serves the checkpoint's stored dtype, read from its config.json.
+    """
+    if publish_dtype != "auto":
+        return _DTYPES[publish_dtype]
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            resolve_model_name(config.name), trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError):
+        return None  # load_model has already reported a model it cannot load
+    stored = getattr(hf_config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

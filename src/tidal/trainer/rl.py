@@ -15,6 +15,7 @@ from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.loss import merge_loss_metrics, rl_loss
+from tidal.trainer.model import served_dtype
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -50,7 +51,9 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     scorer, logger, say = t.scorer, t.logger, t.say
     state = TrainState(model, optimizer, scheduler, dict)
     step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
-    publisher = WeightPublisher(out, config.publish.keep_last)
+    publisher = WeightPublisher(
+        out, config.publish.keep_last, served_dtype(config.model, config.publish.dtype)
+    )
     if step > 0 and not step_dir(out, step).exists():
         publisher.publish_model(step, model, t.tokenizer, info)  # inference must restart from this policy
     receiver = setup_receiver(config.transport, out, info.rank)

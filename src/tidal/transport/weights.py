@@ -53,12 +53,14 @@ def latest_published(output_dir: Path) -> tuple[int, Path] | None:
 class WeightPublisher:
     """Writes one HF checkpoint per published step and prunes old ones (rank 0 writes, all ranks gather)."""
 
-    def __init__(self, output_dir: Path, keep_last: int | None = 3):
+    def __init__(self, output_dir: Path, keep_last: int | None = 3, dtype: Any = None):
         # Two at least: a server may still be loading the previous step while the next one lands.
         if keep_last is not None and keep_last < 2:
             raise ValueError(f"keep_last must be at least 2 (or None to keep all), got {keep_last}")
         self.output_dir = Path(output_dir)
         self.keep_last = keep_last
+        # `publish_model` writes floating tensors in this torch dtype (None: as the model holds them)
+        self.dtype = dtype
 
     def publish_state_dict(
         self, step: int, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
@@ -71,10 +73,10 @@ class WeightPublisher:
         return target
 
     def publish_model(self, step: int, model: Any, tokenizer: Any, info: Any) -> Path:
-        """Gather an (FSDP-sharded) model on every rank and write it on rank 0; a collective."""
+        """Gather an (FSDP-sharded) model on every rank and write it on rank 0 in `dtype`; a collective."""
         from tidal.trainer.export import export_model
 
-        target = export_model(step_dir(self.output_dir, step), model, tokenizer, info)
+        target = export_model(step_dir(self.output_dir, step), model, tokenizer, info, self.dtype)
         if info.is_main:
             self._prune()
         return target

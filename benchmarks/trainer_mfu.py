@@ -50,6 +50,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"activation_checkpointing": "none"},
     "compile": {"compile": True},
     "attention-compile": {"activation_checkpointing": "attention", "compile": True},
+    "selective-compile": {"activation_checkpointing": "selective", "compile": True},
+    "every2-compile": {"activation_checkpointing": "full", "checkpoint_every": 2, "compile": True},
 }
 
 

@@ -1,6 +1,7 @@
 """Where each process of an RL run reads and writes under `<output_dir>` (one place, so they agree)."""
 
 import re
+import shutil
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -35,3 +36,23 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 def latest_step(root: Path) -> int | None:
     found = step_dirs(root)
     return found[-1][0] if found else None
+
+
+def weights_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "weights"
+
+
+def discard_after_checkpoint(output_dir: Path) -> int:
+    """Before a resume: drop what a killed run produced past the trainer's latest checkpoint; returns its step.
+
+    Batches of that step and later (`rollouts/step_<n>`, n ≥ step) and weights published after it
+    (`weights/step_<n>`, n > step) belong to steps the resumed run does again. This must happen before
+    trainer and orchestrator start: a resumed trainer that found an old batch would train it at once and
+    publish weights that the orchestrator's own clean-up then deleted, and both would wait for ever.
+    """
+    step = latest_step(trainer_checkpoints_dir(output_dir)) or 0
+    stale = [p for n, p in step_dirs(rollouts_dir(output_dir)) if n >= step]
+    stale += [p for n, p in step_dirs(weights_dir(output_dir)) if n > step]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return step

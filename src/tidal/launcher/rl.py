@@ -214,6 +214,9 @@ class Launcher:
             raise UserError(
                 f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir"
             )
+        if self.config.resume:
+            # before any child starts: trainer and orchestrator must not race over a killed run's leftovers
+            run_layout.discard_after_checkpoint(self.out)
 
     def _write_configs(self, roles: RoleConfigs) -> dict[str, Path]:
         configs = self.out / "configs"

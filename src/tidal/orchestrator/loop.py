@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tidal import run_layout
@@ -319,8 +318,8 @@ class Orchestrator:
             self.state = OrchestratorState(**json.loads(path.read_text()))
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
-        sender.discard_from(step)
-        _discard_weights_after(self.out, step)
+        sender.discard_from(step)  # batches it holds in memory (zmq); files are handled below
+        run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
 
 
@@ -335,15 +334,6 @@ def per_env_metrics(stats: StepStats, kept: list[Group]) -> dict[str, float]:
         out[f"env/{name}/failed"] = float(stats.env_failed.get(name, 0))
         out[f"env/{name}/kept_groups"] = float(sum(g.env == name for g in kept))
     return out
-
-
-def _discard_weights_after(output_dir: Path, step: int) -> None:
-    """Weights a killed trainer published past its checkpoint belong to steps that will be trained again."""
-    import shutil
-
-    for found, path in run_layout.step_dirs(Path(output_dir) / "weights"):
-        if found > step:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def main(config: OrchestratorConfig) -> int:

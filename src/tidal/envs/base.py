@@ -79,6 +79,14 @@ class Episode:
         """Everything the model has seen and said so far."""
         return self.prompt_ids + self.completion_ids
 
+    def summary_metrics(self) -> dict[str, float]:
+        """The environment's metrics plus turn count and model-token count, as RL and eval log them."""
+        return {
+            **self.metrics,
+            "num_turns": float(self.num_turns),
+            "completion_len": float(sum(self.completion_mask)),
+        }
+
 
 RewardFn = Callable[[Task, Episode], float | Awaitable[float]]
 

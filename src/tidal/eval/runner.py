@@ -19,7 +19,7 @@ from tidal.config.eval import EvalConfig, EvalEnvSpec
 from tidal.envs.base import Environment, Task, run_episode
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
-from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed
+from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed, is_infrastructure_error
 from tidal.inference.sampler import ClientSampler
 
 logger = logging.getLogger(__name__)
@@ -47,20 +47,16 @@ async def run_sample(
     """Fill `record` from one episode; environment exceptions and timeouts mark it failed, inference errors raise."""
     try:
         episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
-    except (NoHealthyServer, ServerFailed, asyncio.CancelledError):
-        raise
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
+        if is_infrastructure_error(exc):
+            raise
         record.failed, record.error = True, f"{type(exc).__name__}: {exc}"[:500]
         return record
     finally:
         sampler.client.end_session(sampler.session_id)
     record.reward = episode.reward
     record.messages = episode.messages
-    record.metrics = {
-        **episode.metrics,
-        "num_turns": float(episode.num_turns),
-        "completion_len": float(sum(episode.completion_mask)),
-    }
+    record.metrics = episode.summary_metrics()
     return record
 
 

@@ -63,6 +63,12 @@ class NoHealthyServer(InferenceError):
     """Every server is out of rotation."""
 
 
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """Inference unreachable (or the work cancelled): not an environment's failure, so it must stop the
+    run rather than be counted as one failed rollout."""
+    return isinstance(exc, NoHealthyServer | ServerFailed | asyncio.CancelledError)
+
+
 @dataclass
 class ServerState:
     """What the client knows about one server."""

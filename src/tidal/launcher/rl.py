@@ -123,6 +123,9 @@ class Launcher:
 
     def run(self) -> int:
         self._check_output_dir()
+        if self.config.resume:
+            # before any child starts: trainer and orchestrator must not race over a killed run's leftovers
+            run_layout.discard_after_checkpoint(self.out)
         on_gpu = _on_gpu()
         roles = split_config(self.config, on_gpu)
         paths = self._write_configs(roles)
@@ -214,9 +217,6 @@ class Launcher:
             raise UserError(
                 f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir"
             )
-        if self.config.resume:
-            # before any child starts: trainer and orchestrator must not race over a killed run's leftovers
-            run_layout.discard_after_checkpoint(self.out)
 
     def _write_configs(self, roles: RoleConfigs) -> dict[str, Path]:
         configs = self.out / "configs"

@@ -318,7 +318,7 @@ class Orchestrator:
             self.state = OrchestratorState(**json.loads(path.read_text()))
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
-        sender.discard_from(step)  # batches it holds in memory (zmq); files are handled below
+        sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
 

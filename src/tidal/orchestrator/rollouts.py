@@ -14,7 +14,7 @@ from typing import Any
 from tidal.config.rl import SamplingConfig
 from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, run_episode
 from tidal.envs.mix import EnvMix, env_name
-from tidal.inference.client import InferenceClient
+from tidal.inference.client import InferenceClient, is_infrastructure_error
 from tidal.inference.sampler import ClientSampler
 from tidal.types import Group, Rollout
 
@@ -77,10 +77,8 @@ async def _single_turn_group(
     try:
         episodes = await env.rollout_group(task, sampler, group_size)
     except Exception as exc:  # noqa: BLE001 - e.g. a prompt the environment cannot render
-        if _is_infrastructure_error(exc):
-            raise
-        logger.warning("rollouts of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-        failed = [failed_rollout(env, task, sampler.versions, type(exc).__name__) for _ in range(group_size)]
+        error = _failure_name(exc, task)
+        failed = [failed_rollout(env, task, sampler.versions, error) for _ in range(group_size)]
         return Group(task_id=task.task_id, env=env_name(env, task), rollouts=failed)
     finally:
         client.end_session(sampler.session_id)
@@ -106,25 +104,18 @@ async def _fails_alone(
         episode = await asyncio.wait_for(work, timeout)
         return to_rollout(env, task, episode, versions)
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
-        if _is_infrastructure_error(exc):
-            raise
-        logger.warning("rollout of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-        return failed_rollout(env, task, versions, type(exc).__name__)
+        return failed_rollout(env, task, versions, _failure_name(exc, task))
 
 
-def _is_infrastructure_error(exc: BaseException) -> bool:
-    """Inference being unreachable is not the environment's failure: it must stop the run, not be counted."""
-    from tidal.inference.client import NoHealthyServer, ServerFailed
-
-    return isinstance(exc, NoHealthyServer | ServerFailed | asyncio.CancelledError)
+def _failure_name(exc: BaseException, task: Task) -> str:
+    """Log an environment failure of `task` and name it; an infrastructure error is raised again instead."""
+    if is_infrastructure_error(exc):
+        raise exc
+    logger.warning("rollout of %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+    return type(exc).__name__
 
 
 def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[int]) -> Rollout:
-    metrics = {
-        **episode.metrics,
-        "num_turns": float(episode.num_turns),
-        "completion_len": float(sum(episode.completion_mask)),
-    }
     return Rollout(
         prompt_ids=episode.prompt_ids,
         completion_ids=episode.completion_ids,
@@ -135,7 +126,7 @@ def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[in
         policy_version_max=max(versions, default=0),
         env=env_name(env, task),
         task_id=task.task_id,
-        metrics=metrics,
+        metrics=episode.summary_metrics(),
     )
 
 

@@ -52,6 +52,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "attention-compile": {"activation_checkpointing": "attention", "compile": True},
     "selective-compile": {"activation_checkpointing": "selective", "compile": True},
     "every2-compile": {"activation_checkpointing": "full", "checkpoint_every": 2, "compile": True},
+    "none-compile": {"activation_checkpointing": "none", "compile": True},
+    "projections-compile": {"activation_checkpointing": "projections", "compile": True},
+    "budget-compile": {"activation_checkpointing": "budget", "compile": True},
 }
 
 
@@ -124,7 +127,7 @@ def tidal_runner(
     from tidal.config.common import OptimConfig, SchedulerConfig
     from tidal.config.perf import PerfConfig
     from tidal.trainer.data import PackedRow
-    from tidal.trainer.optim import build_optimizer, build_scheduler
+    from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
     from tidal.trainer.parallel import parallelize, resolve_checkpointing
     from tidal.trainer.sft import StepBatch, train_step
 
@@ -136,8 +139,9 @@ def tidal_runner(
         "num_params": num_params,
         "attention": model.config._attn_implementation,
         "activation_checkpointing": resolve_checkpointing(perf, info),
+        "optimizer_state": str(resolve_state_dtype(perf.optimizer_state, info.device)).removeprefix("torch."),
     }
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5), resolve_state_dtype(perf.optimizer_state, info.device))
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
     num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
@@ -149,8 +153,11 @@ def tidal_runner(
     return step, facts
 
 
-def measure(make: Any, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
-    """Build, warm up, time `steps` steps; tokens/s is filled in by the caller. Frees everything after."""
+def measure(
+    make: Any, device: torch.device, warmup: int, steps: int, profile: bool = False
+) -> dict[str, Any]:
+    """Build, warm up, time `steps` steps (then profile one more if asked); tokens/s is filled in by the
+    caller. Frees everything after."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -168,7 +175,10 @@ def measure(make: Any, device: torch.device, warmup: int, steps: int) -> dict[st
             torch.cuda.synchronize(device)
         elapsed = (time.perf_counter() - start) / steps
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-        return {"step_s": elapsed, "peak_mem_gib": peak, "first_loss": first_loss, **facts}
+        result = {"step_s": elapsed, "peak_mem_gib": peak, "first_loss": first_loss, **facts}
+        if profile and cuda:
+            result["profile"] = profile_step(step, device)
+        return result
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     finally:
@@ -178,18 +188,62 @@ def measure(make: Any, device: torch.device, warmup: int, steps: int) -> dict[st
             torch.cuda.empty_cache()
 
 
+KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
+    ("attention", ("cudnn", "flash", "fmha", "attn")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("collective", ("nccl",)),
+    ("copy", ("memcpy", "memset", "copy", "cat", "chunk_cat", "split_with_sizes")),
+    ("compiled", ("triton",)),
+]
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lowered for k in keys)), "other")
+
+
+def profile_step(step: Any, device: torch.device) -> dict[str, Any]:
+    """GPU time of one step by kernel kind, and the top kernels (torch.profiler; ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    kinds: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        ms = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) / 1e3
+        if ms <= 0:
+            continue
+        kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + ms
+        kernels.append((ms, event.count, event.key[:110]))
+    kernels.sort(reverse=True)
+    return {
+        "wall_ms": wall * 1e3,
+        "gpu_ms": sum(kinds.values()),
+        "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"ms": round(ms, 2), "calls": n, "name": name} for ms, n, name in kernels[:30]],
+    }
+
+
 def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: Any) -> dict[str, Any]:
     """One measurement; under torchrun every rank trains its own row (data parallel, FSDP2 sharded)."""
     seed, device = 0, info.device
     lengths = document_lengths(args.seq, layout, seed)
     row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed + info.rank)
     if impl == "hf":
-        result = measure(lambda: hf_runner(name, row, device, seed), device, args.warmup, args.steps)
+        result = measure(
+            lambda: hf_runner(name, row, device, seed), device, args.warmup, args.steps, args.profile
+        )
         options: dict[str, Any] = {"activation_checkpointing": "full"}
     else:
-        options = VARIANTS[impl.removeprefix("tidal:")]
+        options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
-            lambda: tidal_runner(name, row, info, seed, options), device, args.warmup, args.steps
+            lambda: tidal_runner(name, row, info, seed, options), device, args.warmup, args.steps, args.profile
         )
     record: dict[str, Any] = {
         "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
@@ -324,7 +378,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="write results JSON here (appends to an existing file)")
     parser.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out")
     parser.add_argument("--attention-kernels", action="store_true", help="time attention kernels, then exit")
-    return parser.parse_args(argv)
+    parser.add_argument("--profile", action="store_true", help="profile one more step: GPU time by kernel kind")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="PerfConfig fields for every tidal variant"
+    )
+    args = parser.parse_args(argv)
+    args.set = dict(_field(item) for item in args.set)
+    return args
+
+
+def _field(item: str) -> tuple[str, Any]:
+    """`name=value` → (name, value parsed as JSON when it parses, else the string)."""
+    name, _, raw = item.partition("=")
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw
 
 
 def main(argv: list[str]) -> None:

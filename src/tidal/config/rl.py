@@ -19,6 +19,7 @@ from tidal.config.common import (
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
+from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.perf import PerfConfig
 
@@ -135,7 +136,7 @@ class PublishConfig(Config):
     """How the trainer hands new weights to inference."""
 
     type: Literal["filesystem"] = "filesystem"
-    """`filesystem`: HF safetensors under <output_dir>/weights/step_<n>/."""
+    """`filesystem`: HF safetensors under <output_dir>/weights/step_<n>/ (with LoRA: a PEFT adapter)."""
     keep_last: int = Field(default=3, ge=2)
     """Published steps kept on disk (a server may still be loading the previous one)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -151,6 +152,9 @@ class RLTrainerConfig(TrainerRunConfig):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig(lr=3e-6)
     perf: PerfConfig = PerfConfig()
+    lora: LoraConfig = LoraConfig()
+    """Train LoRA adapters only; each step publishes a PEFT adapter (`weights/step_<n>/`) instead of the
+    full weights, and inference samples with it (`tidal rl` enables LoRA in vLLM to match)."""
     scheduler: SchedulerConfig = SchedulerConfig(type="constant")
     loss: LossConfig = LossConfig()
     temperature: float = Field(default=1.0, gt=0)
@@ -200,6 +204,11 @@ class RLConfig(RunConfig):
         if self.trainer.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
                 "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"
+            )
+        if self.trainer.lora.enabled and self.inference.weights.backend == "nccl":
+            raise ConfigProblem(
+                "inference.weights.backend",
+                "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
             )
         if self.inference.vllm.max_model_len is not None:
             longest = self.orchestrator.batch.seq_len

@@ -15,6 +15,7 @@ from tidal.config.common import (
     TrainerRunConfig,
     WandbConfig,
 )
+from tidal.config.lora import LoraConfig
 from tidal.config.perf import PerfConfig
 
 
@@ -50,11 +51,12 @@ class SFTConfig(TrainerRunConfig):
     """`tidal sft`: fine-tune a causal LM on the assistant turns of chat conversations."""
 
     output_dir: Path = Path("outputs/sft")
-    """Where metrics.jsonl, checkpoints/ and final/ are written."""
+    """Where metrics.jsonl, checkpoints/ and final/ (with LoRA also final_adapter/) are written."""
     model: ModelConfig = ModelConfig()
     data: SFTDataConfig
     optim: OptimConfig = OptimConfig()
     perf: PerfConfig = PerfConfig()
+    lora: LoraConfig = LoraConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     eval: SFTEvalConfig = SFTEvalConfig()

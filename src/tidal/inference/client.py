@@ -9,6 +9,10 @@
   (and LoRA adapters) before it is put back, so it never serves a stale policy.
 - Weight updates: pause (draining in-flight requests by default), load, resume, on every server at once,
   through vLLM's native RL routes; the report gives each server's version.
+- LoRA policy updates (`update_adapter`): each version's adapter is hot-loaded under its own name
+  (`/v1/load_lora_adapter`) and becomes the `model` of requests that name none. No pause: a request names
+  its adapter, so one already running finishes on the adapter it started with and its version is exact.
+  An older adapter is unloaded once no request of this client uses it.
 """
 
 import asyncio
@@ -16,8 +20,8 @@ import contextlib
 import logging
 import random
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -126,6 +130,11 @@ class InferenceClient:
         # otherwise come back with the weights from before that fan-out.
         self._weights_lock = asyncio.Lock()
         self._loras: dict[str, str] = {}
+        # LoRA policy: name -> (version, path) of every policy adapter still loaded, the newest one serving
+        # requests that name no model, and how many requests of this client use each one right now.
+        self._policy_adapters: dict[str, tuple[int, str]] = {}
+        self._policy_adapter: str | None = None
+        self._adapter_requests: Counter[str] = Counter()
         self._watch: asyncio.Task[None] | None = None
         self._picks = 0
 
@@ -148,14 +157,13 @@ class InferenceClient:
     async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
         """Token in, token out: sampled ids with their logprobs under the sampling distribution."""
         body = {
-            "model": request.lora or await self._model_name(),
             "prompt": list(request.prompt_token_ids),
             "n": request.n,
             "logprobs": 0,
             "return_token_ids": True,
             **request.sampling.to_vllm(),
         }
-        server, version, data = await self._dispatch("/v1/completions", body, session_id)
+        server, version, data = await self._send_generation("/v1/completions", body, request.lora, session_id)
         completions = tuple(_completion(c, c["logprobs"]["token_logprobs"]) for c in _choices(data))
         prompt_ids = tuple(data["choices"][0]["prompt_token_ids"])
         return Generation(
@@ -169,14 +177,15 @@ class InferenceClient:
         the grown message list: re-rendering could tokenise the model's own earlier turns differently.
         """
         body = {
-            "model": request.lora or await self._model_name(),
             "messages": [m.model_dump() for m in request.messages],
             "n": request.n,
             "logprobs": True,
             "return_token_ids": True,
             **request.sampling.to_vllm(),
         }
-        server, version, data = await self._dispatch("/v1/chat/completions", body, session_id)
+        server, version, data = await self._send_generation(
+            "/v1/chat/completions", body, request.lora, session_id
+        )
         completions = tuple(
             _completion(
                 {**c, "text": c["message"]["content"] or ""}, [t["logprob"] for t in c["logprobs"]["content"]]
@@ -187,6 +196,29 @@ class InferenceClient:
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
         )
+
+    async def _send_generation(
+        self, path: str, body: dict[str, Any], lora: str | None, session_id: str | None
+    ) -> tuple[str, int, Any]:
+        """Dispatch with `model` set: the named adapter, else the LoRA policy's, else the base model.
+
+        Returns (server, policy version, json): a policy adapter's version is its own, exactly.
+        """
+        model = lora or self._policy_adapter
+        if model is None:
+            return await self._dispatch(path, {"model": await self._model_name(), **body}, session_id)
+        with self._using_adapter(model):  # counted from here, with no await before: unloads respect it
+            adapter_version = self._policy_adapters.get(model, (None, ""))[0]
+            server, version, data = await self._dispatch(path, {"model": model, **body}, session_id)
+        return server, version if adapter_version is None else adapter_version, data
+
+    @contextlib.contextmanager
+    def _using_adapter(self, name: str) -> Iterator[None]:
+        self._adapter_requests[name] += 1
+        try:
+            yield
+        finally:
+            self._adapter_requests[name] -= 1
 
     def end_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -304,8 +336,9 @@ class InferenceClient:
                 result = await self._update_one(server, path, version)
                 if not result.ok:
                     return False
-            for name, path in self._loras.items():
-                await self._admin(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            loras = {**self._loras, **{name: path for name, (_, path) in self._policy_adapters.items()}}
+            for name, path in loras.items():
+                await self._load_adapter(server, name, path)
         except (InferenceError, httpx.HTTPError) as exc:
             logger.warning(
                 "inference server %s is up but could not be brought up to date: %s", server.url, exc
@@ -389,10 +422,64 @@ class InferenceClient:
     async def load_lora(self, name: str, path: str | Path) -> None:
         """Hot-load (or replace) LoRA adapter `name` on every server; generate with `lora=name`."""
         self._loras[name] = str(path)
-        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
         await asyncio.gather(
-            *(self._admin(s, "/v1/load_lora_adapter", body) for s in self.servers.values() if s.healthy)
+            *(self._load_adapter(s, name, str(path)) for s in self.servers.values() if s.healthy)
         )
+
+    async def update_adapter(self, name: str, path: str | Path, version: int) -> WeightUpdateReport:
+        """Make the LoRA adapter at `path` (PEFT format, visible to every server) policy `version`.
+
+        It is loaded on every healthy server as `name` (one name per version), then requests that name no
+        model use it. Servers that are down now load it before they return to rotation.
+        """
+        async with self._weights_lock:
+            results = await asyncio.gather(
+                *(self._adapter_or_skip(s, name, str(path), version) for s in self.servers.values())
+            )
+            if any(r.ok for r in results):
+                self._policy_adapters[name] = (version, str(path))
+                self._policy_adapter = name
+                await self._unload_unused_adapters()
+            return WeightUpdateReport(version=version, path=str(path), servers=tuple(results))
+
+    async def _adapter_or_skip(
+        self, server: ServerState, name: str, path: str, version: int
+    ) -> ServerVersion:
+        if not server.healthy:
+            return ServerVersion(
+                url=server.url, version=None, ok=False, error="out of rotation; loaded on return"
+            )
+        start = time.perf_counter()
+        try:
+            await self._load_adapter(server, name, path)
+        except (InferenceError, httpx.HTTPError) as exc:
+            seconds = time.perf_counter() - start
+            return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
+        return ServerVersion(url=server.url, version=version, ok=True, seconds=time.perf_counter() - start)
+
+    async def _load_adapter(self, server: ServerState, name: str, path: str) -> None:
+        # load_inplace: loading a name the server already has (a server that only looked down) is not an error
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        await self._admin(server, "/v1/load_lora_adapter", body)
+
+    async def _unload_unused_adapters(self) -> None:
+        """Unload the older policy adapters no request uses; one still in use waits for the next update."""
+        for name in list(self._policy_adapters):
+            if name == self._policy_adapter or self._adapter_requests[name] > 0:
+                continue
+            del self._policy_adapters[name]
+            self._adapter_requests.pop(name, None)
+            for server in self.servers.values():
+                if not server.healthy:
+                    continue  # a returning server loads only the adapters still listed
+                try:
+                    await self._admin(server, "/v1/unload_lora_adapter", {"lora_name": name})
+                except (InferenceError, httpx.HTTPError) as exc:  # a stale adapter costs memory, not results
+                    logger.warning("could not unload LoRA adapter %s from %s: %s", name, server.url, exc)
+
+    def loaded_adapters(self) -> list[str]:
+        """Policy adapters this client keeps loaded, oldest first (the last one serves new requests)."""
+        return sorted(self._policy_adapters, key=lambda name: self._policy_adapters[name][0])
 
     async def _read_version(self, server: ServerState) -> int | None:
         """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older)."""

@@ -3,7 +3,8 @@
 import os
 from dataclasses import dataclass
 
-from tidal.config.inference import InferenceConfig
+from tidal.config.inference import InferenceConfig, VLLMConfig
+from tidal.config.lora import vllm_lora_rank
 from tidal.config.rl import OrchestratorConfig, RLConfig, RLTrainerConfig
 from tidal.inference.server import client_url
 
@@ -27,9 +28,7 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
         "resume": rl.resume,
         "model": rl.model,
     }
-    inference = rl.inference.model_copy(
-        update={"model": rl.model, "vllm": rl.inference.vllm.model_copy(update={"seed": rl.seed})}
-    )
+    inference = rl.inference.model_copy(update={"model": rl.model, "vllm": _vllm_for(rl)})
     if not on_gpu:
         inference = inference.model_copy(
             update={
@@ -63,6 +62,19 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
         }
     )
     return RoleConfigs(inference, orchestrator, trainer)
+
+
+def _vllm_for(rl: RLConfig) -> VLLMConfig:
+    """The run's seed, and with `trainer.lora` the LoRA flags the published adapters need."""
+    update: dict[str, object] = {"seed": rl.seed}
+    lora, vllm = rl.trainer.lora, rl.inference.vllm
+    if lora.enabled:
+        assert lora.rank is not None
+        update["enable_lora"] = True
+        update["max_lora_rank"] = max(vllm.max_lora_rank, vllm_lora_rank(lora.rank))
+        # Each step is a new adapter; requests of the previous one may still run beside the new one's.
+        update["max_loras"] = max(vllm.max_loras, 2)
+    return vllm.model_copy(update=update)
 
 
 def _inference_cpus(rl: RLConfig, num_cpus: int) -> str:

@@ -6,13 +6,14 @@ import time
 from pathlib import Path
 
 from tidal.inference.client import InferenceClient
-from tidal.transport.weights import latest_published
+from tidal.transport.weights import adapter_name, is_adapter_dir, latest_published
 
 logger = logging.getLogger(__name__)
 
 
 class PolicyWatcher:
-    """Polls `<output_dir>/weights/` and fans each new step out to every server (pause, load, resume).
+    """Polls `<output_dir>/weights/` and fans each new step out to every server: full weights are loaded in
+    place (pause, load, resume), a LoRA adapter is hot-loaded and becomes the model requests use.
 
     Consumes: published weight directories. Produces: `version`, the policy every server now serves.
     """
@@ -49,7 +50,10 @@ class PolicyWatcher:
             return
         step, path = latest
         start = time.perf_counter()
-        report = await self.client.update_weights(path, step)
+        if is_adapter_dir(path):
+            report = await self.client.update_adapter(adapter_name(step), path, step)
+        else:
+            report = await self.client.update_weights(path, step)
         if not report.all_ok:
             failed = [s.url for s in report.servers if not s.ok]
             raise RuntimeError(f"weight update to step {step} failed on {failed}")

@@ -33,8 +33,14 @@ def _attention_ops() -> set[Any]:
     return ops
 
 
-def selective_context(save_matmuls: bool) -> Callable[[], Any]:
-    """A checkpoint `context_fn`: keep attention outputs and, if asked, every second matmul output.
+# matmuls whose outputs each mode keeps, by their order in a decoder layer's forward (1-based; a Qwen3/Llama
+# layer runs q, k, v, o, gate, up, down). down's output is never needed by backward, so keeping it is waste.
+SAVED_MATMULS = {"attention": frozenset(), "selective": frozenset({1, 3, 5, 7}), "projections": frozenset({1, 2, 3, 4})}
+
+
+def selective_context(saved_matmuls: frozenset[int]) -> Callable[[], Any]:
+    """A checkpoint `context_fn`: keep attention outputs and the outputs of the matmuls numbered in
+    `saved_matmuls` (1-based order in the layer); recompute the rest.
 
     Recomputation replays the same ops in the same order, so counting matmuls separately in forward and in
     recompute makes both choose the same ones.
@@ -48,9 +54,9 @@ def selective_context(save_matmuls: bool) -> Callable[[], Any]:
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if op in keep:
                 return CheckpointPolicy.MUST_SAVE
-            if save_matmuls and op in matmuls:
+            if op in matmuls:
                 counts[ctx.is_recompute] += 1
-                if counts[ctx.is_recompute] % 2 == 1:
+                if counts[ctx.is_recompute] in saved_matmuls:
                     return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -70,19 +76,27 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | N
 
 
 def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str, every: int = 1) -> None:
-    """Checkpoint every `every`-th layer: `full`, `selective` or `attention` (see PerfConfig); `none` is a no-op."""
-    if mode == "none":
+    """Checkpoint every `every`-th layer: `full`, `selective`, `projections` or `attention` (see PerfConfig);
+    `none` is a no-op, and so is `budget` (torch.compile's partitioner chooses; see `apply_compile`)."""
+    if mode in ("none", "budget"):
         return
-    context_fn = None if mode == "full" else selective_context(save_matmuls=mode == "selective")
+    context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode])
     for index, layer in enumerate(layers):
         if index % every == 0:
             layer.forward = _checkpointed(layer.forward, context_fn)  # type: ignore[method-assign]
 
 
-def apply_compile(layers: list[torch.nn.Module]) -> None:
-    """Compile each layer's forward (after checkpointing, before sharding). All layers share one graph."""
-    import torch._dynamo
+def apply_compile(layers: list[torch.nn.Module], memory_budget: float | None = None) -> None:
+    """Compile each layer's forward (after checkpointing, before sharding). All layers share one graph.
 
+    With `memory_budget` (0–1), compile's partitioner decides what to recompute: it keeps the activations
+    that are costliest to recompute per byte until this fraction of what it would keep unconstrained.
+    """
+    import torch._dynamo
+    import torch._functorch.config
+
+    if memory_budget is not None:
+        torch._functorch.config.activation_memory_budget = memory_budget
     # one cache entry per layer in the worst case; the default limit (8) would silently fall back to eager
     config = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):

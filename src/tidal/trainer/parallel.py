@@ -79,7 +79,7 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     layers = _decoder_layers(model)
     apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
     if perf.compile:
-        apply_compile(layers)
+        apply_compile(layers, perf.memory_budget if perf.activation_checkpointing == "budget" else None)
     scorer = TokenScorer(model, perf.loss_chunk_tokens)
     if not uses_fsdp(perf, info):
         return scorer.to(info.device)

@@ -3,6 +3,8 @@
     wait for batch n → per micro-batch: forward → logprobs / T → loss vs inference logprobs → backward
     → clip → step → publish weights step_{n+1} (policy version n+1) → log → (checkpoint)
 
+With `lora`, only the adapters train and step_{n+1} is a PEFT adapter directory, not the full weights.
+
 Batch n is trained by the policy of version n; the weights it produces are version n + 1.
 """
 
@@ -14,6 +16,7 @@ import torch
 from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
 from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.lora import peft_config
 from tidal.trainer.loss import merge_loss_metrics, rl_loss
 from tidal.trainer.model import served_dtype
 from tidal.trainer.parallel import (
@@ -51,9 +54,11 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     scorer, logger, say = t.scorer, t.logger, t.say
     state = TrainState(model, optimizer, scheduler, dict)
     step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
-    publisher = WeightPublisher(
-        out, config.publish.keep_last, served_dtype(config.model, config.publish.dtype)
-    )
+    adapter_config = None
+    if t.lora_modules:  # publish adapters only; inference serves the base model plus the adapter
+        adapter_config = peft_config(config.lora, t.lora_modules, config.model.name)
+    dtype = served_dtype(config.model, config.publish.dtype)
+    publisher = WeightPublisher(out, config.publish.keep_last, dtype, adapter_config)
     if step > 0 and not step_dir(out, step).exists():
         publisher.publish_model(step, model, t.tokenizer, info)  # inference must restart from this policy
     receiver = setup_receiver(config.transport, out, info.rank)

@@ -13,8 +13,9 @@ from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer import ckpt
 from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.lora import apply_lora
 from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
-from tidal.trainer.optim import build_optimizer, build_scheduler
+from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
 from tidal.trainer.parallel import DistInfo, all_reduce_sum, parallelize, set_num_threads
 from tidal.trainer.signals import StopSignal
 
@@ -35,6 +36,8 @@ class Trainer:
     logger: MetricsLogger | None
     """Rank 0's metrics sink; None on other ranks."""
     say: Say
+    lora_modules: list[str]
+    """Module paths that carry LoRA adapters (empty: full fine-tuning)."""
 
 
 def open_trainer(
@@ -48,13 +51,22 @@ def open_trainer(
     check_output_dir(metrics_path, ckpt_root, config.resume)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model)
+    # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
+    lora_modules = apply_lora(model, config.lora)
     scorer = parallelize(model, info, config.perf)
-    optimizer = build_optimizer(model, config.optim)
+    state_dtype = resolve_state_dtype(config.perf.optimizer_state, info.device)
+    optimizer = build_optimizer(model, config.optim, state_dtype)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
     logger = None
     if info.is_main:
         logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json"))
-    return Trainer(tokenizer, model, scorer, optimizer, scheduler, logger, make_printer(info))
+    say = make_printer(info)
+    if lora_modules:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        say(
+            f"lora: rank {config.lora.rank} on {len(lora_modules)} modules, {trainable:,} trainable parameters"
+        )
+    return Trainer(tokenizer, model, scorer, optimizer, scheduler, logger, say, lora_modules)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Filesystem weight transport: the trainer publishes `<output_dir>/weights/step_<n>/`, inference loads it.
 
-Each step is a complete HF checkpoint written by `save_hf_checkpoint` (staging name, rename, then the
-`.complete` marker), so a server told to load a step never sees half of it.
+Each step is a complete HF checkpoint written by `save_hf_checkpoint` or, for LoRA runs, a PEFT adapter
+directory (`adapter_config.json` + `adapter_model.safetensors`, never the base weights); both are written
+under a staging name, renamed, then marked `.complete`, so a server told to load a step never sees half of it.
+Inference loads a full checkpoint in place and hot-loads an adapter under `adapter_name(step)`.
 """
 
 import re
@@ -12,10 +14,21 @@ from typing import Any
 from tidal.trainer.export import COMPLETE_MARKER
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def step_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "weights" / f"step_{step}"
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    """A published LoRA adapter (PEFT format) rather than full weights."""
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_name(step: int) -> str:
+    """The name inference serves the adapter of `step` under (what requests pass as `model`)."""
+    return f"policy-step-{step}"
 
 
 def check_weights_dir(directory: str | Path) -> str | None:
@@ -51,9 +64,16 @@ def latest_published(output_dir: Path) -> tuple[int, Path] | None:
 
 
 class WeightPublisher:
-    """Writes one HF checkpoint per published step and prunes old ones (rank 0 writes, all ranks gather)."""
+    """Writes one HF checkpoint (or LoRA adapter) per published step and prunes old ones (rank 0 writes,
+    all ranks gather)."""
 
-    def __init__(self, output_dir: Path, keep_last: int | None = 3, dtype: Any = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        keep_last: int | None = 3,
+        dtype: Any = None,
+        adapter_config: dict[str, Any] | None = None,
+    ):
         # Two at least: a server may still be loading the previous step while the next one lands.
         if keep_last is not None and keep_last < 2:
             raise ValueError(f"keep_last must be at least 2 (or None to keep all), got {keep_last}")
@@ -61,6 +81,8 @@ class WeightPublisher:
         self.keep_last = keep_last
         # `publish_model` writes floating tensors in this torch dtype (None: as the model holds them)
         self.dtype = dtype
+        # LoRA runs: publish only the adapter, with this adapter_config.json (see tidal.trainer.lora)
+        self.adapter_config = adapter_config
 
     def publish_state_dict(
         self, step: int, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
@@ -73,10 +95,19 @@ class WeightPublisher:
         return target
 
     def publish_model(self, step: int, model: Any, tokenizer: Any, info: Any) -> Path:
-        """Gather an (FSDP-sharded) model on every rank and write it on rank 0 in `dtype`; a collective."""
-        from tidal.trainer.export import export_model
+        """Gather an (FSDP-sharded) model on every rank and write it on rank 0 in `dtype`; a collective.
 
-        target = export_model(step_dir(self.output_dir, step), model, tokenizer, info, self.dtype)
+        With an adapter config only the trainable LoRA tensors are gathered and written (PEFT format)."""
+        if self.adapter_config is not None:
+            from tidal.trainer.lora import export_adapter
+
+            target = export_adapter(
+                step_dir(self.output_dir, step), model, self.adapter_config, info, self.dtype
+            )
+        else:
+            from tidal.trainer.export import export_model
+
+            target = export_model(step_dir(self.output_dir, step), model, tokenizer, info, self.dtype)
         if info.is_main:
             self._prune()
         return target

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from tidal.config.lora import LoraConfig
 from tidal.errors import UserError
@@ -133,11 +133,18 @@ def lora_scaling(model: nn.Module) -> float:
 def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather only the trainable (adapter) parameters, unsharded, on CPU; a collective under FSDP.
 
-    The frozen base is never gathered, so publishing costs the adapter's size, not the model's.
+    The frozen base is never gathered, so publishing costs the adapter's size, not the model's. (Not
+    `get_model_state_dict(ignore_frozen_params=True)`: it still gathers a tied lm_head, the vocabulary-sized
+    embedding, because the tied name is missing from named_parameters where the frozen check looks.)
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    state = get_model_state_dict(model, options=options)
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+    state = {}
+    for name, param in model.named_parameters():  # the same order on every rank: collectives match
+        if param.requires_grad:
+            value = param.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            state[name] = value.cpu()
+    return state
 
 
 def save_adapter(

@@ -2,6 +2,9 @@
 
 setup -> (resume) -> for each step: sample batch -> pack -> forward/backward per micro-batch -> clip -> step
       -> log -> (checkpoint) -> export final/ -> greedy held-out eval
+
+With `lora`, only the adapters train; `final/` is then the merged model (a plain HF checkpoint, what
+`tidal rl --model.name` and `tidal eval` load) and `final_adapter/` the adapter alone in PEFT format.
 """
 
 import sys
@@ -29,6 +32,7 @@ from tidal.trainer.data import (
 )
 from tidal.trainer.evaluate import greedy_exact_match
 from tidal.trainer.export import export_model
+from tidal.trainer.lora import export_adapter, export_merged, peft_config
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -133,8 +137,7 @@ def train(config: SFTConfig, info: DistInfo) -> int:
             return stop.exit_code
     bar.close()
 
-    final = export_model(out / "final", model, tokenizer, info)
-    say(f"final model exported to {final}")
+    final = _export_final(config, out, model, tokenizer, t.lora_modules, info, say)
     if info.is_main and config.eval.dataset is not None:
         _evaluate(config, final, info, logger, step, say)
     if logger:
@@ -175,6 +178,28 @@ def train_step(
         "num_truncated": batch.num_truncated,
         "time/step": elapsed,
     }
+
+
+def _export_final(
+    config: SFTConfig,
+    out: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    lora_modules: list[str],
+    info: DistInfo,
+    say: Any,
+) -> Path:
+    """`final/` as a plain HF model; with LoRA the adapters merged into it, and alone in `final_adapter/`."""
+    if not lora_modules:
+        final = export_model(out / "final", model, tokenizer, info)
+        say(f"final model exported to {final}")
+        return final
+    adapter = export_adapter(
+        out / "final_adapter", model, peft_config(config.lora, lora_modules, config.model.name), info
+    )
+    final = export_merged(out / "final", model, tokenizer, info)
+    say(f"final LoRA adapter exported to {adapter}, merged model to {final}")
+    return final
 
 
 def _evaluate(

@@ -211,3 +211,34 @@ def test_bad_targets_are_one_line_user_errors() -> None:
 
 def test_vllm_lora_rank_rounds_up_to_a_rank_vllm_accepts() -> None:
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 300)] == [1, 8, 8, 16, 64, 320]
+
+
+def test_tidal_rl_turns_on_lora_in_vllm_for_a_lora_trainer() -> None:
+    from tidal.config.rl import RLConfig
+    from tidal.launcher.split import split_config
+
+    roles = split_config(RLConfig.model_validate({"trainer": {"lora": {"rank": 12}}}), False, 2)
+    vllm = roles.inference.vllm
+    assert vllm.enable_lora and vllm.max_lora_rank == 16 and vllm.max_loras == 2
+    assert roles.trainer.lora.rank == 12
+    assert not split_config(RLConfig(), False, 2).inference.vllm.enable_lora
+
+
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        (["--inference.weights.backend", "nccl"], ["inference.weights.backend", "LoRA", "filesystem"]),
+        (["--trainer.lora.target-modules", '["lm_head"]'], ["trainer.lora.target_modules", "output head"]),
+        (["--trainer.lora.dropout", "1.5"], ["trainer.lora.dropout", "less than 1"]),
+    ],
+    ids=["nccl", "lm_head", "dropout"],
+)
+def test_bad_lora_configs_are_one_line_errors(override: list[str], fragments: list[str]) -> None:
+    from tidal.config.loader import load_config, parse_args
+    from tidal.config.rl import RLConfig
+
+    with pytest.raises(UserError) as error:
+        load_config(RLConfig, [], parse_args(["--trainer.lora.rank", "8", *override]).overrides)
+    assert error.value.exit_code == 2 and len(str(error.value).splitlines()) == 1
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))

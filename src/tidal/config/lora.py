@@ -1,8 +1,8 @@
 """LoRA settings shared by `tidal sft` (`[lora]`) and the RL trainer (`[trainer.lora]`)."""
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
-from tidal.config.base import Config
+from tidal.config.base import Config, ConfigProblem
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # The trainer scores tokens straight from the head weight (chunked head) and vLLM serves no LoRA on them.
@@ -35,13 +35,14 @@ class LoraConfig(Config):
     def enabled(self) -> bool:
         return bool(self.rank)
 
-    @field_validator("target_modules")
-    @classmethod
-    def _supported_targets(cls, names: list[str]) -> list[str]:
-        for name in names:
+    @model_validator(mode="after")
+    def _supported_targets(self) -> "LoraConfig":
+        for name in self.target_modules:
             if name.rsplit(".", 1)[-1] in UNSUPPORTED_TARGETS:
-                raise ValueError(f"{name!r}: LoRA on the embedding or the output head is not supported")
-        return names
+                raise ConfigProblem(
+                    "target_modules", f"{name!r}: LoRA on the embedding or the output head is not supported"
+                )
+        return self
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -50,7 +50,9 @@ class PolicyWatcher:
             return
         step, path = latest
         start = time.perf_counter()
+        what = f"weights of step {step}"
         if is_adapter_dir(path):
+            what = f"LoRA adapter {adapter_name(step)} (step {step})"
             report = await self.client.update_adapter(adapter_name(step), path, step)
         else:
             report = await self.client.update_weights(path, step)
@@ -62,7 +64,7 @@ class PolicyWatcher:
         async with self._changed:
             self.version = step
             self._changed.notify_all()
-        logger.info("inference now serves weights of step %d", step)
+        logger.info("inference now serves %s", what)
 
     async def _loop(self) -> None:
         while True:

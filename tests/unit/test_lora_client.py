@@ -1,0 +1,107 @@
+"""The client's LoRA policy: one adapter name per version, exact versions, unloads that wait for requests."""
+
+import asyncio
+import json
+
+import httpx
+
+from tidal.inference.client import InferenceClient
+from tidal.inference.types import GenerateRequest, SamplingParams
+
+A, B = "http://a:1", "http://b:1"
+REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
+
+
+class FakeServers:
+    """Records admin calls and generation `model`s; generations for `hold` wait until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict]] = []  # (host, path, body)
+        self.models: list[str] = []
+        self.hold: str | None = None
+        self.release = asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.read() or b"{}")
+        if request.url.path == "/v1/completions":
+            self.models.append(body["model"])
+            if body["model"] == self.hold:
+                await self.release.wait()
+            choice = {
+                "index": 0,
+                "text": "x",
+                "token_ids": [7],
+                "prompt_token_ids": [1, 2],
+                "logprobs": {"token_logprobs": [-0.5]},
+                "finish_reason": "length",
+            }
+            return httpx.Response(200, json={"choices": [choice]})
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "0"})
+        self.calls.append((request.url.host, request.url.path, body))
+        return httpx.Response(200, json={})
+
+    def admin(self, path: str) -> list[tuple[str, str]]:
+        return [(host, body["lora_name"]) for host, p, body in self.calls if p == path]
+
+
+def client_for(fake: FakeServers) -> InferenceClient:
+    return InferenceClient([A, B], model="base", backoff=0.0, transport=httpx.MockTransport(fake))
+
+
+def test_requests_use_the_newest_adapter_and_report_its_version() -> None:
+    async def go() -> None:
+        fake = FakeServers()
+        client = client_for(fake)
+        assert (await client.generate(REQUEST)).weight_version == 0 and fake.models == ["base"]
+        report = await client.update_adapter("policy-step-1", "/run/weights/step_1", 1)
+        assert report.all_ok and [s.version for s in report.servers] == [1, 1]
+        loads = [(host, body) for host, path, body in fake.calls if path == "/v1/load_lora_adapter"]
+        assert sorted(host for host, _ in loads) == ["a", "b"]
+        assert loads[0][1]["lora_name"] == "policy-step-1"
+        assert loads[0][1]["lora_path"] == "/run/weights/step_1"
+        assert not any(path in ("/pause", "/start_weight_update") for _, path, _ in fake.calls)
+        generation = await client.generate(REQUEST)
+        assert generation.weight_version == 1 and fake.models[-1] == "policy-step-1"
+        explicit = await client.generate(REQUEST.model_copy(update={"lora": "other"}))
+        assert fake.models[-1] == "other" and explicit.weight_version == 0  # not a policy adapter
+
+    asyncio.run(go())
+
+
+def test_an_adapter_is_unloaded_only_once_no_request_uses_it() -> None:
+    async def go() -> None:
+        fake = FakeServers()
+        client = client_for(fake)
+        await client.update_adapter("policy-step-1", "/w/step_1", 1)
+        fake.hold = "policy-step-1"
+        running = asyncio.create_task(client.generate(REQUEST))
+        await asyncio.sleep(0.01)
+        await client.update_adapter("policy-step-2", "/w/step_2", 2)
+        assert fake.admin("/v1/unload_lora_adapter") == []  # step 1 still generates
+        assert client.loaded_adapters() == ["policy-step-1", "policy-step-2"]
+        fake.release.set()
+        assert (await running).weight_version == 1  # the version it was sampled with, not the newest
+        await client.update_adapter("policy-step-3", "/w/step_3", 3)
+        unloaded = fake.admin("/v1/unload_lora_adapter")
+        assert sorted(unloaded) == sorted((h, f"policy-step-{v}") for h in "ab" for v in (1, 2))
+        assert client.loaded_adapters() == ["policy-step-3"]
+        assert (await client.generate(REQUEST)).weight_version == 3
+
+    asyncio.run(go())
+
+
+def test_a_returning_server_loads_the_current_adapter_before_it_serves() -> None:
+    async def go() -> None:
+        fake = FakeServers()
+        client = client_for(fake)
+        client.mark_down(client.servers[B], "test")
+        report = await client.update_adapter("policy-step-4", "/w/step_4", 4)
+        assert [s.ok for s in report.servers] == [True, False] and not report.all_ok
+        assert fake.admin("/v1/load_lora_adapter") == [("a", "policy-step-4")]
+        fake.calls.clear()
+        await client._probe(client.servers[B])  # /health answers again
+        assert client.servers[B].healthy
+        assert fake.admin("/v1/load_lora_adapter") == [("b", "policy-step-4")]
+
+    asyncio.run(go())

@@ -54,7 +54,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "every2-compile": {"activation_checkpointing": "full", "checkpoint_every": 2, "compile": True},
     "none-compile": {"activation_checkpointing": "none", "compile": True},
     "projections-compile": {"activation_checkpointing": "projections", "compile": True},
-    "budget-compile": {"activation_checkpointing": "budget", "compile": True},
 }
 
 
@@ -141,7 +140,9 @@ def tidal_runner(
         "activation_checkpointing": resolve_checkpointing(perf, info),
         "optimizer_state": str(resolve_state_dtype(perf.optimizer_state, info.device)).removeprefix("torch."),
     }
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-5), resolve_state_dtype(perf.optimizer_state, info.device))
+    optimizer = build_optimizer(
+        model, OptimConfig(lr=1e-5), resolve_state_dtype(perf.optimizer_state, info.device)
+    )
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
     num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
@@ -243,7 +244,11 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     else:
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
-            lambda: tidal_runner(name, row, info, seed, options), device, args.warmup, args.steps, args.profile
+            lambda: tidal_runner(name, row, info, seed, options),
+            device,
+            args.warmup,
+            args.steps,
+            args.profile,
         )
     record: dict[str, Any] = {
         "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
@@ -378,9 +383,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="write results JSON here (appends to an existing file)")
     parser.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out")
     parser.add_argument("--attention-kernels", action="store_true", help="time attention kernels, then exit")
-    parser.add_argument("--profile", action="store_true", help="profile one more step: GPU time by kernel kind")
     parser.add_argument(
-        "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="PerfConfig fields for every tidal variant"
+        "--profile", action="store_true", help="profile one more step: GPU time by kernel kind"
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="PerfConfig fields for every tidal variant",
     )
     args = parser.parse_args(argv)
     args.set = dict(_field(item) for item in args.set)

@@ -57,7 +57,10 @@ def test_bf16_moments_track_fp32_ones_thanks_to_stochastic_rounding():
 
     ours, opt = _quadratic_run(AdamW, 200, state_dtype=torch.bfloat16)
     ref, ref_opt = _quadratic_run(torch.optim.AdamW, 200)
-    state, ref_state = opt.state[opt.param_groups[0]["params"][0]], ref_opt.state[ref_opt.param_groups[0]["params"][0]]
+    state, ref_state = (
+        opt.state[opt.param_groups[0]["params"][0]],
+        ref_opt.state[ref_opt.param_groups[0]["params"][0]],
+    )
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
     # the second moment averages the squared gradients of all 200 steps: its mean must stay within 2%
     mean_v, ref_mean_v = state["exp_avg_sq"].float().mean(), ref_state["exp_avg_sq"].mean()

@@ -92,7 +92,8 @@ def test_reference_varlen_is_causal_attention_per_document_with_grouped_heads():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_chunked_head_gives_the_full_logits_values_entropy_and_gradients(tied):
+@pytest.mark.parametrize("compile_head", [False, True], ids=["eager", "compiled"])
+def test_chunked_head_gives_the_full_logits_values_entropy_and_gradients(tied, compile_head):
     reference, model = tiny_lm(tied=tied), tiny_lm(tied=tied)
     ids, positions, targets = packed_row()
     positions = torch.arange(ids.shape[1]).unsqueeze(0)  # one document: compare with a plain forward
@@ -101,7 +102,7 @@ def test_chunked_head_gives_the_full_logits_values_entropy_and_gradients(tied):
     want_entropy = torch.distributions.Categorical(logits=logits).entropy()
     want.sum().backward()
 
-    scorer = TokenScorer(model, chunk_size=5)
+    scorer = TokenScorer(model, chunk_size=5, compile_head=compile_head)
     got, entropy = scorer(ids, positions, targets, temperature=0.7, with_entropy=True)
     got.sum().backward()
     torch.testing.assert_close(got, want)
@@ -128,10 +129,11 @@ def test_chunked_head_keeps_no_full_logits_for_backward():
     [
         PerfConfig(activation_checkpointing="full"),
         PerfConfig(activation_checkpointing="selective"),
+        PerfConfig(activation_checkpointing="projections", attention="varlen"),
         PerfConfig(activation_checkpointing="attention", attention="varlen"),
         PerfConfig(activation_checkpointing="full", checkpoint_every=2, attention="varlen"),
     ],
-    ids=["full", "selective", "attention", "every-2"],
+    ids=["full", "selective", "projections", "attention", "every-2"],
 )
 def test_activation_checkpointing_keeps_gradients(perf):
     ids, positions, targets = packed_row()

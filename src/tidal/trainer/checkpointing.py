@@ -35,7 +35,11 @@ def _attention_ops() -> set[Any]:
 
 # matmuls whose outputs each mode keeps, by their order in a decoder layer's forward (1-based; a Qwen3/Llama
 # layer runs q, k, v, o, gate, up, down). down's output is never needed by backward, so keeping it is waste.
-SAVED_MATMULS = {"attention": frozenset(), "selective": frozenset({1, 3, 5, 7}), "projections": frozenset({1, 2, 3, 4})}
+SAVED_MATMULS = {
+    "attention": frozenset(),
+    "selective": frozenset({1, 3, 5, 7}),
+    "projections": frozenset({1, 2, 3, 4}),
+}
 
 
 def selective_context(saved_matmuls: frozenset[int]) -> Callable[[], Any]:
@@ -77,8 +81,8 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | N
 
 def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str, every: int = 1) -> None:
     """Checkpoint every `every`-th layer: `full`, `selective`, `projections` or `attention` (see PerfConfig);
-    `none` is a no-op, and so is `budget` (torch.compile's partitioner chooses; see `apply_compile`)."""
-    if mode in ("none", "budget"):
+    `none` is a no-op."""
+    if mode == "none":
         return
     context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode])
     for index, layer in enumerate(layers):
@@ -86,17 +90,10 @@ def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str, eve
             layer.forward = _checkpointed(layer.forward, context_fn)  # type: ignore[method-assign]
 
 
-def apply_compile(layers: list[torch.nn.Module], memory_budget: float | None = None) -> None:
-    """Compile each layer's forward (after checkpointing, before sharding). All layers share one graph.
-
-    With `memory_budget` (0–1), compile's partitioner decides what to recompute: it keeps the activations
-    that are costliest to recompute per byte until this fraction of what it would keep unconstrained.
-    """
+def apply_compile(layers: list[torch.nn.Module]) -> None:
+    """Compile each layer's forward (after checkpointing, before sharding). All layers share one graph."""
     import torch._dynamo
-    import torch._functorch.config
 
-    if memory_budget is not None:
-        torch._functorch.config.activation_memory_budget = memory_budget
     # one cache entry per layer in the worst case; the default limit (8) would silently fall back to eager
     config = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):

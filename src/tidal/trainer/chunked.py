@@ -3,7 +3,12 @@
 `TokenScorer` wraps an HF causal LM and is the module the trainers call (and FSDP's root): its forward runs
 the decoder, then the head chunk by chunk, and returns per-token logprobs of the targets (and the entropy
 for RL). Each chunk is checkpointed, so in backward too only one fp32 [chunk, vocab] slab lives at a time.
+With `compile_head`, the per-chunk softmax work (upcast, logsumexp, gather, and their backward) runs as
+fused kernels: eager, it is ~6 passes over each fp32 slab (Qwen3-4B, 16k tokens, H200: ~80 ms a step).
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -25,6 +30,17 @@ def chunk_scores(
     return picked - lse, entropy
 
 
+ScoreFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+_compiled_scores: list[ScoreFn] = []
+
+
+def compiled_chunk_scores() -> ScoreFn:
+    """`chunk_scores` under torch.compile, made once per process (every scorer shares its kernels)."""
+    if not _compiled_scores:
+        _compiled_scores.append(torch.compile(chunk_scores))
+    return _compiled_scores[0]
+
+
 def _head_chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -32,9 +48,10 @@ def _head_chunk(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
+    score_fn: ScoreFn,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = torch.nn.functional.linear(hidden, weight, bias)  # [chunk, vocab], compute dtype
-    return chunk_scores(logits, targets, temperature, with_entropy)
+    return score_fn(logits, targets, temperature, with_entropy)
 
 
 def chunked_head_scores(
@@ -45,6 +62,7 @@ def chunked_head_scores(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    score_fn: ScoreFn = chunk_scores,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) [...] of `targets` [...] from `hidden` [..., hidden] and the head weight [vocab, hidden].
 
@@ -62,9 +80,9 @@ def chunked_head_scores(
             flat_targets[start : start + chunk_size],
         )
         if recompute:
-            lp, ent = checkpoint(_head_chunk, *args, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_head_chunk, *args, temperature, with_entropy, score_fn, use_reentrant=False)
         else:
-            lp, ent = _head_chunk(*args, temperature, with_entropy)
+            lp, ent = _head_chunk(*args, temperature, with_entropy, score_fn)
         logprobs.append(lp)
         if ent is not None:
             entropies.append(ent)
@@ -81,10 +99,11 @@ class TokenScorer(torch.nn.Module):
     The wrapped model keeps its HF parameter names (checkpoints and exported weights use `self.lm`).
     """
 
-    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024, compile_head: bool = False):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.score_fn: Any = compiled_chunk_scores() if compile_head else chunk_scores
         config = lm.config  # type: ignore[attr-defined]
         if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
             raise ValueError(
@@ -118,4 +137,5 @@ class TokenScorer(torch.nn.Module):
             temperature,
             self.chunk_size,
             with_entropy,
+            self.score_fn,
         )

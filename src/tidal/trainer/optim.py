@@ -52,14 +52,16 @@ def build_optimizer(
     return torch.optim.AdamW(params, fused=fused or None, **hyper)
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor, noise: torch.Tensor | None = None) -> None:
     """Write fp32 `value` into bf16 `target`, rounding up or down with probability given by the remainder.
 
     bf16 is fp32 with the low 16 bits dropped: adding uniform noise in [0, 2^16) to the bit pattern and then
-    truncating rounds away from zero exactly when the noise exceeds the dropped bits' complement.
+    truncating rounds away from zero exactly when the noise exceeds the dropped bits' complement. `noise`
+    (int32, in [0, 2^16)) may be given; by default it is drawn here.
     """
     bits = value.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    if noise is None:
+        noise = torch.randint_like(bits, 0, 1 << 16)
     truncated = (bits + noise) & -65536  # 0xFFFF0000: the bits bf16 keeps
     target.copy_(truncated.view(torch.float32))  # exact: nothing below bf16's precision is left
 
@@ -83,8 +85,9 @@ def adamw_update_(
     param.mul_(1 - lr * decay)
     param.sub_(lr / correction1 * m / (v.sqrt() / correction2.sqrt() + eps))
     if exp_avg.dtype == torch.bfloat16:
-        stochastic_round_(exp_avg, m)
-        stochastic_round_(exp_avg_sq, v)
+        noise = torch.randint_like(m.view(torch.int32), 0, 1 << 30)  # one draw: 15 bits for each moment
+        stochastic_round_(exp_avg, m, (noise & 0x7FFF) << 1)
+        stochastic_round_(exp_avg_sq, v, (noise >> 15) << 1)
     else:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)

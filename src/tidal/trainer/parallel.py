@@ -79,8 +79,8 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     layers = _decoder_layers(model)
     apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
     if perf.compile:
-        apply_compile(layers, perf.memory_budget if perf.activation_checkpointing == "budget" else None)
-    scorer = TokenScorer(model, perf.loss_chunk_tokens)
+        apply_compile(layers)
+    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=perf.compile)
     if not uses_fsdp(perf, info):
         return scorer.to(info.device)
     if not perf.cpu_offload:

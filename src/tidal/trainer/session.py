@@ -160,4 +160,5 @@ def optimizer_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    # read the norm only now: reading it before the step would idle the GPU while the step's kernels launch
     return float(grad_norm), lr

@@ -100,7 +100,7 @@ def rl_step(
     """One optimizer step on this rank's micro-batches; the loss is normalised by global counts."""
     start = time.perf_counter()
     scorer.train()
-    loss_sum, parts, num_tokens = 0.0, [], 0
+    losses, parts, num_tokens = [], [], 0
     for micro in batch.micro_batches:
         t = micro.to_tensors(info.device)
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
@@ -113,10 +113,12 @@ def rl_step(
         )  # fmt: skip
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
         (loss * info.world_size).backward()
-        loss_sum += loss.item()
+        losses.append(loss.detach())
         parts.append(metrics)
-        num_tokens += int((t["sample_ids"] >= 0).sum())
+        num_tokens += sum(i >= 0 for row in micro.sample_ids for i in row)  # host data: no device sync
     grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
+    # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
+    loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
     elapsed = time.perf_counter() - start
     merged = merge_loss_metrics(parts)
     return {

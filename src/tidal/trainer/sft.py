@@ -158,15 +158,17 @@ def train_step(
     scorer.train()
     # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
     scale = info.world_size / max(1, batch.num_loss_tokens)
-    loss_sum = 0.0
+    nll_sums = []
     for rows in batch.micro_batches:
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         labels = inputs["labels"]  # [b, s]
         logprobs, _ = scorer(inputs["input_ids"], inputs["position_ids"], labels)  # [b, s]
         nll = -torch.where(labels != IGNORE_INDEX, logprobs, 0.0).sum()
         (nll * scale).backward()
-        loss_sum += nll.item()
+        nll_sums.append(nll.detach())
     grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, max_grad_norm)
+    # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
+    loss_sum = float(torch.stack(nll_sums).sum()) if nll_sums else 0.0
     elapsed = time.perf_counter() - start
     return {
         "loss": all_reduce_sum(loss_sum, info) / max(1, batch.num_loss_tokens),

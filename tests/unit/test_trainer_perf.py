@@ -8,7 +8,16 @@ from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import document_bounds, reference_varlen
 from tidal.trainer.chunked import TokenScorer, chunked_head_scores
 from tidal.trainer.export import full_state_dict
-from tidal.trainer.parallel import DistInfo, mesh_shape, parallelize, resolve_checkpointing, shutdown
+from tidal.trainer.optim import resolve_state_dtype
+from tidal.trainer.parallel import (
+    DistInfo,
+    mesh_shape,
+    parallelize,
+    resolve_checkpointing,
+    resolve_compile,
+    resolve_reshard,
+    shutdown,
+)
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 DOC_LENGTHS = [5, 9, 3, 7]  # one packed row of 24 tokens
@@ -168,10 +177,18 @@ def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():
     assert 0 < error < 0.1  # bf16 compute: close to fp32, but not bit-equal (it did run in bf16)
 
 
-def test_defaults_keep_cpu_runs_in_fp32_without_checkpointing():
+def test_defaults_keep_cpu_runs_eager_in_fp32_without_checkpointing():
     assert resolve_checkpointing(PerfConfig(), CPU) == "none"
+    assert not resolve_compile(PerfConfig(), CPU)
+    assert resolve_state_dtype(PerfConfig().optimizer_state, CPU.device) == torch.float32
     gpu = DistInfo(0, 1, 0, 1, torch.device("cuda", 0))
-    assert resolve_checkpointing(PerfConfig(), gpu) == "attention"
+    assert resolve_checkpointing(PerfConfig(), gpu) == "projections"
+    assert resolve_compile(PerfConfig(), gpu)
+    assert resolve_state_dtype(PerfConfig().optimizer_state, gpu.device) == torch.bfloat16
+    # one GPU keeps gathered weights to backward; with several ranks sharding saves memory
+    assert not resolve_reshard(PerfConfig(), gpu)
+    assert resolve_reshard(PerfConfig(), DistInfo(0, 2, 0, 2, torch.device("cuda", 0)))
+    assert resolve_reshard(PerfConfig(reshard_after_forward=True), gpu)
 
 
 def test_mesh_shape_for_fsdp_and_hsdp():

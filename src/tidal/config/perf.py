@@ -10,8 +10,9 @@ from tidal.config.base import Config
 class PerfConfig(Config):
     """How the trainer runs the model: precision, sharding, recomputation, attention kernel, loss chunking.
 
-    The defaults suit most runs: on GPU bf16 compute with fp32 master weights and reductions, variable-length
-    flash attention over packed rows and activation checkpointing that keeps attention outputs; on CPU fp32.
+    The defaults suit most runs. On GPU: bf16 compute over fp32 master weights and reductions, bf16 AdamW
+    moments, variable-length attention over packed rows, activation checkpointing that keeps attention and
+    projection outputs, compiled decoder layers and head. On CPU: fp32, eager, no recomputation.
     Measured speeds: benchmarks/results/trainer_mfu_h200.json.
     """
 
@@ -25,14 +26,16 @@ class PerfConfig(Config):
     `attention`: also keep the attention outputs (attention is the costly op to recompute; on Qwen3-4B at 16k
     tokens it was 7–11% faster than `full` at the same peak memory on an H200). `selective`: attention
     outputs and every second matmul output (less recomputation, more memory). `projections`: attention
-    outputs and the q/k/v/o projections' outputs (Qwen3-4B, 16k tokens: +3% tokens/s, +4 GiB over
-    `attention`). `none`: keep everything. `auto`: `attention` on GPU, `none` on CPU."""
+    outputs and the q/k/v/o projections' outputs (Qwen3-4B, 16k tokens: +3% tokens/s, +3.4 GiB over
+    `attention`). `none`: keep everything. `auto`: `projections` on GPU, `none` on CPU."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Apply activation checkpointing to every N-th decoder layer only (1 = all layers); the other layers
     keep their activations, trading memory for less recomputation."""
-    compile: bool = False
-    """`torch.compile` each decoder layer: fuses norms, RoPE and activations (Qwen3-4B, 16k tokens, H200:
-    +27% to +40% tokens/s); the first step compiles (tens of seconds)."""
+    compile: Literal["auto"] | bool = "auto"
+    """`torch.compile` each decoder layer and the head's softmax work: fuses norms, RoPE, activations and
+    the logsumexp (Qwen3-4B, 16k tokens, H200: +30% tokens/s); the first step compiles (tens of seconds),
+    new shapes recompile once. `auto`: on with a GPU, off on CPU (where compiling costs more than it saves
+    on small models)."""
     attention: Literal["auto", "varlen", "hf"] = "auto"
     """Attention over packed rows. `varlen`: variable-length flash attention on the documents of a row (no
     padding, no attention across documents; on CPU a per-document SDPA loop; rows holding a single document
@@ -53,6 +56,8 @@ class PerfConfig(Config):
     """HSDP: replicate the model over this many groups of ranks and shard it within each (the world size
     must be a multiple). With replicate = number of nodes, all-gathers stay inside a node and only gradients
     cross nodes."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: Literal["auto"] | bool = "auto"
     """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
-    backward (ZeRO-2-like: faster, more memory)."""
+    backward (ZeRO-2-like: faster, more memory). `auto`: False on a single GPU, where "sharding" is one
+    rank holding everything and freeing only means casting the fp32 weights to bf16 again in backward
+    (Qwen3-4B, 16k tokens: +2% tokens/s, +0.6 GiB peak); True with several ranks."""

@@ -78,9 +78,10 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     setup_attention(model, perf.attention, info.device)
     layers = _decoder_layers(model)
     apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
-    if perf.compile:
+    compiled = resolve_compile(perf, info)
+    if compiled:
         apply_compile(layers)
-    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=perf.compile)
+    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=compiled)
     if not uses_fsdp(perf, info):
         return scorer.to(info.device)
     if not perf.cpu_offload:
@@ -98,8 +99,16 @@ def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:
 
 def resolve_checkpointing(perf: PerfConfig, info: DistInfo) -> str:
     if perf.activation_checkpointing == "auto":
-        return "attention" if info.device.type == "cuda" else "none"
+        return "projections" if info.device.type == "cuda" else "none"
     return perf.activation_checkpointing
+
+
+def resolve_compile(perf: PerfConfig, info: DistInfo) -> bool:
+    return info.device.type == "cuda" if perf.compile == "auto" else perf.compile
+
+
+def resolve_reshard(perf: PerfConfig, info: DistInfo) -> bool:
+    return info.distributed if perf.reshard_after_forward == "auto" else perf.reshard_after_forward
 
 
 def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -> str:
@@ -138,7 +147,7 @@ def apply_fsdp(
     if perf.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=perf.reshard_after_forward, **common)
+        fully_shard(layer, reshard_after_forward=resolve_reshard(perf, info), **common)
     fully_shard(root, reshard_after_forward=False, **common)
 
 

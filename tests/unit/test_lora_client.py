@@ -2,11 +2,14 @@
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
+import pytest
 
 from tidal.inference.client import InferenceClient
 from tidal.inference.types import GenerateRequest, SamplingParams
+from tidal.orchestrator.policy import PolicyWatcher
 
 A, B = "http://a:1", "http://b:1"
 REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
@@ -103,5 +106,50 @@ def test_a_returning_server_loads_the_current_adapter_before_it_serves() -> None
         await client._probe(client.servers[B])  # /health answers again
         assert client.servers[B].healthy
         assert fake.admin("/v1/load_lora_adapter") == [("b", "policy-step-4")]
+
+    asyncio.run(go())
+
+
+def test_a_server_without_lora_routes_is_reported_with_the_setting_to_change() -> None:
+    def no_lora(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    client = InferenceClient([A], model="base", backoff=0.0, transport=httpx.MockTransport(no_lora))
+    report = asyncio.run(client.update_adapter("policy-step-1", "/w/step_1", 1))
+    assert not report.all_ok and "inference.vllm.enable_lora" in (report.servers[0].error or "")
+    assert client.loaded_adapters() == []
+
+
+def publish_adapter_dir(root: Path, step: int) -> Path:
+    """What the trainer's publisher leaves: a complete PEFT adapter directory (contents do not matter here)."""
+    target = root / "weights" / f"step_{step}"
+    target.mkdir(parents=True)
+    (target / "adapter_config.json").write_text("{}")
+    (target / "adapter_model.safetensors").write_bytes(b"")
+    (target / ".complete").touch()
+    return target
+
+
+def test_the_watcher_hot_loads_published_adapters_and_a_failed_update_ends_the_wait(tmp_path: Path) -> None:
+    async def go() -> None:
+        fake = FakeServers()
+        watcher = PolicyWatcher(client_for(fake), tmp_path, poll_interval=0.01)
+        await watcher.start()
+        path = publish_adapter_dir(tmp_path, 1)
+        assert await asyncio.wait_for(watcher.wait_for(1), 5) >= 0 and watcher.version == 1
+        assert ("a", "policy-step-1") in fake.admin("/v1/load_lora_adapter")
+        assert any(body.get("lora_path") == str(path) for _, _, body in fake.calls)
+        await watcher.stop()
+
+        def no_lora(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(404, json={"detail": "Not Found"})
+
+        client = InferenceClient([A], model="base", transport=httpx.MockTransport(no_lora))
+        failing = PolicyWatcher(client, tmp_path / "other", poll_interval=0.01)
+        await failing.start()  # nothing published yet
+        publish_adapter_dir(tmp_path / "other", 1)
+        with pytest.raises(RuntimeError, match="step 1 failed on http://a:1: .*enable_lora"):
+            await asyncio.wait_for(failing.wait_for(1), 5)  # raised, not waited on for ever
+        await failing.stop()
 
     asyncio.run(go())

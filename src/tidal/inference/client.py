@@ -454,7 +454,10 @@ class InferenceClient:
             await self._load_adapter(server, name, path)
         except (InferenceError, httpx.HTTPError) as exc:
             seconds = time.perf_counter() - start
-            return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
+            error = str(exc)
+            if isinstance(exc, RequestRejected) and exc.status == 404:  # vLLM mounts the route only with LoRA
+                error += " (is LoRA enabled there? inference.vllm.enable_lora = true)"
+            return ServerVersion(url=server.url, version=None, ok=False, error=error, seconds=seconds)
         return ServerVersion(url=server.url, version=version, ok=True, seconds=time.perf_counter() - start)
 
     async def _load_adapter(self, server: ServerState, name: str, path: str) -> None:

@@ -27,6 +27,7 @@ class PolicyWatcher:
         self.num_updates = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
 
     async def start(self) -> None:
         await self.check_once()
@@ -38,10 +39,14 @@ class PolicyWatcher:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def wait_for(self, version: int) -> float:
-        """Block until inference serves at least `version`; returns the seconds waited."""
+        """Block until inference serves at least `version`; returns the seconds waited.
+
+        Raises the watcher's error if an update failed: waiting would otherwise never end."""
         start = time.perf_counter()
         async with self._changed:
-            await self._changed.wait_for(lambda: self.version >= version)
+            await self._changed.wait_for(lambda: self.version >= version or self._failure is not None)
+        if self._failure is not None:
+            raise self._failure
         return time.perf_counter() - start
 
     async def check_once(self) -> None:
@@ -57,7 +62,7 @@ class PolicyWatcher:
         else:
             report = await self.client.update_weights(path, step)
         if not report.all_ok:
-            failed = [s.url for s in report.servers if not s.ok]
+            failed = "; ".join(f"{s.url}: {s.error}" for s in report.servers if not s.ok)
             raise RuntimeError(f"weight update to step {step} failed on {failed}")
         self.update_seconds += time.perf_counter() - start
         self.num_updates += 1
@@ -67,6 +72,11 @@ class PolicyWatcher:
         logger.info("inference now serves %s", what)
 
     async def _loop(self) -> None:
-        while True:
-            await self.check_once()
-            await asyncio.sleep(self.poll_interval)
+        try:
+            while True:
+                await self.check_once()
+                await asyncio.sleep(self.poll_interval)
+        except Exception as exc:  # handed to the step loop through wait_for
+            async with self._changed:
+                self._failure = exc
+                self._changed.notify_all()

@@ -62,7 +62,7 @@ def selective_context(saved_matmuls: frozenset[int]) -> Callable[[], Any]:
                 counts[ctx.is_recompute] += 1
                 if counts[ctx.is_recompute] in saved_matmuls:
                     return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_RECOMPUTE  # PREFER lets compile keep extra (fp32) tensors
 
         return create_selective_checkpoint_contexts(policy)
 

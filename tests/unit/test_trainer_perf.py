@@ -15,7 +15,6 @@ from tidal.trainer.parallel import (
     parallelize,
     resolve_checkpointing,
     resolve_compile,
-    resolve_reshard,
     shutdown,
 )
 
@@ -185,10 +184,6 @@ def test_defaults_keep_cpu_runs_eager_in_fp32_without_checkpointing():
     assert resolve_checkpointing(PerfConfig(), gpu) == "projections"
     assert resolve_compile(PerfConfig(), gpu)
     assert resolve_state_dtype(PerfConfig().optimizer_state, gpu.device) == torch.bfloat16
-    # one GPU keeps gathered weights to backward; with several ranks sharding saves memory
-    assert not resolve_reshard(PerfConfig(), gpu)
-    assert resolve_reshard(PerfConfig(), DistInfo(0, 2, 0, 2, torch.device("cuda", 0)))
-    assert resolve_reshard(PerfConfig(reshard_after_forward=True), gpu)
 
 
 def test_mesh_shape_for_fsdp_and_hsdp():

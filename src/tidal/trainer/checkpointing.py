@@ -62,7 +62,8 @@ def selective_context(saved_matmuls: frozenset[int]) -> Callable[[], Any]:
                 counts[ctx.is_recompute] += 1
                 if counts[ctx.is_recompute] in saved_matmuls:
                     return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.MUST_RECOMPUTE  # PREFER lets compile keep extra (fp32) tensors
+            # MUST, not PREFER: under torch.compile the kept set is then exactly the one named above
+            return CheckpointPolicy.MUST_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
 

@@ -107,10 +107,6 @@ def resolve_compile(perf: PerfConfig, info: DistInfo) -> bool:
     return info.device.type == "cuda" if perf.compile == "auto" else perf.compile
 
 
-def resolve_reshard(perf: PerfConfig, info: DistInfo) -> bool:
-    return info.distributed if perf.reshard_after_forward == "auto" else perf.reshard_after_forward
-
-
 def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -> str:
     """Switch to tidal's varlen attention when asked (or, for `auto`, when its flash kernel works here)."""
     flash = varlen_works(device)
@@ -147,7 +143,7 @@ def apply_fsdp(
     if perf.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=resolve_reshard(perf, info), **common)
+        fully_shard(layer, reshard_after_forward=perf.reshard_after_forward, **common)
     fully_shard(root, reshard_after_forward=False, **common)
 
 

@@ -191,3 +191,30 @@ def test_mesh_shape_for_fsdp_and_hsdp():
     assert mesh_shape(8, 2) == (2, 4)
     with pytest.raises(ValueError, match="does not divide"):
         mesh_shape(6, 4)
+
+
+def test_matmul_numbering_skips_lora_low_rank_matmuls():
+    """`projections` keeps q, k, v, o also when each of them runs LoRA's two extra low-rank matmuls."""
+    from tidal.trainer.checkpointing import SAVED_MATMULS, MatmulPicker
+
+    hidden, rank = 64, 8
+    base = ((32, hidden), (hidden, 96))  # [tokens, in] @ [in, out]
+    lora = [((32, hidden), (hidden, rank)), ((32, rank), (rank, 96))]  # x·Aᵀ, then ·Bᵀ
+    layer = [m for _ in range(7) for m in (base, *lora)]  # q, k, v, o, gate, up, down, each with LoRA
+    picker = MatmulPicker(SAVED_MATMULS["projections"], low_rank=rank)
+    kept = [i for i, (left, right) in enumerate(layer) if picker.keep(left, right)]
+    assert kept == [0, 3, 6, 9]  # the base matmuls of q, k, v, o
+    plain = MatmulPicker(SAVED_MATMULS["projections"])
+    assert [i for i in range(7) if plain.keep(*base)] == [0, 1, 2, 3]
+
+
+def test_lora_rank_is_found_in_adapted_layers():
+    from tidal.config.lora import LoraConfig
+    from tidal.trainer.checkpointing import lora_rank
+    from tidal.trainer.lora import apply_lora
+
+    model = tiny_lm()
+    layers = list(model.model.layers)
+    assert lora_rank(layers) is None
+    apply_lora(model, LoraConfig(rank=4))
+    assert lora_rank(layers) == 4

@@ -6,7 +6,7 @@ order torchtitan uses: checkpoint, then compile, then shard.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,32 +42,63 @@ SAVED_MATMULS = {
 }
 
 
-def selective_context(saved_matmuls: frozenset[int]) -> Callable[[], Any]:
-    """A checkpoint `context_fn`: keep attention outputs and the outputs of the matmuls numbered in
-    `saved_matmuls` (1-based order in the layer); recompute the rest.
+class MatmulPicker:
+    """Numbers a decoder layer's matmuls in order and says whether to keep each one's output (pure).
 
-    Recomputation replays the same ops in the same order, so counting matmuls separately in forward and in
+    A LoRA projection runs three matmuls (base, then x·Aᵀ, then ·Bᵀ); the low-rank two — inner or output
+    dimension equal to `low_rank` — are not numbered (their outputs are tiny to recompute), so the numbers
+    keep naming the base projections q, k, v, o, gate, up, down.
+    """
+
+    def __init__(self, saved: frozenset[int], low_rank: int | None = None):
+        self.saved = saved
+        self.low_rank = low_rank
+        self.count = 0
+
+    def keep(self, left_shape: Sequence[int], right_shape: Sequence[int]) -> bool:
+        """For `left [M, K] @ right [K, N]`: whether this matmul's output is kept."""
+        if self.low_rank is not None and self.low_rank in (left_shape[-1], right_shape[-1]):
+            return False
+        self.count += 1
+        return self.count in self.saved
+
+
+def selective_context(saved_matmuls: frozenset[int], low_rank: int | None = None) -> Callable[[], Any]:
+    """A checkpoint `context_fn`: keep attention outputs and the outputs of the matmuls numbered in
+    `saved_matmuls` (1-based order in the layer, LoRA's low-rank matmuls not counted); recompute the rest.
+
+    Recomputation replays the same ops in the same order, so numbering matmuls separately in forward and in
     recompute makes both choose the same ones.
     """
     keep = _attention_ops()
     matmuls = {aten.mm.default, aten.addmm.default}
 
     def context_fn() -> Any:
-        counts = {True: 0, False: 0}  # is_recompute -> matmuls seen
+        pickers = {phase: MatmulPicker(saved_matmuls, low_rank) for phase in (True, False)}  # by is_recompute
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if op in keep:
                 return CheckpointPolicy.MUST_SAVE
-            if op in matmuls:
-                counts[ctx.is_recompute] += 1
-                if counts[ctx.is_recompute] in saved_matmuls:
-                    return CheckpointPolicy.MUST_SAVE
+            # mm(left, right) and addmm(bias, left, right): the operands are the last two
+            if op in matmuls and pickers[ctx.is_recompute].keep(args[-2].shape, args[-1].shape):
+                return CheckpointPolicy.MUST_SAVE
             # MUST, not PREFER: under torch.compile the kept set is then exactly the one named above
             return CheckpointPolicy.MUST_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
 
     return context_fn
+
+
+def lora_rank(layers: list[torch.nn.Module]) -> int | None:
+    """The rank of the LoRA adapters in `layers` (tidal.trainer.lora's `lora_A` linears), None without LoRA."""
+    ranks = {
+        int(m.lora_A.out_features)  # type: ignore[union-attr,arg-type]
+        for layer in layers
+        for m in layer.modules()
+        if isinstance(getattr(m, "lora_A", None), torch.nn.Linear)
+    }
+    return ranks.pop() if len(ranks) == 1 else None
 
 
 def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None) -> Callable[..., Any]:
@@ -85,7 +116,7 @@ def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str, eve
     `none` is a no-op."""
     if mode == "none":
         return
-    context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode])
+    context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode], lora_rank(layers))
     for index, layer in enumerate(layers):
         if index % every == 0:
             layer.forward = _checkpointed(layer.forward, context_fn)  # type: ignore[method-assign]

@@ -67,6 +67,13 @@ class ClientConfig(Config):
     """Seconds per request."""
     max_in_flight: int = Field(default=64, gt=0)
     """Groups generated concurrently."""
+    weight_update_pause: Literal["wait", "keep"] = "wait"
+    """What a full-weight update does with requests in flight. `wait`: stop admitting requests, let the
+    running ones finish, load, resume — every completion comes from one policy, but with max_async_level > 0
+    generation stalls for the drain (2×H200, Qwen3-0.6B shape, 256×256 tokens: 6.5 s per update).
+    `keep`: freeze running requests, load, resume them under the new weights — no drain; a completion may
+    then span two policies. Training stays correct: the loss corrects with each token's own sampling
+    logprob, and a rollout counts as the (older) version it started with for the staleness bound."""
 
 
 class BatchConfig(Config):

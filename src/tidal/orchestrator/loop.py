@@ -100,6 +100,7 @@ class Orchestrator:
             model=None,
             admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"),
             timeout=cfg.client.timeout,
+            pause_mode=cfg.client.weight_update_pause,
         )
         async with client:
             await client.wait_healthy(timeout=cfg.client.timeout)

@@ -40,3 +40,22 @@ def run_tidal(
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def interrupt_after_checkpoint(args: list[str], step: int, sig: int, timeout: float = 120) -> tuple[int, str]:
+    """Start `python -m tidal <args>`, send `sig` once it reports checkpoint `step_<step>` saved; returns
+    (exit code, output after the signal)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "checkpoint saved" in line and f"step_{step}" in line:
+            proc.send_signal(sig)
+            break
+    tail = proc.stdout.read()
+    return proc.wait(timeout=timeout), tail

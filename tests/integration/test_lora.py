@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_tidal
+from tests.conftest import REPO, interrupt_after_checkpoint, run_tidal
 from tidal.monitor.metrics import read_metrics
 
 RL_CONFIG = "configs/ci/rl_tiny.toml"
@@ -171,20 +171,8 @@ def test_sft_with_lora_writes_the_merged_model_and_the_adapter(lora_sft_run: Pat
 
 def test_sft_lora_interrupted_then_resumed_matches_uninterrupted(lora_sft_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal", *sft_args(out)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "checkpoint saved" in line and "step_4" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    tail = proc.stdout.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, tail
+    code, tail = interrupt_after_checkpoint(sft_args(out), 4, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, tail
     assert 4 <= max(losses(out)) < SFT_STEPS
 
     result = run_tidal(*sft_args(out, "--resume"))

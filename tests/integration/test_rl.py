@@ -47,7 +47,8 @@ def sync_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl") / "async2"
-    result = run_tidal(*rl_args(out, 2), timeout=900)
+    # in-flight weight updates: running requests are frozen, not drained, while new weights load
+    result = run_tidal(*rl_args(out, 2, "--orchestrator.client.weight-update-pause", "keep"), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, result
 
@@ -81,6 +82,11 @@ def test_off_policy_lag_never_exceeds_the_bound(level, sync_run, async_run):
     assert all(m["masked_fraction"] < 0.5 for m in trainer)
     assert (out / "plots" / "rl.png").stat().st_size > 10_000
     assert f"step {STEPS}/{STEPS}" in result.stdout
+    pauses = (out / "logs" / "inference.log").read_text().count
+    if level == 2:  # the keep run: every update froze requests instead of draining them
+        assert pauses("/pause?mode=keep") >= 1 and pauses("/pause?mode=wait") == 0
+    else:
+        assert pauses("/pause?mode=wait") >= 1
     report(f"max_async_level={level}", out)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_tidal
+from tests.conftest import REPO, interrupt_after_checkpoint, run_tidal
 from tidal.monitor.metrics import read_metrics
 
 CI_CONFIG = "configs/ci/sft_tiny.toml"
@@ -60,31 +60,8 @@ def test_existing_run_is_not_overwritten_without_resume(reference_run):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_interrupt_after_checkpoint_then_resume_matches_uninterrupted(reference_run, tmp_path, sig):
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal",
-            "sft",
-            "@",
-            CI_CONFIG,
-            "--output-dir",
-            str(out),
-            "--log.interval",
-            "1",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "checkpoint saved" in line and "step_10" in line:
-            proc.send_signal(sig)
-            break
-    tail = proc.stdout.read()
-    code = proc.wait(timeout=120)
+    args = ["sft", "@", CI_CONFIG, "--output-dir", str(out), "--log.interval", "1"]
+    code, tail = interrupt_after_checkpoint(args, 10, sig)
     if sig == signal.SIGTERM:
         assert code == 128 + signal.SIGTERM, tail  # graceful: checkpoint at the step it stopped on
         assert "continue with --resume" in tail

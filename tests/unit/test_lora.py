@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tests.unit import models
 from tidal.config.common import OptimConfig
 from tidal.config.lora import LoraConfig, vllm_lora_rank
 from tidal.config.perf import PerfConfig
@@ -33,16 +34,7 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def tiny_lm(seed: int = 0) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.config.use_cache = False
-    return model
+    return models.tiny_lm(seed, layers=2)
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

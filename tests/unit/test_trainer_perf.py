@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.models import tiny_lm
 from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import document_bounds, reference_varlen
 from tidal.trainer.chunked import TokenScorer, chunked_head_scores
@@ -20,19 +21,6 @@ from tidal.trainer.parallel import (
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 DOC_LENGTHS = [5, 9, 3, 7]  # one packed row of 24 tokens
-
-
-def tiny_lm(seed: int = 0, tied: bool = True) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.config.use_cache = False
-    return model
 
 
 def packed_row(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

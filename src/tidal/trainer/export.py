@@ -54,6 +54,12 @@ def save_hf_checkpoint(
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     ).save_pretrained(staging)
+    return finish_staged(staging, target)
+
+
+def finish_staged(staging: Path, target: Path) -> Path:
+    """Move a fully written `staging` directory to `target` (replacing it), then mark it complete: a reader
+    that sees the marker never sees a half-written directory."""
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config.lora import LoraConfig
 from tidal.errors import UserError
-from tidal.trainer.export import COMPLETE_MARKER
+from tidal.trainer.export import finish_staged
 from tidal.trainer.parallel import DistInfo, barrier
 from tidal.transport.weights import ADAPTER_CONFIG
 
@@ -164,11 +164,7 @@ def save_adapter(
     assert peft, "no LoRA tensors to save"
     save_file(peft, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2))
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
-    (target / COMPLETE_MARKER).touch()
-    return target
+    return finish_staged(staging, target)
 
 
 def export_adapter(

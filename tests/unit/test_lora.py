@@ -181,6 +181,9 @@ def test_checkpoint_of_a_lora_run_restores_adapters_and_optimizer(tmp_path: Path
     (-scorer(ids, positions, targets)[0].mean()).backward()
     optimizer.step()
     ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, CPU, keep_last=1)
+    reader = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "step_1" / "model_optim"))
+    saved = [key for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")]
+    assert saved and all(".lora_" in key for key in saved), [k for k in saved if ".lora_" not in k]
     restored, restored_optimizer = setup()
     ckpt.load_checkpoint(tmp_path / "step_1", restored, restored_optimizer, CPU)
     for (name, p), q in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):

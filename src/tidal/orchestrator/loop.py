@@ -86,6 +86,9 @@ class Orchestrator:
         self.config = config
         self.out = config.output_dir
         self.env = build_env(config)
+        self.eval_envs: dict[
+            str, Environment
+        ] = {}  # built at the first online eval, reused, closed at the end
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
         self.state = OrchestratorState()
         self.tracker = StalenessTracker(config.max_async_level)
@@ -114,9 +117,10 @@ class Orchestrator:
             finally:
                 await policy.stop()
                 sender.close()
-                close = getattr(self.env, "aclose", None)  # verifiers environments serve an endpoint
-                if close is not None:
-                    await close()
+                for env in (self.env, *self.eval_envs.values()):
+                    close = getattr(env, "aclose", None)  # verifiers environments serve an endpoint
+                    if close is not None:
+                        await close()
         self.metrics.close()
         return 0
 
@@ -188,7 +192,9 @@ class Orchestrator:
         )
         metrics: dict[str, float] = {"eval/policy_version": version}
         for env_spec in eval_config.env:
-            env = build_one(env_spec)
+            env = self.eval_envs.get(env_spec.display_name)
+            if env is None:
+                env = self.eval_envs[env_spec.display_name] = build_one(env_spec)
             report = env_report(
                 await evaluate_env(client, self.tokenizer, env, env_spec, eval_config), eval_config
             )

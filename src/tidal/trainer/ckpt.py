@@ -12,11 +12,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tidal.trainer.parallel import DistInfo, barrier
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Frozen parameters (a LoRA run's base model) are not saved: resuming rebuilds them from the model the run
+# names, so a LoRA checkpoint holds the adapters and their optimizer state, not a copy of the base.
+_TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+# loading: the dict holds exactly the trainable keys dcp.load filled (it fails on a missing one), so the
+# frozen keys' absence is expected
+_LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 # DCP warns on every single-process save that it assumes a single process; that is exactly our case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -52,7 +58,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     barrier(info)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / "model_optim"))
     torch.save({**extra, "step": step, "rng": rng_state(info)}, staging / f"trainer_state_rank{info.rank}.pt")
     barrier(info)
@@ -75,14 +81,27 @@ def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG; return the rest of the saved state (step, data, ...)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     dcp.load(
         {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "model_optim")
     )  # fills in place
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_LOAD_TRAINABLE
+    )
     extra = torch.load(path / f"trainer_state_rank{info.rank}.pt", weights_only=False)
     set_rng_state(extra.pop("rng"), info)
     return extra
+
+
+def _trainable_state_dicts(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if frozen:  # a tied output head is the frozen embedding under a second name, which torch keeps
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {key: value for key, value in model_sd.items() if key in trainable}
+    return model_sd, optim_sd
 
 
 def _prune(root: Path, keep_last: int) -> None:

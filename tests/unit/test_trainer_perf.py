@@ -206,3 +206,16 @@ def test_lora_rank_is_found_in_adapted_layers():
     assert lora_rank(layers) is None
     apply_lora(model, LoraConfig(rank=4))
     assert lora_rank(layers) == 4
+
+
+def test_out_of_memory_in_a_step_becomes_a_one_line_error_with_what_to_change():
+    from tidal.errors import UserError
+    from tidal.trainer.session import out_of_memory_as_user_error
+
+    with pytest.raises(UserError) as caught, out_of_memory_as_user_error(7, CPU):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    message = str(caught.value)
+    assert message.startswith("GPU out of memory in training step 7 on rank 0")
+    assert "\n" not in message and "activation_checkpointing" in message and "seq_len" in message
+    with pytest.raises(ValueError), out_of_memory_as_user_error(7, CPU):  # anything else passes through
+        raise ValueError("not memory")

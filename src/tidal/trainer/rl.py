@@ -31,6 +31,7 @@ from tidal.trainer.session import (
     maybe_resume,
     open_trainer,
     optimizer_step,
+    out_of_memory_as_user_error,
 )
 from tidal.trainer.signals import StopSignal
 from tidal.transport.rollouts import setup_receiver
@@ -71,7 +72,8 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
             say(f"stopped by signal {stop.received} while waiting for batch {step}")
             return stop.exit_code
         waited = time.perf_counter() - wait_start
-        metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
+        with out_of_memory_as_user_error(step, info):
+            metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
         publish_start = time.perf_counter()
         publisher.publish_model(step + 1, model, t.tokenizer, info)
         metrics["time/publish"] = time.perf_counter() - publish_start

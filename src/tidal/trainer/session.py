@@ -1,6 +1,7 @@
 """What the SFT and RL trainers share around their step: output-dir checks, resume, checkpoints, printing."""
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,32 @@ def end_of_step(
     if stopping:
         say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
     return stopping
+
+
+# what to change when a step does not fit, cheapest first (each trades speed or batch size for memory)
+OOM_HINT = (
+    "lower the tokens per micro-batch (orchestrator.batch.seq_len / micro_batch_size for RL, data.seq_len / "
+    "data.micro_batch_size for SFT), or save memory with perf.activation_checkpointing = 'attention' or 'full', "
+    "perf.optimizer_state = 'bf16', more GPUs (FSDP2 shards weights, gradients and optimizer state), "
+    "lora.rank, or perf.cpu_offload = true"
+)
+
+
+@contextlib.contextmanager
+def out_of_memory_as_user_error(step: int, info: DistInfo) -> Iterator[None]:
+    """Turn a GPU out-of-memory in training step `step` into a one-line error with what to change.
+
+    Checkpoints already written stay; `--resume` continues from the last one once the config fits.
+    """
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        where = f"step {step} on rank {info.rank}"
+        if info.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(info.device) / 2**30
+            total = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+            where += f" ({peak:.1f} GiB peak of {total:.1f} GiB)"
+        raise UserError(f"GPU out of memory in training {where}: {OOM_HINT}") from None
 
 
 def optimizer_step(

@@ -45,6 +45,7 @@ from tidal.trainer.session import (
     maybe_resume,
     open_trainer,
     optimizer_step,
+    out_of_memory_as_user_error,
 )
 from tidal.trainer.signals import StopSignal
 from tidal.trainer.sources import Conversation, load_conversations
@@ -123,7 +124,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     bar = tqdm(total=config.max_steps, initial=step, disable=not show_bar)
     while step < config.max_steps:
         batch = data.next_batch()
-        metrics = train_step(scorer, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
+        with out_of_memory_as_user_error(step + 1, info):  # SFT numbers steps from 1
+            metrics = train_step(scorer, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
         step += 1
         metrics["epoch"] = data.sampler.epoch
         bar.update(1)

@@ -134,15 +134,14 @@ def tidal_runner(
     num_params = sum(p.numel() for p in model.parameters())
     perf = PerfConfig(**overrides)
     scorer = parallelize(model, info, perf)
+    state_dtype = resolve_state_dtype(perf.optimizer_state, info.device)
     facts = {
         "num_params": num_params,
         "attention": model.config._attn_implementation,
         "activation_checkpointing": resolve_checkpointing(perf, info),
-        "optimizer_state": str(resolve_state_dtype(perf.optimizer_state, info.device)).removeprefix("torch."),
+        "optimizer_state": str(state_dtype).removeprefix("torch."),
     }
-    optimizer = build_optimizer(
-        model, OptimConfig(lr=1e-5), resolve_state_dtype(perf.optimizer_state, info.device)
-    )
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5), state_dtype)
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
     num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
@@ -194,7 +193,7 @@ KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk")),
     ("optimizer", ("multi_tensor", "adam")),
     ("collective", ("nccl",)),
-    ("copy", ("memcpy", "memset", "copy", "cat", "chunk_cat", "split_with_sizes")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "split_with_sizes")),
     ("compiled", ("triton",)),
 ]
 
@@ -220,7 +219,8 @@ def profile_step(step: Any, device: torch.device) -> dict[str, Any]:
         ms = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) / 1e3
         if ms <= 0:
             continue
-        kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + ms
+        kind = kernel_kind(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
         kernels.append((ms, event.count, event.key[:110]))
     kernels.sort(reverse=True)
     return {

@@ -86,9 +86,8 @@ class Orchestrator:
         self.config = config
         self.out = config.output_dir
         self.env = build_env(config)
-        self.eval_envs: dict[
-            str, Environment
-        ] = {}  # built at the first online eval, reused, closed at the end
+        # built at the first online eval, reused, closed at the end
+        self.eval_envs: dict[str, Environment] = {}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
         self.state = OrchestratorState()
         self.tracker = StalenessTracker(config.max_async_level)

@@ -97,9 +97,9 @@ def _trainable_state_dicts(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    if frozen:  # a tied output head is the frozen embedding under a second name, which torch keeps
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    params = dict(model.named_parameters())
+    trainable = {name for name, p in params.items() if p.requires_grad}
+    if len(trainable) < len(params):  # a tied output head is the frozen embedding under a second name
         model_sd = {key: value for key, value in model_sd.items() if key in trainable}
     return model_sd, optim_sd
 

@@ -93,3 +93,80 @@ def test_bf16_moments_survive_a_state_dict_round_trip():
     assert state["exp_avg_sq"].dtype == torch.bfloat16  # not cast to the parameter's fp32
     assert torch.equal(state["exp_avg_sq"], opt.state[opt.param_groups[0]["params"][0]]["exp_avg_sq"])
     assert float(state["step"]) == 3
+
+
+# --- clipping folded into the update, grouped compiled calls, hash noise ------------------------------
+
+
+def _many_params_run(optimizer_cls, steps: int, clip, **kwargs):
+    """20 same-size tensors (more than one group) and 3 odd sizes, gradients large enough to be clipped."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(20)]
+    params += [torch.nn.Parameter(torch.randn(n)) for n in (3, 700, 700)]
+    targets = [torch.randn_like(p) for p in params]
+    opt = optimizer_cls(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kwargs)
+    norms = []
+    for _ in range(steps):
+        loss = sum(((p - t) ** 2).sum() for p, t in zip(params, targets, strict=True)) * 10
+        loss.backward()
+        norms.append(float(clip(opt, params)))
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in params], norms
+
+
+def test_clipping_inside_the_update_matches_torch_clip_then_adamw():
+    from tidal.trainer.optim import AdamW, clip_and_step
+
+    def torch_clip(opt, params):
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return norm
+
+    ours, our_norms = _many_params_run(
+        AdamW, 5, lambda o, p: clip_and_step(o, p, 1.0), state_dtype=torch.float32
+    )
+    ref, ref_norms = _many_params_run(torch.optim.AdamW, 5, torch_clip)
+    assert min(ref_norms) > 10  # clipping was active on every step
+    assert our_norms == pytest.approx(ref_norms, rel=1e-5)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_groups_split_into_power_of_two_tails():
+    from tidal.trainer.optim import split_group
+
+    assert [len(c) for c in split_group(list(range(73)), 16)] == [16, 16, 16, 16, 8, 1]
+    assert [len(c) for c in split_group(list(range(7)), 16)] == [4, 2, 1]
+    assert sum(split_group(list(range(37)), 16), []) == list(range(37))  # order kept, nothing lost
+
+
+def test_hash_bits_is_murmur3_finaliser_of_a_counter():
+    from tidal.trainer.optim import hash_bits
+
+    def reference(index: int, seed: int) -> int:  # unsigned 32-bit arithmetic, written out
+        x = (index * 0x9E3779B9 + seed) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+        x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    words = hash_bits(1000, torch.tensor(12345, dtype=torch.int32))
+    assert [w & 0xFFFFFFFF for w in words.tolist()] == [reference(i, 12345) for i in range(1000)]
+    bits = (
+        (hash_bits(1 << 16, torch.tensor(7, dtype=torch.int32)).unsqueeze(1) >> torch.arange(32)) & 1
+    ).float()
+    assert (bits.mean(0) - 0.5).abs().max() < 0.01  # every bit fair: both 16-bit halves usable as noise
+
+
+def test_rounding_with_hash_noise_is_unbiased_and_seeds_differ():
+    from tidal.trainer.optim import hash_bits, rounding_seed, stochastic_round_
+
+    seeds = {
+        rounding_seed(step, pos, rank) for step in range(1, 50) for pos in range(1, 50) for rank in range(4)
+    }
+    assert len(seeds) == 49 * 49 * 4 and all(-(2**31) <= s < 2**31 for s in seeds)
+    value = torch.full((100_000,), 1.0 + 2**-10)
+    noise = hash_bits(value.numel(), torch.tensor(rounding_seed(3, 1, 0), dtype=torch.int32))
+    for half in (noise & 0xFFFF, (noise >> 16) & 0xFFFF):
+        out = torch.empty(value.numel(), dtype=torch.bfloat16)
+        stochastic_round_(out, value, half)
+        assert abs(out.float().mean().item() - value[0].item()) < 2e-5

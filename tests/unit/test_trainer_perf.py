@@ -164,6 +164,32 @@ def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():
     assert 0 < error < 0.1  # bf16 compute: close to fp32, but not bit-equal (it did run in bf16)
 
 
+def test_bf16_moment_adamw_clips_and_steps_fsdp_parameters():
+    """tidal's AdamW on FSDP2's DTensor parameters: the norm over all shards, clipped update, bf16 moments."""
+    from tidal.trainer.optim import AdamW, clip_and_step
+
+    model = tiny_lm()
+    ids, positions, targets = packed_row()
+    try:
+        scorer = parallelize(model, CPU, PerfConfig(mixed_precision="bf16", attention="varlen"))
+        optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        logprobs, _ = scorer(ids, positions, targets)
+        (-logprobs.sum() * 100).backward()
+        want = torch.stack([p.grad.to_local().norm() for p in model.parameters()]).norm()
+        norm = clip_and_step(optimizer, model.parameters(), max_norm=1.0)
+        moments = [optimizer.state[p]["exp_avg"].to_local() for p in model.parameters()]
+        after = [p.detach().to_local() for p in model.parameters()]
+    finally:
+        shutdown(CPU)
+    assert not hasattr(norm, "to_local") and norm.item() == pytest.approx(want.item(), rel=1e-5)
+    assert norm.item() > 1  # so the update ran with a clipping factor below one
+    assert all(m.dtype == torch.bfloat16 for m in moments)
+    # Adam's first step moves each weight by ~lr whatever the gradient's scale: all weights with a gradient
+    moved = torch.cat([(a - b).abs().flatten() for a, b in zip(after, before, strict=True)])
+    assert (moved > 5e-3).float().mean() > 0.9
+
+
 def test_defaults_keep_cpu_runs_eager_in_fp32_without_checkpointing():
     assert resolve_checkpointing(PerfConfig(), CPU) == "none"
     assert not resolve_compile(PerfConfig(), CPU)

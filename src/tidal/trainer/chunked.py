@@ -2,9 +2,12 @@
 
 `TokenScorer` wraps an HF causal LM and is the module the trainers call (and FSDP's root): its forward runs
 the decoder, then the head chunk by chunk, and returns per-token logprobs of the targets (and the entropy
-for RL). Each chunk is checkpointed, so in backward too only one fp32 [chunk, vocab] slab lives at a time.
-With `compile_head`, the per-chunk softmax work (upcast, logsumexp, gather, and their backward) runs as
-fused kernels: eager, it is ~6 passes over each fp32 slab (Qwen3-4B, 16k tokens, H200: ~80 ms a step).
+for RL). The head is one autograd function (`HeadScores`): forward keeps only each token's logsumexp;
+backward recomputes a chunk's logits, turns them into the logits' gradient in one pass, and accumulates the
+head weight's gradient inside the matmul (beta = 1), so one [chunk, vocab] slab lives at a time and no
+per-chunk weight gradient is summed afterwards (Qwen3-4B: 16 × 778 MB adds a step, and their memory, at
+the very start of backward where activation memory peaks). With `compile_head`, the per-chunk softmax work
+runs as fused kernels: eager, it is ~6 passes over each fp32 slab (Qwen3-4B, 16k tokens, H200: ~80 ms).
 """
 
 import functools
@@ -12,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from tidal.trainer.attention import ATTN_NAME, document_bounds
 
@@ -21,6 +23,14 @@ def chunk_scores(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 logprob of `targets` [chunk] under softmax(logits [chunk, vocab] / T), and the entropy (no grad)."""
+    logprobs, _, entropy = chunk_forward(logits, targets, temperature, with_entropy)
+    return logprobs, entropy
+
+
+def chunk_forward(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logprobs of `targets`, logsumexp, entropy or None) [chunk] of softmax(logits [chunk, vocab] / T), fp32."""
     scaled = logits.float() / temperature  # [chunk, vocab]
     lse = torch.logsumexp(scaled, dim=-1)  # [chunk]
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [chunk]
@@ -28,29 +38,90 @@ def chunk_scores(
     if with_entropy:
         with torch.no_grad():  # a metric: H = lse − Σ p·z
             entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)  # [chunk]
-    return picked - lse, entropy
+    return picked - lse, lse, entropy
 
 
-ScoreFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+def chunk_backward(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """d(Σ grad · logprob)/d logits [chunk, vocab] in the logits' dtype: grad · (onehot(target) − p) / T."""
+    probs = torch.exp(logits.float() / temperature - lse.unsqueeze(-1))  # [chunk, vocab]
+    vocab = torch.arange(logits.shape[-1], device=logits.device)  # [vocab]
+    onehot = (vocab == targets.unsqueeze(-1)).float()  # [chunk, vocab]
+    return ((onehot - probs) * (grad / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
+class HeadFns:
+    """The per-chunk forward and backward math, eager or compiled."""
+
+    def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any]):
+        self.forward = forward
+        self.backward = backward
+
+
+EAGER_HEAD = HeadFns(chunk_forward, chunk_backward)
 
 
 @functools.cache
-def compiled_chunk_scores() -> ScoreFn:
-    """`chunk_scores` under torch.compile, made once per process (every scorer shares its kernels)."""
-    return torch.compile(chunk_scores)
+def compiled_head() -> HeadFns:
+    """The chunk math under torch.compile, made once per process (every scorer shares its kernels)."""
+    return HeadFns(torch.compile(chunk_forward), torch.compile(chunk_backward))
 
 
-def _head_chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    score_fn: ScoreFn,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # [chunk, vocab], compute dtype
-    return score_fn(logits, targets, temperature, with_entropy)
+class HeadScores(torch.autograd.Function):
+    """(logprobs, entropy) [...] of `targets` [...] from hidden [tokens, hidden] and the head [vocab, hidden].
+
+    Outputs have the targets' shape and are not views (FSDP's backward hook would be lost on a view)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        fns: HeadFns,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        targets_shape, targets = targets.shape, targets.reshape(-1)  # [tokens]
+        logprobs = torch.empty(targets_shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(logprobs)
+        lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)  # [tokens]
+        for start in range(0, targets.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = torch.nn.functional.linear(hidden[part], weight, bias)  # [chunk, vocab]
+            lp, chunk_lse, ent = fns.forward(logits, targets[part], temperature, with_entropy)
+            logprobs.view(-1)[part], lse[part] = lp, chunk_lse
+            if ent is not None:
+                entropy.view(-1)[part] = ent
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.setup = (temperature, chunk_size, fns)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _entropy_grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, chunk_size, fns = ctx.setup
+        grad = grad.reshape(-1)  # [tokens]
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
+        for start in range(0, targets.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = torch.nn.functional.linear(hidden[part], weight, bias)  # [chunk, vocab], recomputed
+            grad_logits = fns.backward(logits, targets[part], lse[part], grad[part], temperature)
+            del logits
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[part])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), hidden[part])  # accumulated by the matmul itself
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def chunked_head_scores(
@@ -61,35 +132,24 @@ def chunked_head_scores(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
-    score_fn: ScoreFn = chunk_scores,
+    fns: HeadFns = EAGER_HEAD,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) [...] of `targets` [...] from `hidden` [..., hidden] and the head weight [vocab, hidden].
 
     Targets outside the vocabulary (e.g. −100 for ignored labels) score against token 0; callers mask them.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, hidden]
-    flat_targets = targets.reshape(-1).clamp(0, weight.shape[0] - 1)  # [tokens]
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logprobs, entropies = [], []
-    for start in range(0, flat_targets.numel(), chunk_size):
-        args = (
-            flat_hidden[start : start + chunk_size],
-            weight,
-            bias,
-            flat_targets[start : start + chunk_size],
-        )
-        if recompute:
-            lp, ent = checkpoint(_head_chunk, *args, temperature, with_entropy, score_fn, use_reentrant=False)
-        else:
-            lp, ent = _head_chunk(*args, temperature, with_entropy, score_fn)
-        logprobs.append(lp)
-        if ent is not None:
-            entropies.append(ent)
-    empty = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-    # clone: FSDP warns about returning views (an in-place op on one would skip its backward hook)
-    out = torch.cat(logprobs).view(targets.shape).clone() if logprobs else empty
-    entropy = torch.cat(entropies).view(targets.shape) if entropies else (empty if with_entropy else None)
-    return out, entropy
+    logprobs, entropy = HeadScores.apply(
+        flat_hidden,
+        weight,
+        bias,
+        targets.clamp(0, weight.shape[0] - 1),
+        temperature,
+        chunk_size,
+        with_entropy,
+        fns,
+    )
+    return logprobs, entropy if with_entropy else None
 
 
 class TokenScorer(torch.nn.Module):
@@ -102,7 +162,7 @@ class TokenScorer(torch.nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
-        self.score_fn: Any = compiled_chunk_scores() if compile_head else chunk_scores
+        self.head_fns = compiled_head() if compile_head else EAGER_HEAD
         config = lm.config  # type: ignore[attr-defined]
         if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
             raise ValueError(
@@ -136,5 +196,5 @@ class TokenScorer(torch.nn.Module):
             temperature,
             self.chunk_size,
             with_entropy,
-            self.score_fn,
+            self.head_fns,
         )

@@ -16,7 +16,7 @@ from tidal.trainer import ckpt
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import apply_lora
 from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
-from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
+from tidal.trainer.optim import build_optimizer, build_scheduler, clip_and_step, resolve_state_dtype
 from tidal.trainer.parallel import DistInfo, all_reduce_sum, parallelize, set_num_threads
 from tidal.trainer.signals import StopSignal
 
@@ -180,11 +180,8 @@ def optimizer_step(
     max_grad_norm: float,
 ) -> tuple[float, float]:
     """Clip the global gradient norm, step optimizer and schedule, clear gradients; returns (norm, lr used)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over all shards
-        grad_norm = grad_norm.full_tensor()
     lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
+    grad_norm = clip_and_step(optimizer, model.parameters(), max_grad_norm)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     # read the norm only now: reading it before the step would idle the GPU while the step's kernels launch

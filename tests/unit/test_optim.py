@@ -88,11 +88,19 @@ def test_bf16_moments_survive_a_state_dict_round_trip():
     _, opt = _quadratic_run(AdamW, 3, state_dtype=torch.bfloat16)
     w = torch.nn.Parameter(torch.zeros(4096))
     fresh = AdamW([w], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, state_dtype=torch.bfloat16)
+    w.grad = torch.ones_like(w)
+    fresh.step()  # state (and the cached views of it) exist before the load replaces them
     fresh.load_state_dict(opt.state_dict())
     state = fresh.state[w]
     assert state["exp_avg_sq"].dtype == torch.bfloat16  # not cast to the parameter's fp32
     assert torch.equal(state["exp_avg_sq"], opt.state[opt.param_groups[0]["params"][0]]["exp_avg_sq"])
     assert float(state["step"]) == 3
+    w.grad = torch.ones_like(w)
+    loaded = fresh.state[w]["exp_avg_sq"]
+    before = loaded.clone()
+    fresh.step()  # updates the loaded moments, not stale views of the ones the load replaced
+    assert float(fresh.state[w]["step"]) == 4
+    assert not torch.equal(loaded, before)
 
 
 # --- clipping folded into the update, grouped compiled calls, hash noise ------------------------------

@@ -128,8 +128,9 @@ def test_chunked_head_keeps_no_full_logits_for_backward():
         PerfConfig(activation_checkpointing="projections", attention="varlen"),
         PerfConfig(activation_checkpointing="attention", attention="varlen"),
         PerfConfig(activation_checkpointing="full", checkpoint_every=2, attention="varlen"),
+        PerfConfig(activation_checkpointing="projections", attention="varlen", save_mlp_layers=2),
     ],
-    ids=["full", "selective", "projections", "attention", "every-2"],
+    ids=["full", "selective", "projections", "attention", "every-2", "projections+mlp"],
 )
 def test_activation_checkpointing_keeps_gradients(perf):
     ids, positions, targets = packed_row()
@@ -141,6 +142,31 @@ def test_activation_checkpointing_keeps_gradients(perf):
         grads.append([p.grad for p in model.parameters()])
     for plain, checkpointed in zip(*grads, strict=True):
         torch.testing.assert_close(checkpointed, plain)
+
+
+def test_saving_mlp_inputs_removes_their_recomputation_in_the_last_layers():
+    """Backward matmuls of a 3-layer model: `projections` recomputes gate and up in every layer;
+    save_mlp_layers=2 recomputes them in the first layer only (2 × 2 fewer matmuls)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                CountMatmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    ids, positions, targets = packed_row()
+    counts = []
+    for saved in (0, 2):
+        perf = PerfConfig(activation_checkpointing="projections", attention="varlen", save_mlp_layers=saved)
+        logprobs, _ = parallelize(tiny_lm(), CPU, perf)(ids, positions, targets)
+        CountMatmuls.count = 0
+        with CountMatmuls():
+            logprobs.sum().backward()
+        counts.append(CountMatmuls.count)
+    assert counts[0] - counts[1] == 4, counts
 
 
 def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():

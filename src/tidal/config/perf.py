@@ -31,6 +31,10 @@ class PerfConfig(Config):
     checkpoint_every: int = Field(default=1, ge=1)
     """Apply activation checkpointing to every N-th decoder layer only (1 = all layers); the other layers
     keep their activations, trading memory for less recomputation."""
+    save_mlp_layers: int = Field(default=0, ge=0)
+    """In this many decoder layers (the last ones), selective modes also keep the MLP's gate and up
+    projection outputs, so backward recomputes no matmul there: spare GPU memory turned into speed
+    (Qwen3-4B, 16k tokens: +0.6 GiB and ~2 ms less recomputation per layer)."""
     compile: Literal["auto"] | bool = "auto"
     """`torch.compile` each decoder layer and the head's softmax work: fuses norms, RoPE, activations and
     the logsumexp (Qwen3-4B, 16k tokens, H200: +30% tokens/s); the first step compiles (tens of seconds),

@@ -111,15 +111,23 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | N
     return run
 
 
-def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str, every: int = 1) -> None:
+MLP_INPUT_MATMULS = frozenset({5, 6})  # gate and up: with both kept, backward recomputes no matmul
+
+
+def apply_activation_checkpointing(
+    layers: list[torch.nn.Module], mode: str, every: int = 1, save_mlp_layers: int = 0
+) -> None:
     """Checkpoint every `every`-th layer: `full`, `selective`, `projections` or `attention` (see PerfConfig);
-    `none` is a no-op."""
+    `none` is a no-op. In the last `save_mlp_layers` layers selective modes also keep gate and up."""
     if mode == "none":
         return
-    context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode], lora_rank(layers))
+    rank = lora_rank(layers)
+    context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode], rank)
+    richer = None if mode == "full" else selective_context(SAVED_MATMULS[mode] | MLP_INPUT_MATMULS, rank)
     for index, layer in enumerate(layers):
         if index % every == 0:
-            layer.forward = _checkpointed(layer.forward, context_fn)  # type: ignore[method-assign]
+            chosen = richer if index >= len(layers) - save_mlp_layers else context_fn
+            layer.forward = _checkpointed(layer.forward, chosen)  # type: ignore[method-assign]
 
 
 def apply_compile(layers: list[torch.nn.Module]) -> None:

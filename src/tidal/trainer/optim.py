@@ -57,7 +57,7 @@ def build_optimizer(
 _GOLDEN = -0x61C88647  # 0x9E3779B9: spreads consecutive indices over the 32-bit range
 _MIX1 = -0x7A143595  # 0x85EBCA6B  } murmur3's finaliser: every input bit flips each output bit
 _MIX2 = -0x3D4D51CB  # 0xC2B2AE35  } with probability ~1/2
-GROUP_SIZE = 16  # tensors per compiled call (power-of-two tails, so at most 5 list lengths compile)
+GROUP_SIZE = 8  # tensors per compiled call (power-of-two tails, so at most 4 list lengths compile)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:

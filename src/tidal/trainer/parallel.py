@@ -77,7 +77,9 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
         raise UserError("perf.cpu_offload moves state from a GPU to the CPU; this run has no GPU")
     setup_attention(model, perf.attention, info.device)
     layers = _decoder_layers(model)
-    apply_activation_checkpointing(layers, resolve_checkpointing(perf, info), perf.checkpoint_every)
+    apply_activation_checkpointing(
+        layers, resolve_checkpointing(perf, info), perf.checkpoint_every, perf.save_mlp_layers
+    )
     compiled = resolve_compile(perf, info)
     if compiled:
         apply_compile(layers)

@@ -201,4 +201,8 @@ def test_sft_lora_on_two_ranks_fsdp2_matches_one_process(lora_sft_run: Path, tmp
     )
     assert set(one) == set(two)
     for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-4, msg=name)
+        # per tensor, not per element: Adam's step is ~lr whatever the gradient's size, so an element whose
+        # gradient is ~0 turns the reduction order's rounding noise into a visible difference (seen: 1 of
+        # 3072 elements off by 3e-4 while the tensor agrees to 1e-4 of its norm)
+        error = float((two[name] - one[name]).norm() / one[name].norm())
+        assert error < 1e-3, (name, error)

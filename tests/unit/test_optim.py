@@ -178,3 +178,40 @@ def test_rounding_with_hash_noise_is_unbiased_and_seeds_differ():
         out = torch.empty(value.numel(), dtype=torch.bfloat16)
         stochastic_round_(out, value, half)
         assert abs(out.float().mean().item() - value[0].item()) < 2e-5
+
+
+def _norm_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tidal.trainer.optim import global_norm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # the same full tensors on both ranks
+        full = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
+        sharded = init_device_mesh("cpu", (2,))
+        hybrid = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        results[f"shard-{rank}"] = global_norm([distribute_tensor(t, sharded, [Shard(0)]) for t in full]).item()
+        hsdp = [distribute_tensor(t, hybrid, [Replicate(), Shard(0)]) for t in full]
+        results[f"hsdp-{rank}"] = global_norm(hsdp).item()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_norm_sums_shards_but_not_replicas():
+    """Two gloo ranks: FSDP-style Shard(0) gradients and HSDP's (Replicate, Shard) ones both give the norm
+    of the full tensors (summing over the replicate dimension too would give √2 times it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_norm_worker, args=(port, results), nprocs=2)
+    torch.manual_seed(0)
+    want = torch.cat([t.flatten() for t in (torch.randn(6, 4), torch.randn(5), torch.randn(3, 3))]).norm().item()
+    assert dict(results) == pytest.approx({f"{kind}-{r}": want for kind in ("shard", "hsdp") for r in (0, 1)})

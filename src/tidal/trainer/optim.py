@@ -289,15 +289,28 @@ def clip_and_step(
     if not isinstance(optimizer, AdamW):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
-        return _replicated(norm)
-    norm = _replicated(torch.nn.utils.get_total_norm([p.grad for p in params]))  # type: ignore[misc]
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
+    norm = global_norm([p.grad for p in params])  # type: ignore[misc]
     optimizer.step(grad_scale=torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 
 
-def _replicated(norm: torch.Tensor) -> torch.Tensor:
-    """The norm over all shards as a plain tensor (under FSDP2 it is a DTensor of partial sums)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over `tensors` and, for FSDP2's DTensors, over all their shards: one foreach norm of the
+    local shards, then one all-reduce of the sum of squares over the mesh dimensions they are sharded on
+    (replicated dimensions hold copies). Same value as `torch.nn.utils.get_total_norm`, whose DTensor
+    dispatch op by op over hundreds of gradients costs milliseconds of CPU while the GPU waits."""
+    if not tensors:
+        return torch.zeros(())
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
+    first = tensors[0]
+    mesh = getattr(first, "device_mesh", None)
+    if mesh is not None:
+        for dim, placement in enumerate(first.placements):  # type: ignore[attr-defined]
+            if placement.is_shard() and mesh.size(dim) > 1:
+                torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+    return squares.sqrt()
 
 
 def build_scheduler(

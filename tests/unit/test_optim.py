@@ -193,7 +193,9 @@ def _norm_worker(rank: int, port: int, results) -> None:
         full = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
         sharded = init_device_mesh("cpu", (2,))
         hybrid = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-        results[f"shard-{rank}"] = global_norm([distribute_tensor(t, sharded, [Shard(0)]) for t in full]).item()
+        results[f"shard-{rank}"] = global_norm(
+            [distribute_tensor(t, sharded, [Shard(0)]) for t in full]
+        ).item()
         hsdp = [distribute_tensor(t, hybrid, [Replicate(), Shard(0)]) for t in full]
         results[f"hsdp-{rank}"] = global_norm(hsdp).item()
     finally:
@@ -213,5 +215,7 @@ def test_global_norm_sums_shards_but_not_replicas():
     results = mp.Manager().dict()
     mp.spawn(_norm_worker, args=(port, results), nprocs=2)
     torch.manual_seed(0)
-    want = torch.cat([t.flatten() for t in (torch.randn(6, 4), torch.randn(5), torch.randn(3, 3))]).norm().item()
+    want = (
+        torch.cat([t.flatten() for t in (torch.randn(6, 4), torch.randn(5), torch.randn(3, 3))]).norm().item()
+    )
     assert dict(results) == pytest.approx({f"{kind}-{r}": want for kind in ("shard", "hsdp") for r in (0, 1)})

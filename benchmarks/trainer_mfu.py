@@ -191,7 +191,7 @@ def measure(
 KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
     ("attention", ("cudnn", "flash", "fmha", "attn")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk")),
-    ("optimizer", ("multi_tensor", "adam")),
+    ("optimizer", ("multi_tensor", "adam", "lerp")),  # tidal's compiled AdamW kernels fuse a lerp
     ("collective", ("nccl",)),
     ("copy", ("memcpy", "memset", "copy", "cat", "split_with_sizes")),
     ("compiled", ("triton",)),

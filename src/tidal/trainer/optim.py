@@ -6,6 +6,11 @@ round-to-nearest would not do: bf16 keeps 8 mantissa bits, so `exp_avg_sq`'s per
 of its value) is below half an ulp (0.2%) and the average would freeze. Stochastic rounding keeps each
 stored value an unbiased estimate of the fp32 one. This takes AdamW from 16 to 12 bytes per parameter
 (fp32 master + fp32 gradient + 2 × bf16 moments): on Qwen3-4B, 60 → 45 GiB.
+
+On GPU the update is one compiled kernel per tensor, launched a group of same-size tensors per Python call,
+that also applies the gradient-clipping factor (`clip_and_step`); the rounding noise is a counter hash, not
+Philox (Qwen3-4B, H200: the clip's separate multiply took 8.8 ms a step and the Philox-bound update 35 ms;
+numbers in benchmarks/results/trainer_mfu_h200.json).
 """
 
 import functools

@@ -72,8 +72,9 @@ class ClientConfig(Config):
     running ones finish, load, resume — every completion comes from one policy, but with max_async_level > 0
     generation stalls for the drain (2×H200, Qwen3-0.6B shape, 256×256 tokens: 6.5 s per update).
     `keep`: freeze running requests, load, resume them under the new weights — no drain (same setup: 0.5 s
-    per update; with CUDA graphs level 2 ran 1.79x level 0); a completion may then span two policies. Training stays correct: the loss corrects with each token's own sampling
-    logprob, and a rollout counts as the (older) version it started with for the staleness bound."""
+    per update; with CUDA graphs level 2 ran 1.79x level 0); a completion may then span two policies.
+    Training stays correct: the loss corrects with each token's own sampling logprob, and a rollout counts
+    as the (older) version it started with for the staleness bound."""
 
 
 class BatchConfig(Config):

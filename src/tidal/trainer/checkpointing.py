@@ -123,7 +123,9 @@ def apply_activation_checkpointing(
         return
     rank = lora_rank(layers)
     context_fn = None if mode == "full" else selective_context(SAVED_MATMULS[mode], rank)
-    richer = None if mode == "full" else selective_context(SAVED_MATMULS[mode] | MLP_INPUT_MATMULS, rank)
+    richer = context_fn
+    if save_mlp_layers and mode != "full":
+        richer = selective_context(SAVED_MATMULS[mode] | MLP_INPUT_MATMULS, rank)
     for index, layer in enumerate(layers):
         if index % every == 0:
             chosen = richer if index >= len(layers) - save_mlp_layers else context_fn

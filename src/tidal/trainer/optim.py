@@ -230,7 +230,8 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 state = self._state(param)
                 state["step"] += 1
-                key = (float(state["step"]), param.numel(), param.grad.dtype, param.device)
+                local_size = self._views[param][0].numel()  # this rank's shard: what the kernel sees
+                key = (float(state["step"]), local_size, param.grad.dtype, param.device)
                 by_size.setdefault(key, []).append((position, param))
             for (step, _, _, device), members in by_size.items():
                 scalars = self._scalar_tensor(group, step, device, grad_scale)
@@ -257,10 +258,11 @@ class AdamW(torch.optim.Optimizer):
         group: dict[str, Any], step: float, device: torch.device, grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
         """The kernel's scalars on `device`: one host-to-device copy per step count, not per tensor."""
-        host = torch.tensor(_scalars(group, step) + [1.0], dtype=torch.float32).to(device, non_blocking=True)
-        if grad_scale is None:
-            return host
-        return torch.cat([host[:7], grad_scale.reshape(1).to(device=device, dtype=torch.float32)])
+        values = _scalars(group, step) + [1.0 if grad_scale is None else 0.0]
+        scalars = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+        if grad_scale is not None:
+            scalars[-1] = grad_scale  # a device scalar: copied on device, never read on the host
+        return scalars
 
     def _state(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]

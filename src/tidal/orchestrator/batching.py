@@ -183,6 +183,6 @@ def make_train_batches(
     num_loss_tokens = sum(mb.num_loss_tokens for micro_batches in per_rank for mb in micro_batches)
     num_samples = num_trainable_samples(samples)
     return [
-        TrainBatch(step, micro_batches, num_loss_tokens, num_samples, dict(metrics or {}))
+        TrainBatch(step, micro_batches, num_loss_tokens, num_samples, dict(metrics or {}), world_size)
         for micro_batches in per_rank
     ]

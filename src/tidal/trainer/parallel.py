@@ -174,6 +174,16 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
     return float(tensor.item())
 
 
+def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order: one collective for many metrics."""
+    if not info.distributed:
+        return [list(values)]
+    local = torch.tensor(values, dtype=torch.float64, device=info.device)
+    gathered = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]
+
+
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()

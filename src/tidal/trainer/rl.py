@@ -9,32 +9,36 @@ Batch n is trained by the policy of version n; the weights it produces are versi
 """
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tidal import run_layout
 from tidal.config.rl import RLTrainerConfig
+from tidal.errors import UserError
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import peft_config
 from tidal.trainer.loss import merge_loss_metrics, rl_loss
 from tidal.trainer.model import served_dtype
 from tidal.trainer.parallel import (
     DistInfo,
-    all_reduce_sum,
+    all_gather_floats,
     init_distributed,
     shutdown,
 )
 from tidal.trainer.session import (
     TrainState,
+    any_rank,
     end_of_step,
     maybe_resume,
     open_trainer,
     optimizer_step,
     out_of_memory_as_user_error,
+    save_unless_saved,
 )
 from tidal.trainer.signals import StopSignal
-from tidal.transport.rollouts import setup_receiver
+from tidal.transport.rollouts import BatchReceiver, setup_receiver
 from tidal.transport.weights import WeightPublisher, step_dir
 from tidal.types import TrainBatch
 
@@ -54,7 +58,8 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     scorer, logger, say = t.scorer, t.logger, t.say
     state = TrainState(model, optimizer, scheduler, dict)
-    step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
+    # records carry the index of their step (0-based), as the orchestrator's do
+    step, _ = maybe_resume(ckpt_root, state, info, logger, say, config.resume, first_record_step=0)
     adapter_config = None
     if t.lora_modules:  # publish adapters only; inference serves the base model plus the adapter
         adapter_config = peft_config(config.lora, t.lora_modules, config.model.name)
@@ -65,30 +70,46 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     receiver = setup_receiver(config.transport, out, info.rank)
     stop = StopSignal().install()
     say(f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device}")
-    while step < config.max_steps:
-        wait_start = time.perf_counter()
-        batch = receiver.receive(step, should_stop=lambda: stop.received is not None)
-        if batch is None:
-            say(f"stopped by signal {stop.received} while waiting for batch {step}")
-            return stop.exit_code
-        waited = time.perf_counter() - wait_start
-        with out_of_memory_as_user_error(step, info):
-            metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
-        publish_start = time.perf_counter()
-        publisher.publish_model(step + 1, model, t.tokenizer, info)
-        metrics["time/publish"] = time.perf_counter() - publish_start
-        metrics["time/wait_for_data"] = waited
-        metrics["time/step"] = time.perf_counter() - wait_start
+    try:
+        while step < config.max_steps:
+            wait_start = time.perf_counter()
+            batch = next_batch(receiver, step, stop, info)
+            if batch is None:
+                save_unless_saved(step, state, ckpt_root, config.ckpt.keep_last, info, say)
+                say(
+                    f"stopped by signal {stop.received} while waiting for batch {step}; continue with --resume"
+                )
+                return stop.exit_code
+            waited = time.perf_counter() - wait_start
+            with out_of_memory_as_user_error(step, info):
+                metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
+            publish_start = time.perf_counter()
+            publisher.publish_model(step + 1, model, t.tokenizer, info)
+            metrics["time/publish"] = time.perf_counter() - publish_start
+            metrics["time/wait_for_data"] = waited
+            metrics["time/step"] = time.perf_counter() - wait_start
+            if logger:
+                logger.log(step, metrics)
+            say(_summary(step, metrics))
+            step += 1
+            if end_of_step(
+                step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say
+            ):
+                return stop.exit_code
+    finally:
+        receiver.close()
         if logger:
-            logger.log(step, metrics)
-        say(_summary(step, metrics))
-        step += 1
-        if end_of_step(step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say):
-            return stop.exit_code
-    receiver.close()
-    if logger:
-        logger.close()
+            logger.close()
     return 0
+
+
+def next_batch(receiver: BatchReceiver, step: int, stop: StopSignal, info: DistInfo) -> TrainBatch | None:
+    """This rank's batch for `step`; None on every rank once any rank stopped waiting on a signal (a batch
+    another rank already got is then left untrained: the resumed run redoes its step)."""
+    batch = receiver.receive(step, should_stop=lambda: stop.received is not None)
+    if batch is not None:  # before any collective: a rank the orchestrator made no batch for never gets one
+        check_world_size(batch, info)
+    return None if any_rank(batch is None, info) else batch
 
 
 def rl_step(
@@ -121,21 +142,59 @@ def rl_step(
     grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
     # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
     loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
-    elapsed = time.perf_counter() - start
-    merged = merge_loss_metrics(parts)
+    local = {
+        **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(num_tokens),
+        "elapsed": time.perf_counter() - start,
+    }  # fmt: skip
+    m = across_ranks(local, lambda values: all_gather_floats(values, info))
     return {
-        "loss": all_reduce_sum(loss_sum, info),
-        "mismatch_kl/mean": merged["mismatch_kl"],
-        "masked_fraction": merged["masked_fraction"],
-        "ratio/mean": merged["ratio_mean"],
-        "ratio/max": merged["ratio_max"],
-        "entropy/mean": merged.get("entropy", 0.0),
-        "nonfinite_tokens": merged["num_nonfinite"],
-        "grad_norm": grad_norm,
+        "loss": m["loss"],
+        "mismatch_kl/mean": m["mismatch_kl"],
+        "masked_fraction": m["masked_fraction"],
+        "ratio/mean": m["ratio_mean"],
+        "ratio/max": m["ratio_max"],
+        "entropy/mean": m.get("entropy", 0.0),
+        "nonfinite_tokens": m["num_nonfinite"],
+        "grad_norm": grad_norm,  # already global: the norm reduces over the shards
         "lr": lr,
-        "tokens_per_s": all_reduce_sum(num_tokens, info) / elapsed,
-        "time/forward_backward": elapsed,
+        "tokens_per_s": m["tokens"] / m["elapsed"],
+        "time/forward_backward": m["elapsed"],
     }
+
+
+# what one rank sends the others of its step's metrics: rl_loss's (see merge_loss_metrics) and the step's own
+RANK_METRICS = (
+    "num_loss_tokens", "num_nonfinite", "masked_fraction", "mismatch_kl", "ratio_mean", "ratio_max", "entropy",
+    "loss", "tokens", "elapsed",
+)  # fmt: skip
+
+
+def across_ranks(
+    local: dict[str, float], gather: Callable[[list[float]], list[list[float]]]
+) -> dict[str, float]:
+    """This rank's step metrics combined with every rank's (`gather` returns each rank's values): token means
+    as if one rank had seen every micro-batch, counts and losses summed, the slowest rank's time (pure)."""
+    rows = [
+        dict(zip(RANK_METRICS, row, strict=True)) for row in gather([local.get(k, 0.0) for k in RANK_METRICS])
+    ]
+    merged = merge_loss_metrics(rows)
+    merged["loss"] = sum(r["loss"] for r in rows)  # each rank's loss is its share of the global mean
+    merged["tokens"] = sum(r["tokens"] for r in rows)
+    merged["elapsed"] = max(r["elapsed"] for r in rows)
+    if "entropy" not in local:
+        merged.pop("entropy", None)
+    return merged
+
+
+def check_world_size(batch: TrainBatch, info: DistInfo) -> None:
+    """The orchestrator split this step into `num_trainer_ranks` shards: another number of trainer ranks
+    would silently drop shards (fewer ranks) or wait forever for them (more), and scale the loss wrong."""
+    if batch.num_trainer_ranks != info.world_size:
+        raise UserError(
+            f"trainer: batch {batch.step} was split for {batch.num_trainer_ranks} trainer rank(s) "
+            f"(orchestrator.batch.num_trainer_ranks) but this trainer runs {info.world_size} rank(s); "
+            "make them equal (tidal rl sets both from deployment.num_trainer_ranks)"
+        )
 
 
 def _summary(step: int, m: dict[str, Any]) -> str:

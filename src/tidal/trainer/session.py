@@ -107,9 +107,21 @@ def make_printer(info: DistInfo) -> Say:
 
 
 def maybe_resume(
-    ckpt_root: Path, state: TrainState, info: DistInfo, logger: MetricsLogger | None, say: Say, resume: bool
+    ckpt_root: Path,
+    state: TrainState,
+    info: DistInfo,
+    logger: MetricsLogger | None,
+    say: Say,
+    resume: bool,
+    *,
+    first_record_step: int,
 ) -> tuple[int, dict[str, Any]]:
-    """Restore the latest checkpoint when asked to; returns (completed steps, saved data state)."""
+    """Restore the latest checkpoint when asked to; returns (completed steps, saved data state).
+
+    The metrics records of the steps the run will redo are dropped: after n completed steps the records
+    kept are the first n, numbered from `first_record_step` (SFT numbers a record by the steps completed
+    with it, 1-based; RL by the index of the step, 0-based, as the orchestrator does).
+    """
     if not resume:
         return 0, {}
     latest = ckpt.latest_checkpoint(ckpt_root)
@@ -120,7 +132,7 @@ def maybe_resume(
     state.scheduler.load_state_dict(saved["scheduler"])
     step = int(saved["step"])
     if logger:
-        logger.truncate_after(step)
+        logger.truncate_after(first_record_step + step - 1)
     say(f"resumed from {latest} at step {step}")
     return step, saved.get("data", {})
 
@@ -137,14 +149,35 @@ def end_of_step(
     bar: Any = None,
 ) -> bool:
     """Checkpoint when due or when a stop signal arrived on any rank; returns True if the loop must stop."""
-    stopping = all_reduce_sum(float(stop.received is not None), info) > 0
+    stopping = any_rank(stop.received is not None, info)
     if stopping or (interval and step % interval == 0):
-        extra = {"scheduler": state.scheduler.state_dict(), "data": state.data_state()}
-        path = ckpt.save_checkpoint(ckpt_root, step, state.model, state.optimizer, extra, info, keep_last)
-        say(f"checkpoint saved: {path}", bar)
+        save(step, state, ckpt_root, keep_last, info, say, bar)
     if stopping:
         say(f"stopped by signal {stop.received} after step {step}; continue with --resume", bar)
     return stopping
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` is true on at least one rank (a collective: every rank must call it)."""
+    return all_reduce_sum(float(flag), info) > 0
+
+
+def save(
+    step: int, state: TrainState, ckpt_root: Path, keep_last: int, info: DistInfo, say: Say, bar: Any = None
+) -> None:
+    extra = {"scheduler": state.scheduler.state_dict(), "data": state.data_state()}
+    path = ckpt.save_checkpoint(ckpt_root, step, state.model, state.optimizer, extra, info, keep_last)
+    say(f"checkpoint saved: {path}", bar)
+
+
+def save_unless_saved(
+    step: int, state: TrainState, ckpt_root: Path, keep_last: int, info: DistInfo, say: Say
+) -> None:
+    """Checkpoint `step` completed steps on a stop between steps (a preemption's SIGTERM must never lose
+    finished steps), unless that checkpoint exists already (the interval or the resume it started from)."""
+    latest = ckpt.latest_checkpoint(ckpt_root)
+    if step > 0 and (latest is None or latest.name != f"step_{step}"):
+        save(step, state, ckpt_root, keep_last, info, say)
 
 
 # what to change when a step does not fit, cheapest first (each trades speed or batch size for memory)

@@ -112,7 +112,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     data = SFTData(config, conversations, tokenizer, info)
 
     state = TrainState(model, optimizer, scheduler, data.sampler.state_dict)
-    step, data_state = maybe_resume(ckpt_root, state, info, logger, say, config.resume)
+    # SFT records carry the number of steps completed with them: 1, 2, ...
+    step, data_state = maybe_resume(ckpt_root, state, info, logger, say, config.resume, first_record_step=1)
     if data_state:
         data.sampler.load_state_dict(data_state)
 

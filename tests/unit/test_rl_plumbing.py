@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 from tidal import run_layout
 from tidal.config.rl import FilesystemTransport, RLConfig, ZMQTransport
 from tidal.launcher.split import split_config
@@ -87,3 +89,39 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_step_metrics_across_ranks_weigh_tokens_sum_counts_and_take_the_slowest_time():
+    """Two ranks' merged loss metrics combine into what one rank seeing all micro-batches would report."""
+    from tidal.trainer.loss import merge_loss_metrics
+    from tidal.trainer.rl import across_ranks
+
+    def micro(tokens: int, nonfinite: int, kl: float, masked: float, ratio_max: float) -> dict[str, float]:
+        return {
+            "num_loss_tokens": tokens, "num_nonfinite": nonfinite, "mismatch_kl": kl, "masked_fraction": masked,
+            "ratio_mean": 1.0 + kl, "ratio_max": ratio_max, "entropy": 2.0 * kl,
+        }  # fmt: skip
+
+    ranks = [[micro(10, 0, 0.1, 0.2, 1.5), micro(30, 2, 0.3, 0.0, 2.0)], [micro(60, 1, 0.5, 0.5, 3.0)]]
+    local = [
+        {**merge_loss_metrics(parts), "loss": loss, "tokens": float(sum(p["num_loss_tokens"] for p in parts)),
+         "elapsed": elapsed}
+        for parts, loss, elapsed in zip(ranks, (0.25, -0.5), (1.0, 3.0), strict=True)
+    ]  # fmt: skip
+
+    def gather(values: list[float]) -> list[list[float]]:  # what all_gather returns on every rank
+        from tidal.trainer.rl import RANK_METRICS
+
+        rows = [[row.get(k, 0.0) for k in RANK_METRICS] for row in local]
+        assert values == rows[0]  # rank 0 sends its own
+        return rows
+
+    combined = across_ranks(local[0], gather)
+    everything = merge_loss_metrics(ranks[0] + ranks[1])
+    for key, want in everything.items():
+        assert combined[key] == pytest.approx(want), key
+    assert combined["mismatch_kl"] == pytest.approx((10 * 0.1 + 28 * 0.3 + 59 * 0.5) / 97)
+    assert combined["masked_fraction"] == pytest.approx((10 * 0.2 + 60 * 0.5) / 100)
+    assert combined["num_nonfinite"] == 3 and combined["ratio_max"] == 3.0
+    assert combined["loss"] == pytest.approx(-0.25) and combined["tokens"] == 100
+    assert combined["elapsed"] == 3.0  # the step took as long as its slowest rank

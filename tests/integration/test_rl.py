@@ -149,6 +149,58 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
 
 
+def _group_members(pgid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                found.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return _alive(found)
+
+
+def test_sigkill_of_the_vllm_server_blames_inference_and_leaves_no_vllm_process(tmp_path):
+    """The vLLM API server dies mid-run: the launcher names inference (not the orchestrator that then fails
+    to reach it), and 5 s after the launcher exits no process of the server's group (engine core, workers)
+    and none of the server's descendants seen before the kill is alive."""
+    out = tmp_path / "inference_killed"
+    args = [*rl_args(out, 0), "--max-steps", "200", "--inference.server.port", "18541"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    trainer_metrics = out / "trainer" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (
+        trainer_metrics.exists() and len(read_metrics(trainer_metrics)) >= 2
+    ):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.2)
+    # the launcher's `tidal inference @ …` child, then the vLLM server it started (its only child)
+    wrappers = [p for p in psutil.Process(launcher.pid).children() if "inference" in p.cmdline()[:6]]
+    assert len(wrappers) == 1, [p.cmdline() for p in psutil.Process(launcher.pid).children()]
+    servers = wrappers[0].children()
+    assert len(servers) == 1, [p.cmdline() for p in servers]
+    server = servers[0]
+    group = os.getpgid(server.pid)
+    family = [server, *server.children(recursive=True)]
+    assert len(family) >= 2, "the server's engine process"  # what used to outlive it
+    server.kill()
+    stdout, stderr = launcher.communicate(timeout=120)
+    exited = time.monotonic()
+    time.sleep(max(0.0, exited + 5.0 - time.monotonic()))
+    assert not _alive(family), [p.cmdline() for p in _alive(family)]
+    assert not _group_members(group), [p.cmdline() for p in _group_members(group)]
+    assert launcher.returncode == 1, stderr
+    first = stderr.strip().splitlines()[0]
+    assert first.startswith("tidal rl: error: inference: its vLLM server"), stderr
+    assert "orchestrator" not in first and "Traceback" not in stderr, stderr
+
+
 def test_rl_config_errors_are_one_line(tmp_path):
     result = run_tidal("rl", "@", CONFIG, "--orchestrator.batch.group-size", "1")
     assert result.returncode == 2

@@ -26,7 +26,7 @@ from typing import IO, Literal
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
 from tidal.inference.guard import BIND_HOST_ENV, WEIGHTS_BACKEND_ENV
-from tidal.launcher.process import die_with_parent, stop_group
+from tidal.launcher.process import INNER_STOP_GRACE, die_with_parent, stop_groups
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -146,6 +146,8 @@ class ServerProcess:
 
     launch: Launch
     process: subprocess.Popen[bytes] | None = None
+    pgid: int | None = None
+    """The server's process group, recorded at start: its engine processes stay in it after it dies."""
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -164,6 +166,7 @@ class ServerProcess:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
+        self.pgid = os.getpgid(self.process.pid)
         return self
 
     def alive(self) -> bool:
@@ -188,11 +191,12 @@ class ServerProcess:
             time.sleep(0.5)
         raise UserError(f"vLLM server at {self.url} not healthy after {timeout:.0f} s{self._log_hint()}")
 
-    def stop(self, grace: float = 20.0) -> int | None:
-        """SIGTERM the whole group, SIGKILL what is left after `grace` seconds; returns the exit code."""
-        if self.process is None:
+    def stop(self, grace: float = INNER_STOP_GRACE) -> int | None:
+        """SIGTERM the whole group at once (also when the server itself is dead already), SIGKILL what is
+        left after `grace` seconds; returns the server's exit code."""
+        if self.process is None or self.pgid is None:
             return None
-        code = stop_group(self.process, grace)
+        code = stop_groups(self.process, [self.pgid], grace)
         if self._log is not None:
             self._log.close()
         return code
@@ -257,4 +261,5 @@ def main(config: InferenceConfig) -> int:
             signal.signal(sig, handler)
     if stop.is_set():
         return 0
-    raise UserError(f"vLLM server exited unexpectedly with code {code}")
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    raise UserError(f"vLLM server {how} unexpectedly")

@@ -3,10 +3,12 @@
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -19,35 +21,141 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+STOP_GRACE = 15.0
+"""Seconds the launcher gives each child to stop before SIGKILL."""
+INNER_STOP_GRACE = 10.0
+"""Seconds a child gives its own process group (`tidal inference`: vLLM's server and engine) to stop:
+shorter than STOP_GRACE, so that the child has stopped them itself before the launcher's SIGKILL."""
+KILL_WAIT = 2.0
+"""Seconds to wait for SIGKILLed processes to disappear."""
+
+
 def signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
 
-def wait_group_gone(pgid: int, grace: float) -> None:
-    """Grandchildren (engine workers, torchrun ranks) may outlive the leader by a moment; none may stay."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+@dataclass(frozen=True)
+class ProcInfo:
+    """One line of the process table: parent, process group, state (`Z`: a zombie, ended but not reaped)."""
+
+    ppid: int
+    pgid: int
+    state: str
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every process of this host from /proc (empty where there is no /proc)."""
+    table = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                    stat = fh.read().decode(errors="replace")
+            except OSError:  # ended meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+            table[int(entry.name)] = ProcInfo(ppid=int(fields[1]), pgid=int(fields[2]), state=fields[0])
+    return table
+
+
+def descendants(pid: int, table: dict[int, ProcInfo]) -> list[int]:
+    """The processes below `pid` in `table`, children first (pure)."""
+    children: dict[int, list[int]] = {}
+    for child, info in table.items():
+        children.setdefault(info.ppid, []).append(child)
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue += children.get(child, [])
+    return found
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies count as ended: only their parent can reap
+    them, and an orphan's new parent may be a container's pid 1 that never does)."""
+    table = process_table()
+    if table:
+        return any(info.pgid == pgid and info.state not in "ZX" for info in table.values())
+    try:  # no /proc: the kernel's answer, zombies included
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def wait_groups_gone(pgids: Collection[int], deadline: float) -> bool:
+    """Wait until no process of `pgids` runs, or `deadline` (monotonic) passes; returns whether they are gone."""
+    while any(group_alive(pgid) for pgid in pgids):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    signal_group(pgid, signal.SIGKILL)
+    return True
 
 
-def stop_group(process: "subprocess.Popen[bytes]", grace: float) -> int:
-    """SIGTERM the process group led by `process`, SIGKILL after `grace` s, wait until none of it is left."""
-    pgid = process.pid  # a session leader's pid is its group id
-    if process.poll() is None:
+def stop_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], grace: float) -> int:
+    """SIGTERM every process of `pgids` at once, whether or not a group's leader still runs (vLLM's engine
+    and workers outlive a killed API server), SIGKILL what is left after `grace` s; `process` is reaped."""
+    deadline = time.monotonic() + grace
+    for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace)
+    if not wait_groups_gone(pgids, deadline):
+        for pgid in pgids:
             signal_group(pgid, signal.SIGKILL)
-            process.wait()
-    wait_group_gone(pgid, grace)
-    return process.returncode
+        wait_groups_gone(pgids, time.monotonic() + KILL_WAIT)
+    return process.wait()
+
+
+class DeathWatch:
+    """When each watched process ended (time.monotonic()), for children and grandchildren alike: a pidfd
+    (Linux >= 5.3) wakes `wait` the moment its process ends; without pidfds each `wait` reads /proc."""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, int | None] = {}  # pid -> pidfd
+        self.ended: dict[int, float] = {}
+
+    def watch(self, pid: int) -> None:
+        try:
+            self._watched[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.ended[pid] = time.monotonic()
+        except (AttributeError, OSError):
+            self._watched[pid] = None
+
+    def wait(self, timeout: float) -> None:
+        """Sleep up to `timeout` s, less if a watched process ends; record the ones that ended."""
+        fds = {fd: pid for pid, fd in self._watched.items() if fd is not None}
+        if fds:
+            ready, _, _ = select.select(list(fds), [], [], timeout)
+        else:
+            ready = []
+            time.sleep(timeout)
+        now = time.monotonic()
+        for fd in ready:
+            self._ended(fds[fd], now)
+        table = process_table()
+        for pid in [pid for pid, fd in self._watched.items() if fd is None]:
+            if pid not in table or table[pid].state in "ZX":
+                self._ended(pid, now)
+
+    def _ended(self, pid: int, when: float) -> None:
+        self.ended.setdefault(pid, when)
+        fd = self._watched.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._watched.values():
+            if fd is not None:
+                os.close(fd)
+        self._watched.clear()
 
 
 class ManagedProcess:
@@ -59,6 +167,8 @@ class ManagedProcess:
         self.log_path = Path(log_path)
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
+        self.groups: list[int] = []
+        """Process groups stopped with this child: its own (recorded at start), then any it started."""
         self._log: IO[bytes] | None = None
 
     def start(self) -> "ManagedProcess":
@@ -73,7 +183,19 @@ class ManagedProcess:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
+        self.groups = [os.getpgid(self.process.pid)]  # its own session: the group id is its pid
         return self
+
+    def adopt_descendants(self) -> list[int]:
+        """Record the process groups of everything this child started (a server in its own session) so that
+        `stop` signals them directly, even after this child died; returns the child's own children."""
+        if self.process is None:
+            return []
+        table = process_table()
+        for pid in descendants(self.process.pid, table):
+            if table[pid].pgid not in self.groups:
+                self.groups.append(table[pid].pgid)
+        return [pid for pid, info in table.items() if info.ppid == self.process.pid]
 
     @property
     def pid(self) -> int | None:
@@ -82,11 +204,11 @@ class ManagedProcess:
     def poll(self) -> int | None:
         return self.process.poll() if self.process else None
 
-    def stop(self, grace: float = 15.0) -> int | None:
-        """SIGTERM the whole group, SIGKILL after `grace` s, and wait until no process of the group is left."""
+    def stop(self, grace: float = STOP_GRACE) -> int | None:
+        """SIGTERM its groups at once, SIGKILL after `grace` s, and wait until no process of them is left."""
         if self.process is None:
             return None
-        code = stop_group(self.process, grace)
+        code = stop_groups(self.process, self.groups, grace)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.errors import UserError
-from tidal.launcher.process import ManagedProcess
+from tidal.launcher.process import DeathWatch, ManagedProcess
 from tidal.launcher.split import RoleConfigs, split_config
 
 POLL_SECONDS = 0.5
@@ -119,6 +119,9 @@ class Launcher:
         self.config = config
         self.out = config.output_dir
         self.children: list[ManagedProcess] = []
+        self.servers: list[int] = []
+        """The vLLM server's pid(s), children of the inference child."""
+        self.deaths = DeathWatch()
         self.stop_signal: int | None = None
 
     def run(self) -> int:
@@ -134,10 +137,14 @@ class Launcher:
         try:
             return self._supervise(roles, paths, env)
         finally:
-            for child in reversed(self.children):
-                child.stop()
+            self._stop_all()
+            self.deaths.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _stop_all(self) -> None:
+        for child in reversed(self.children):  # the orchestrator before the inference it talks to
+            child.stop()
 
     def _supervise(self, roles: RoleConfigs, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> int:
         from tidal.inference.server import check_port_free
@@ -152,6 +159,11 @@ class Launcher:
         self._wait_healthy(inference, roles)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
+        # the vLLM server runs in its own session under `tidal inference`: watch it die ourselves (the
+        # orchestrator fails on a dead server too, but later) and stop its group even if it is orphaned
+        self.servers = inference.adopt_descendants()
+        for pid in self.servers:
+            self.deaths.watch(pid)
         self._start(
             "trainer",
             trainer_argv(paths["trainer"], self.config.deployment.num_trainer_ranks),
@@ -168,19 +180,36 @@ class Launcher:
             if self.stop_signal is not None:
                 print(f"tidal rl: signal {self.stop_signal}: stopping every process", file=sys.stderr)
                 return 128 + self.stop_signal
-            failed = next((c for c in self.children if c.poll() not in (None, 0)), None)
-            if failed is not None:
-                raise UserError(self._failure(failed))
+            failure = self._first_failure(inference)
+            if failure is not None:
+                self._stop_all()  # first: the culprit's log then ends with what it said while stopping
+                raise UserError(failure)
             if all(c.poll() == 0 for c in self.children if c.name != "inference"):
                 reporter.poll()
                 return 0
-            if inference.poll() is not None:
-                raise UserError(self._failure(inference))
-            time.sleep(POLL_SECONDS)
+            self.deaths.wait(POLL_SECONDS)
+
+    def _first_failure(self, inference: ManagedProcess) -> str | None:
+        """What to blame, if anything failed: of the children that exited non-zero, or the inference child
+        and its vLLM server that ended at all, the one that ended first (the others most likely failed on it)."""
+        failed: list[tuple[float, int, str]] = []
+        for order, child in enumerate(self.children):
+            code = child.poll()
+            if code not in (None, 0) or (child is inference and code is not None):
+                failed.append((self._ended_at(child.pid), order, self._failure(child)))
+        for pid in self.servers:
+            if pid in self.deaths.ended:
+                failed.append((self.deaths.ended[pid], -1, self._server_failure(inference, pid)))
+        return min(failed)[2] if failed else None
+
+    def _ended_at(self, pid: int | None) -> float:
+        return self.deaths.ended.get(pid, float("inf")) if pid is not None else float("inf")
 
     def _start(self, name: str, argv: list[str], logs: Path, env: dict[str, str]) -> ManagedProcess:
         child = ManagedProcess(name, argv, logs / f"{name}.log", env).start()
         self.children.append(child)
+        if child.pid is not None:
+            self.deaths.watch(child.pid)
         return child
 
     def _wait_healthy(self, inference: ManagedProcess, roles: RoleConfigs) -> None:
@@ -207,6 +236,10 @@ class Launcher:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         tail = child.log_tail(20)
         return f"{child.name} {how}; last lines of {child.log_path}:\n{tail}"
+
+    def _server_failure(self, inference: ManagedProcess, pid: int) -> str:
+        tail = inference.log_tail(20)
+        return f"inference: its vLLM server (pid {pid}) died; last lines of {inference.log_path}:\n{tail}"
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_signal = signum

@@ -2,7 +2,8 @@
 
 Each child runs in its own process group with its output in `<output_dir>/logs/<name>.log`. The launcher
 prints one line per step from the metrics files. If any child fails, or on Ctrl-C / SIGTERM, every child
-is stopped (process groups, grandchildren included) and the launcher exits non-zero naming the culprit.
+is stopped (process groups, grandchildren included) and the launcher exits non-zero naming the culprit: the
+process that ended first (the vLLM server under `tidal inference` is watched too).
 """
 
 import json

@@ -5,7 +5,9 @@
 
 With `lora`, only the adapters train and step_{n+1} is a PEFT adapter directory, not the full weights.
 
-Batch n is trained by the policy of version n; the weights it produces are version n + 1.
+Batch n is trained by the policy of version n; the weights it produces are version n + 1. SIGTERM/SIGINT
+(Ctrl-C, a Slurm preemption) stops between steps, or while waiting for a batch, with a checkpoint of the
+last completed step. Metrics are over all ranks' micro-batches, not rank 0's.
 """
 
 import time

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import REPO, run_tidal
 from tidal import run_layout
 from tidal.config.rl import FilesystemTransport
+from tidal.launcher.process import INNER_STOP_GRACE
 from tidal.monitor.metrics import read_metrics
 from tidal.orchestrator.batching import make_train_batches
 from tidal.testing import TINY_MODEL_NAME
@@ -190,11 +191,18 @@ def test_sigkill_of_the_vllm_server_blames_inference_and_leaves_no_vllm_process(
     family = [server, *server.children(recursive=True)]
     assert len(family) >= 2, "the server's engine process"  # what used to outlive it
     server.kill()
+    killed = time.monotonic()
     stdout, stderr = launcher.communicate(timeout=120)
     exited = time.monotonic()
+    # the launcher waits until what it stopped is gone: nothing of the server may be left even at its exit
+    at_exit = [p.cmdline() for p in _alive(family) + _group_members(group)]
     time.sleep(max(0.0, exited + 5.0 - time.monotonic()))
+    print(f"\nlauncher exited {exited - killed:.1f} s after the SIGKILL; alive at its exit: {at_exit}")
     assert not _alive(family), [p.cmdline() for p in _alive(family)]
     assert not _group_members(group), [p.cmdline() for p in _group_members(group)]
+    assert not at_exit
+    # no grace period sat out on a group whose leader is dead (that took 20 s: the engine got no SIGTERM)
+    assert exited - killed < INNER_STOP_GRACE
     assert launcher.returncode == 1, stderr
     first = stderr.strip().splitlines()[0]
     assert first.startswith("tidal rl: error: inference: its vLLM server"), stderr

@@ -2,6 +2,7 @@
 with the tiny model's ChatML template and with the Qwen3-style one (which re-renders history)."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -210,7 +211,8 @@ def test_tool_use_on_the_qwen3_template_wraps_tool_results_in_a_user_turn():
     index = next(i for i in range(20) if env.task(i).messages[1]["content"].startswith("What is"))
     task = env.task(index)
     expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expression
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    call = f"<tool_call>\n{arguments}\n</tool_call>"
     replies = [call, call + call, f"<answer>{task.answer}</answer>"]
     episode, sampler = roll(env, task, replies, qwen3_tokenizer())
     assert episode.reward == 1.0 and episode.num_turns == 3

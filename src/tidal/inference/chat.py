@@ -8,11 +8,12 @@ that were sampled verbatim and tokenises only the text the chat template adds af
 Where that text is: the conversation is rendered with a placeholder standing for the model's last reply
 and the new messages after it, and what follows the placeholder is appended. Only the text after the
 last reply is taken from the template, so templates that render history differently once more turns
-follow it are handled: Qwen3's, which puts `<think>\\n\\n</think>\\n\\n` before the last assistant reply
-only and strips the reasoning of earlier turns; harmony-style ones, which end the final assistant message
-with the stop token and earlier ones with another marker. When the model stopped with a special token
-(EOS) and the template's text after the reply starts with a special token (its end-of-turn marker), the
-sampled token closes the turn in its place.
+follow it are handled: Qwen3's, which puts `<think>\\n\\n</think>\\n\\n` before the final assistant reply
+only and strips the reasoning of turns before the last user query; harmony-style ones, which end the final assistant message
+with the stop token and earlier ones with another marker. When the model stopped with the special token
+that the template's text after the reply starts with (ChatML's `<|im_end|>`), or with the one the template
+ends a final reply with (harmony's `<|return|>`, where history has `<|end|>`), the sampled token closes
+the turn and the template's end-of-turn token is not added again.
 
 Whatever the template would now render differently *before* the reply (reasoning dropped, `<think>`
 blocks added or removed, an earlier turn's end marker swapped) is left as it was sampled, on purpose:
@@ -22,7 +23,9 @@ reasoning of earlier turns that its template would strip); a model then sees its
 when it generated it. Still refused (`TemplateMismatch`): a template that renders the reply's content
 not exactly once, or a new message not after the reply (dropped, or put earlier, e.g. into the system
 turn). Not detectable: text before the reply that depends on later turns (a turn counter in the system
-prompt); it is not added, for the same reason.
+prompt); it is not added, for the same reason. The template is called with its defaults (no `tools=`,
+no `enable_thinking`) as for the first prompt, so every generation prompt is the same; Qwen3's tool list
+is in the system turn, before any reply, so leaving `tools=` out changes nothing that is appended.
 """
 
 from collections.abc import Sequence

@@ -23,9 +23,9 @@ reasoning of earlier turns that its template would strip); a model then sees its
 when it generated it. Still refused (`TemplateMismatch`): a template that renders the reply's content
 not exactly once, or a new message not after the reply (dropped, or put earlier, e.g. into the system
 turn). Not detectable: text before the reply that depends on later turns (a turn counter in the system
-prompt); it is not added, for the same reason. The template is called with its defaults (no `tools=`,
-no `enable_thinking`) as for the first prompt, so every generation prompt is the same; Qwen3's tool list
-is in the system turn, before any reply, so leaving `tools=` out changes nothing that is appended.
+prompt); it is not added, for the same reason. The template is called with its defaults (no
+`enable_thinking`, as for the first prompt), so every generation prompt is the same, and without `tools=`:
+Qwen3's tool list is in the system turn, before any reply, so that changes nothing that is appended.
 """
 
 from collections.abc import Sequence

@@ -158,11 +158,20 @@ class SingleTurnEnv(Environment):
 
 
 def completion_text(episode: Episode) -> str:
-    """The last assistant message of the episode ('' if none)."""
+    """The answer of the last assistant message of the episode, reasoning removed ('' if none)."""
     for message in reversed(episode.messages):
         if message["role"] == "assistant":
-            return str(message["content"])
+            return answer_text(str(message["content"]))
     return ""
+
+
+def answer_text(reply: str) -> str:
+    """A reply without its reasoning: the text after the last `</think>`; '' while a `<think>` block it opens
+    is unfinished (cut at max_tokens). Thinking models (Qwen3 by default) write their drafts there, and a
+    reward that parsed them would score the drafts (alphabet_sort would read `<think>` as a name)."""
+    if "</think>" in reply:
+        return reply.rsplit("</think>", 1)[1]
+    return "" if reply.lstrip().startswith("<think>") else reply
 
 
 async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:

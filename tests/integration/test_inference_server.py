@@ -322,9 +322,10 @@ def test_dev_routes_need_the_token_from_loopback_too(
     assert httpx.post(url + "/sleep").status_code == 401
     assert httpx.post(url + "/wake_up").status_code == 401
     assert httpx.get(url + "/server_info").status_code == 401
+    assert httpx.get(url + "/is_sleeping").status_code == 401
     assert httpx.post(url + "/weight_checker", json={"action": "reset"}).status_code == 401
     assert httpx.post(url + "/reset_prefix_cache").status_code == 401
     # with the token, what tidal (or an operator on this host) needs still works
     assert httpx.post(url + "/reset_prefix_cache", headers=token).status_code == 200
-    assert httpx.get(url + "/server_info", headers=token).status_code == 200
+    assert httpx.get(url + "/is_sleeping", headers=token).json() == {"is_sleeping": False}
     assert httpx.get(url + "/health").status_code == 200

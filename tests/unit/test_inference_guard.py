@@ -183,3 +183,10 @@ def test_a_load_that_broke_the_weights_makes_the_server_unhealthy_until_an_updat
     broken.app = _guard(monkeypatch)[0].app  # the next update loads
     assert asyncio.run(_call(broken, "/update_weights", body))[0] == 200
     assert asyncio.run(_call(broken, "/health", b""))[0] == 200
+
+
+def test_the_value_check_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TIDAL_CHECK_FINITE", "0")
+    guard, seen = _guard(monkeypatch)
+    body = update_body(checkpoint(tmp_path / "nan", w=torch.full((2,), float("nan"))))
+    assert asyncio.run(_call(guard, "/update_weights", body))[0] == 200 and seen == [body]

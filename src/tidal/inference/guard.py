@@ -30,7 +30,6 @@ from typing import Any
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, is_loopback
 from tidal.transport.weight_checks import WEIGHTS_BROKEN, Reference, load_reference, update_problem
-from tidal.transport.weights import check_weights_dir
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -184,6 +183,8 @@ class UpdateChecks:
 
     def problem(self, body: bytes) -> str | None:
         """Why the `/update_weights` request in `body` must not reach the workers, or None."""
+        from tidal.transport.weights import check_weights_dir  # imports the trainer's export module
+
         paths, malformed = _update_paths(body)
         if malformed is not None:
             return malformed

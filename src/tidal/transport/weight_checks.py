@@ -174,6 +174,23 @@ def non_finite_problem(name: str, tensor: "torch.Tensor") -> str | None:
     return f"tensor {name} has {bad} non-finite (NaN/inf) values of {tensor.numel()}"
 
 
+def non_finite_tensors(named: Iterable[tuple[str, "torch.Tensor"]]) -> list[str]:
+    """Names of the floating tensors holding NaN/inf, with one device sync for all (a sum per tensor)."""
+    import torch
+
+    floats = [(name, tensor) for name, tensor in named if tensor.is_floating_point() and tensor.numel()]
+    if not floats:
+        return []
+    sums = torch.stack([tensor.sum().float().to(floats[0][1].device) for _, tensor in floats])
+    bad = (~torch.isfinite(sums)).tolist()
+    # a finite tensor whose sum overflowed is not refused: the exact check decides
+    return [
+        name
+        for (name, tensor), b in zip(floats, bad, strict=True)
+        if b and not bool(torch.isfinite(tensor).all())
+    ]
+
+
 def first_non_finite(directory: Path, names: Iterable[str] | None = None) -> str | None:
     """Read every floating tensor in `directory` (or only `names`); the first with NaN/inf, or None."""
     from safetensors import safe_open

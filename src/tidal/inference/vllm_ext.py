@@ -4,6 +4,10 @@ vLLM imports the class named by `--worker-extension-cls` in every worker before 
 importing this module is how the engine reaches the spawned workers without a plugin entry point. The
 engine plugs into vLLM's own RL weight-transfer API (`/start_weight_update`, `/update_weights` with
 `{"path": DIR}`, `/finish_weight_update`), so pausing, versioning and the HTTP routes stay vLLM's.
+
+A load begins only after the files pass the header checks of `tidal.transport.weight_checks` (the server's
+guard has run them and the value check already); a load that still fails midway reloads the weights served
+before it, and says `WEIGHTS_BROKEN` (the guard then reports the server unhealthy) if that fails too.
 """
 
 import os

@@ -38,6 +38,12 @@ def test_defaults_wire_in_tidal_and_keep_sampling_explicit(monkeypatch: pytest.M
     assert launch.url == "http://127.0.0.1:8000"
 
 
+def test_updates_are_checked_against_the_model_served_and_the_value_check_can_be_turned_off() -> None:
+    env = build_launch(config(), "/models/tiny", "cpu").env
+    assert env["TIDAL_REFERENCE_WEIGHTS"] == "/models/tiny" and env["TIDAL_CHECK_FINITE"] == "1"
+    assert build_launch(config(weights={"check_finite": False}), "m", "cpu").env["TIDAL_CHECK_FINITE"] == "0"
+
+
 def test_vllm_options_pass_through() -> None:
     vllm = {"max_model_len": 512, "enforce_eager": True, "tensor_parallel_size": 2, "enable_lora": True}
     argv = build_launch(

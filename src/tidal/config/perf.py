@@ -52,7 +52,8 @@ class PerfConfig(Config):
     padding, no attention across documents; on CPU a per-document SDPA loop; rows holding a single document
     use causal SDPA, whose cuDNN kernel is ~1.8x faster than flash varlen on an H200). `hf`: the model's
     `model.attn_implementation`, which masks documents by their position-id resets. `auto`: `varlen` where
-    the flash varlen kernel works (CUDA), else `hf`."""
+    the flash varlen kernel works (CUDA) and the model needs nothing varlen lacks (sliding windows,
+    attention sinks, logit soft-capping, attention dropout), else `hf`; `varlen` refuses such a model."""
     loss_chunk_tokens: int = Field(default=1024, gt=0)
     """Tokens per chunk of the output head: logits exist for one [chunk, vocab] slab at a time, forward and
     backward, never for the whole [tokens, vocab]."""

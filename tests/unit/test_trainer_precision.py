@@ -11,6 +11,7 @@ from tidal.config.common import ModelConfig
 from tidal.config.loader import load_config
 from tidal.config.perf import PerfConfig
 from tidal.config.rl import RLConfig
+from tidal.trainer import chunked
 from tidal.trainer.chunked import chunked_head_scores
 from tidal.trainer.model import load_model, served_dtype
 from tidal.trainer.parallel import DistInfo, parallelize, shutdown
@@ -43,18 +44,32 @@ def test_sft_exports_final_in_the_configured_dtype_and_keeps_fp32_under_auto():
     assert export_dtype(ModelConfig(dtype="auto")) is None  # the fp32 masters as trained
 
 
-def test_bf16_model_dtype_under_fsdp_bf16_compute_keeps_fp32_parameters_and_gradients(bf16_checkpoint):
+def test_bf16_model_dtype_under_fsdp_bf16_compute_keeps_fp32_parameters_and_gradients(
+    bf16_checkpoint, monkeypatch
+):
     model = load_model(ModelConfig(name=bf16_checkpoint, dtype="bfloat16"))
+    seen = []
+    accumulate = chunked.accumulate_matmul
+
+    def record(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        seen.append((out.dtype, a.dtype, b.dtype))
+        accumulate(out, a, b)
+
+    monkeypatch.setattr(chunked, "accumulate_matmul", record)
     ids = torch.randint(0, 61, (1, 12))
     positions = torch.arange(12).unsqueeze(0)
     try:
-        scorer = parallelize(model, CPU, PerfConfig(mixed_precision="bf16", attention="varlen"))
+        scorer = parallelize(
+            model, CPU, PerfConfig(mixed_precision="bf16", attention="varlen", loss_chunk_tokens=4)
+        )
         logprobs, _ = scorer(ids, positions, ids.roll(-1, 1))
         logprobs.sum().backward()
         assert {p.dtype for p in model.parameters()} == {torch.float32}
         assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
     finally:
         shutdown(CPU)
+    # FSDP hands the head its bf16 compute copy of the fp32 master; the chunks still accumulate in fp32
+    assert len(seen) == 3 and set(seen) == {(torch.float32, torch.bfloat16, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("example", GPU_EXAMPLES)

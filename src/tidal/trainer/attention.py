@@ -113,7 +113,7 @@ def unsupported_attention(model: torch.nn.Module) -> str | None:
     Read from the HF config (sliding-window / non-full layer types, logit soft-capping, attention dropout)
     and the modules (attention sinks: GPT-OSS's `sinks`, passed to the kernel as `s_aux`).
     """
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     found = []
     layer_types = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)

@@ -81,7 +81,9 @@ def test_gpu_examples_resolve_fp32_trainer_parameters_beside_the_serving_dtype(e
     trainer = tomllib.loads(shown.split("configs/trainer.toml ----")[1])
     inference = tomllib.loads(shown.split("configs/inference.toml ----")[1].split("# ----")[0])
     assert trainer["perf"]["master_dtype"] == "float32"
-    assert trainer["model"]["dtype"] == inference["model"]["dtype"] == "bfloat16"
+    assert (
+        trainer["publish"]["dtype"] == trainer["model"]["dtype"] == inference["model"]["dtype"] == "bfloat16"
+    )
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -28,12 +28,12 @@ def test_split_copies_shared_keys_and_pins_cpu_threads(tmp_path):
             "model": {"name": "some/model"},
             "deployment": {"num_trainer_ranks": 2},
             "inference": {"server": {"port": 9001}},
-            "orchestrator": {"sampling": {"temperature": 0.7}, "max_steps": 999},
+            "orchestrator": {"sampling": {"temperature": 0.7}},
             "transport": {"type": "zmq", "port": 6000},
         }
     )
     roles = split_config(rl, on_gpu=False, num_cpus=8)
-    assert roles.orchestrator.max_steps == roles.trainer.max_steps == 7  # the top-level value wins
+    assert roles.orchestrator.max_steps == roles.trainer.max_steps == 7
     assert roles.orchestrator.max_async_level == 2 and roles.orchestrator.seed == roles.trainer.seed == 3
     assert roles.inference.model.name == roles.trainer.model.name == "some/model"
     assert roles.orchestrator.client.urls == ["http://127.0.0.1:9001"]

@@ -189,6 +189,40 @@ class DeploymentConfig(Config):
     """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
 
 
+# Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
+# where the user sets them instead: a value written in the sub-table would be overwritten without a word.
+SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
+    **{(role, key): key for role in ("orchestrator", "trainer") for key in RunConfig.model_fields},
+    ("orchestrator", "model"): "model",
+    ("trainer", "model"): "model",
+    ("inference", "model"): "model",
+    ("orchestrator", "max_async_level"): "max_async_level",
+    ("orchestrator", "transport"): "transport",
+    ("trainer", "transport"): "transport",
+    ("trainer", "temperature"): "orchestrator.sampling.temperature",
+    ("orchestrator", "client", "urls"): "inference.server.host` / `inference.server.port",
+    ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
+    ("inference", "vllm", "seed"): "seed",
+    ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
+}
+
+
+def shadowed_key(config: Config, table: dict[tuple[str, ...], str]) -> tuple[str, str] | None:
+    """The first (dotted key, where to set it instead) of `table` that the user set in `config`; None if none.
+
+    "Set" means written in the file or on the command line (pydantic's `model_fields_set`), not a default.
+    """
+    for path, top in table.items():
+        node: object = config
+        for part in path:
+            if not isinstance(node, Config) or part not in node.model_fields_set:
+                break
+            node = getattr(node, part)
+        else:
+            return ".".join(path), top
+    return None
+
+
 class RLConfig(RunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
 
@@ -206,6 +240,14 @@ class RLConfig(RunConfig):
     transport: RolloutTransport = FilesystemTransport()
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for inference to become healthy."""
+
+    @model_validator(mode="after")
+    def _check_keys_set_from_the_top(self) -> "RLConfig":
+        shadowed = shadowed_key(self, SET_FROM_THE_TOP)
+        if shadowed is not None:
+            key, top = shadowed
+            raise ConfigProblem(key, f"`tidal rl` sets this from `{top}`; set that instead")
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":

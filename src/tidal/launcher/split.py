@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from tidal.config.inference import InferenceConfig, VLLMConfig
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, RLConfig, RLTrainerConfig
+from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig
 from tidal.inference.server import client_url
 
 
@@ -19,7 +19,8 @@ class RoleConfigs:
 
 
 def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
-    """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top."""
+    """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top
+    (RLConfig refuses them in the sub-tables, where they would be overwritten)."""
     num_cpus = num_cpus or os.cpu_count() or 1
     shared = {
         "output_dir": rl.output_dir,
@@ -59,9 +60,19 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
             "transport": rl.transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
+            "publish": _publish_for(rl),
         }
     )
     return RoleConfigs(inference, orchestrator, trainer)
+
+
+def _publish_for(rl: RLConfig) -> PublishConfig:
+    """Publish in the dtype inference serves, spelled out (`auto` would mean it too): the trainer's config
+    then shows it beside its fp32 master weights (perf.master_dtype)."""
+    publish = rl.trainer.publish
+    if publish.dtype == "auto" and rl.model.dtype != "auto":
+        publish = publish.model_copy(update={"dtype": rl.model.dtype})
+    return publish
 
 
 def _vllm_for(rl: RLConfig) -> VLLMConfig:

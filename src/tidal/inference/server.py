@@ -103,7 +103,7 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         BIND_HOST_ENV: config.server.host,
         WEIGHTS_BACKEND_ENV: config.weights.backend,
         REFERENCE_WEIGHTS_ENV: model_path,  # what updates are checked against (guard and workers)
-        CHECK_FINITE_ENV: "1" if config.weights.check_finite else "0",
+        CHECK_FINITE_ENV: "0" if config.weights.check_finite is False else "1",
     }
     if token is not None:
         env[ADMIN_TOKEN_ENV] = token

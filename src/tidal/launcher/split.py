@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from tidal.config.inference import InferenceConfig, VLLMConfig
+from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig
 from tidal.config.lora import vllm_lora_rank
 from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig
 from tidal.inference.server import client_url
@@ -29,7 +29,9 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
         "resume": rl.resume,
         "model": rl.model,
     }
-    inference = rl.inference.model_copy(update={"model": rl.model, "vllm": _vllm_for(rl)})
+    inference = rl.inference.model_copy(
+        update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
+    )
     if not on_gpu:
         inference = inference.model_copy(
             update={
@@ -86,6 +88,14 @@ def _vllm_for(rl: RLConfig) -> VLLMConfig:
         # Each step is a new adapter; requests of the previous one may still run beside the new one's.
         update["max_loras"] = max(vllm.max_loras, 2)
     return vllm.model_copy(update=update)
+
+
+def _weights_for(rl: RLConfig) -> WeightUpdateConfig:
+    """`check_finite = auto` is off under `tidal rl`: its trainer refuses non-finite weights at publish."""
+    weights = rl.inference.weights
+    if weights.check_finite == "auto":
+        return weights.model_copy(update={"check_finite": False})
+    return weights
 
 
 def _inference_cpus(rl: RLConfig, num_cpus: int) -> str:

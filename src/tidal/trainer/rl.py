@@ -135,6 +135,17 @@ def rl_step(
         "lr": lr,
         "tokens_per_s": all_reduce_sum(num_tokens, info) / elapsed,
         "time/forward_backward": elapsed,
+        **memory_metrics(info.device),
+    }
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak GPU memory of this process so far (a GPU shared with inference needs both sides' numbers)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
     }
 
 

@@ -88,6 +88,10 @@ class BatchConfig(Config):
     """`mean`: r − mean(r); `std`: divided by the group's std too; `rloo`: leave-one-out baseline."""
     zero_signal: Literal["drop", "keep"] = "drop"
     """Groups whose advantages are all zero teach nothing: `drop` refills them with new tasks."""
+    max_tasks_factor: float = Field(default=4.0, ge=1)
+    """A step draws at most this × num_prompts new tasks to replace dropped groups (zero-signal, failed,
+    stale). At the limit it trains on the groups it has (a warning says how many), or stops with the reason
+    when it has none: a run whose rewards never differ, or whose rollouts all fail, must not hang."""
     seq_len: int = Field(default=2048, gt=1)
     """Packed row length for the trainer; must hold the longest prompt + completion."""
     micro_batch_size: int = Field(default=1, gt=0)

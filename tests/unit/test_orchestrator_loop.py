@@ -5,6 +5,7 @@ can make every group zero-signal, failing or NaN and watch what the loop does wi
 """
 
 import asyncio
+import json
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tidal.envs.base import Episode, SingleTurnEnv, Task
 from tidal.errors import UserError
 from tidal.inference.types import Completion, GenerateRequest, Generation
 from tidal.orchestrator.loop import Orchestrator
+from tidal.orchestrator.policy import PolicyWatcher
 from tidal.testing.tiny import build_tokenizer
 
 
@@ -148,6 +150,8 @@ def test_nan_reward_fails_the_rollout_and_metrics_stay_finite(tmp_path, tokenize
     assert stats.num_failed_rollouts == 1
     assert all(math.isfinite(r.reward) for g in groups for r in g.rollouts)
     assert "scripted" in caplog.text and "scripted_reward" in caplog.text and "nan" in caplog.text
+    metrics = logged_metrics(orch, 0, groups, stats)
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
 
 
 def test_the_orchestrator_tokenizer_falls_back_to_eos_for_padding(tmp_path):
@@ -157,3 +161,24 @@ def test_the_orchestrator_tokenizer_falls_back_to_eos_for_padding(tmp_path):
     config = OrchestratorConfig(output_dir=tmp_path / "run", model={"name": str(tmp_path / "tok")})
     loaded = Orchestrator(config).tokenizer
     assert loaded.pad_token_id is not None and loaded.pad_token_id == loaded.eos_token_id
+
+
+def logged_metrics(orch: Orchestrator, step: int, groups, stats) -> dict:
+    orch._log(step, groups, stats, PolicyWatcher(None, orch.out), 1.0, 0.0, {})
+    orch.metrics.close()
+    lines = (orch.out / "orchestrator" / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_env_reward_mean_and_batch_reward_mean_both_leave_failed_rollouts_out(tmp_path, tokenizer_dir):
+    def reward(task: int, sample: int) -> float:
+        if sample == 3:
+            raise RuntimeError("judge down")
+        return float(sample != 1)
+
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(reward), group_size=4)
+    groups, _, stats = collect(orch, FakeClient())
+    metrics = logged_metrics(orch, 0, groups, stats)
+    assert metrics["reward/mean"] == pytest.approx(2 / 3)
+    assert metrics["env/scripted/reward/mean"] == pytest.approx(2 / 3)  # failed rollouts are not zeros
+    assert metrics["env/scripted/rollouts/failed_frac"] == 0.25 and metrics["rollouts/failed_frac"] == 0.25

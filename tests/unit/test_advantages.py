@@ -172,4 +172,6 @@ def test_a_group_with_every_rollout_failed_is_failed_not_zero_signal_and_never_k
     for policy in ("keep", "drop"):
         result = filter_groups([failed, group(1.0, 0.0)], policy=policy)
         assert [g.task_id for g in result.groups] == ["t"]
-        assert result.num_failed_groups == 1 and result.num_zero_signal == 0 and result.num_failed_rollouts == 2
+        assert (
+            result.num_failed_groups == 1 and result.num_zero_signal == 0 and result.num_failed_rollouts == 2
+        )

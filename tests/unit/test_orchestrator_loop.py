@@ -182,3 +182,18 @@ def test_env_reward_mean_and_batch_reward_mean_both_leave_failed_rollouts_out(tm
     assert metrics["reward/mean"] == pytest.approx(2 / 3)
     assert metrics["env/scripted/reward/mean"] == pytest.approx(2 / 3)  # failed rollouts are not zeros
     assert metrics["env/scripted/rollouts/failed_frac"] == 0.25 and metrics["rollouts/failed_frac"] == 0.25
+
+
+def test_online_eval_by_default_evaluates_the_environment_the_run_trains_on(tmp_path, tokenizer_dir):
+    config = OrchestratorConfig.model_validate(
+        {
+            "output_dir": str(tmp_path),
+            "model": {"name": str(tokenizer_dir)},
+            "env": [{"name": "wordle", "kwargs": {"num_examples": 100}}],
+            "online_eval": {"interval": 10, "num_tasks": 2},
+            "sampling": {"max_tokens": 8},
+        }
+    )
+    metrics = asyncio.run(Orchestrator(config)._online_eval(FakeClient(), step=0, version=0))
+    assert metrics["eval/wordle/num_tasks"] == 2 and "eval/wordle/avg@1" in metrics
+    assert not any("reverse_text" in key for key in metrics)

@@ -88,5 +88,7 @@ def test_verifiers_nan_reward_fails_the_rollout_naming_env_and_reward():
         finally:
             await env.aclose()
 
-    with pytest.raises(NonFiniteReward, match="'not_a_number' of environment 'vf:vf_nan_reward' returned nan"):
+    with pytest.raises(
+        NonFiniteReward, match="'not_a_number' of environment 'vf:vf_nan_reward' returned nan"
+    ):
         asyncio.run(go())

@@ -173,29 +173,31 @@ class Orchestrator:
         print(f"orchestrator: {reason}; training on them", flush=True)
 
     async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
-        """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/..."""
+        """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/...
+
+        An eval environment that fails is logged and left out; training goes on."""
         from tidal.config.eval import EvalConfig
         from tidal.envs.registry import build_env as build_one
-        from tidal.eval.runner import env_report, evaluate_env
+        from tidal.eval.runner import EvalResults, evaluate_envs
 
         spec = self.config.online_eval
+        assert spec.env is not None and spec.sampling is not None  # OrchestratorConfig fills the defaults
         eval_config = EvalConfig(
             env=spec.env, num_tasks=spec.num_tasks, k=spec.k, sampling=spec.sampling, seed=self.config.seed
         )
-        metrics: dict[str, float] = {"eval/policy_version": version}
         for env_spec in eval_config.env:
-            env = self.eval_envs.get(env_spec.display_name)
-            if env is None:
-                env = self.eval_envs[env_spec.display_name] = build_one(env_spec)
-            report = env_report(
-                await evaluate_env(client, self.tokenizer, env, env_spec, eval_config), eval_config
-            )
+            if env_spec.display_name not in self.eval_envs:
+                self.eval_envs[env_spec.display_name] = build_one(env_spec)
+        envs = [(s, self.eval_envs[s.display_name]) for s in eval_config.env]
+        results = EvalResults()
+        await evaluate_envs(client, self.tokenizer, envs, eval_config, results)
+        metrics: dict[str, float] = {"eval/policy_version": version}
+        for name, report in results.reports.items():
             for key, value in report.items():
-                name = f"eval/{env_spec.display_name}/{key}"
                 if isinstance(value, int | float):
-                    metrics[name] = value
+                    metrics[f"eval/{name}/{key}"] = value
                 elif isinstance(value, dict) and "mean" in value:  # avg@k / pass@k with their interval
-                    metrics[name] = value["mean"]
+                    metrics[f"eval/{name}/{key}"] = value["mean"]
         print(
             f"orchestrator online eval at step {step}: "
             + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "avg@" in k or "pass@" in k),

@@ -1,7 +1,7 @@
 """Schemas of the RL commands: `tidal orchestrator`, `tidal trainer`, and `tidal rl` which runs both plus inference."""
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -186,12 +186,18 @@ class OrchestratorConfig(RunConfig):
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport
-        if self.online_eval.env is None:
-            self.online_eval.env = [heldout_spec(s, self.online_eval.num_tasks) for s in self.env]
-        if self.online_eval.sampling is None:
-            self.online_eval.sampling = EvalSamplingConfig(
-                temperature=0.0, max_tokens=self.sampling.max_tokens
-            )
+        return self
+
+    @model_validator(mode="after")
+    def _fill_online_eval(self) -> "OrchestratorConfig":
+        """Unset online-eval environments and sampling follow the run's (shown resolved by --dry-run)."""
+        spec, fill = self.online_eval, dict[str, Any]()
+        if spec.env is None:
+            fill["env"] = [heldout_spec(s, spec.num_tasks) for s in self.env]
+        if spec.sampling is None:
+            fill["sampling"] = EvalSamplingConfig(temperature=0.0, max_tokens=self.sampling.max_tokens)
+        if fill:
+            self.online_eval = spec.model_copy(update=fill)
         return self
 
 

@@ -44,6 +44,11 @@ class StepStats:
     def num_rollouts(self) -> int:
         return sum(self.env_rollouts.values())
 
+    @property
+    def failed_frac(self) -> float:
+        """Share of the rollouts run this step that failed (stale groups included, like `num_rollouts`)."""
+        return sum(self.env_failed.values()) / max(1, self.num_rollouts)
+
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population std of the finite values (0, 0 when there are none).
@@ -78,7 +83,7 @@ def failure_causes(stats: StepStats) -> str:
 
 def shortfall(step: int, num_kept: int, num_prompts: int, stats: StepStats) -> str:
     """One line on why step `step` has `num_kept` < `num_prompts` groups after drawing all it may."""
-    if stats.num_rollouts and stats.num_failed_rollouts == stats.num_rollouts:
+    if stats.num_rollouts and stats.failed_frac == 1.0:
         return f"all {stats.num_rollouts} rollouts of step {step} failed: {failure_causes(stats)}"
     found = f"only {num_kept} of {num_prompts} groups" if num_kept else "no group"
     failed = f"{stats.num_failed_rollouts} of {stats.num_rollouts} rollouts failed"

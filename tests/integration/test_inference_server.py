@@ -252,3 +252,80 @@ def test_lora_hot_load_matches_the_merged_weights(
             if key in adapter:
                 module.weight += 2.0 * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]
     assert_logprobs_match(model, sampled, 1.0, "LoRA")
+
+
+def bad_update_dirs(tiny_model_dir: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    """Broken copies of the tiny model's checkpoint, each with what the refusal must name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    original = tiny_model_dir / "model.safetensors"
+    tensors = load_file(str(original))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    up_proj = "model.layers.1.mlp.up_proj.weight"
+    cases: dict[str, tuple[Path, str]] = {}
+
+    def make(name: str, expect: str) -> Path:
+        directory = root / name
+        directory.mkdir()
+        shutil.copy(tiny_model_dir / "config.json", directory / "config.json")
+        (directory / ".complete").touch()
+        cases[name] = (directory, expect)
+        return directory / "model.safetensors"
+
+    data = original.read_bytes()
+    make("truncated", "truncated").write_bytes(data[: len(data) // 2])
+    make("garbage", "not a safetensors file").write_bytes(bytes(range(256)) * 64)
+    save_file({**tensors, q_proj: torch.zeros(128, 64)}, str(make("wrong_shape", f"{q_proj} has shape")))
+    save_file(
+        {k: v for k, v in tensors.items() if k != up_proj}, str(make("missing", f"{up_proj} is missing"))
+    )
+    extra = "model.layers.2.mlp.up_proj.weight"
+    save_file({**tensors, extra: tensors[up_proj].clone()}, str(make("unknown", f"{extra} is not a weight")))
+    all_nan = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+    save_file(all_nan, str(make("all_nan", "non-finite")))
+    return cases
+
+
+def test_bad_weight_files_are_refused_and_the_old_weights_keep_serving(
+    inference_server: ServerProcess, admin_token: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cases = bad_update_dirs(tiny_model_dir, tmp_path)
+
+    async def go() -> None:
+        async with client_for(inference_server, admin_token) as client:
+            before = await greedy(client)
+            start = (await client.versions())[inference_server.url] or 0
+            for label, (directory, expect) in cases.items():
+                began = time.perf_counter()
+                report = await client.update_weights(directory, start + 50)
+                error = report.servers[0].error or ""
+                print(f"{label}: refused in {time.perf_counter() - began:.3f} s: {error}")
+                assert not report.servers[0].ok, label
+                assert "400" in error and expect in error, (label, error)
+                after = await greedy(client)
+                assert [g.completions[0].token_ids for g in after] == [
+                    g.completions[0].token_ids for g in before
+                ], label
+                assert (await client.versions())[inference_server.url] == start, label
+
+    asyncio.run(go())
+
+
+def test_dev_routes_need_the_token_from_loopback_too(
+    inference_server: ServerProcess, admin_token: str
+) -> None:
+    url, token = inference_server.url, {"X-Admin-Token": admin_token}
+    rpc = {"method": "save_sharded_state", "kwargs": {"path": "/tmp/tidal-should-not-exist"}}
+    assert httpx.post(url + "/collective_rpc", json=rpc).status_code == 401
+    assert httpx.post(url + "/sleep").status_code == 401
+    assert httpx.post(url + "/wake_up").status_code == 401
+    assert httpx.get(url + "/server_info").status_code == 401
+    assert httpx.get(url + "/is_sleeping").status_code == 401
+    assert httpx.post(url + "/weight_checker", json={"action": "reset"}).status_code == 401
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+    # with the token, what tidal (or an operator on this host) needs still works
+    assert httpx.post(url + "/reset_prefix_cache", headers=token).status_code == 200
+    assert httpx.get(url + "/is_sleeping", headers=token).json() == {"is_sleeping": False}
+    assert httpx.get(url + "/health").status_code == 200

@@ -253,9 +253,12 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
         for env in ("reverse_text", "alphabet_sort"):
             assert f"env/{env}/reward/mean" in record, sorted(record)
             assert record[f"env/{env}/rollouts"] > 0
-        # online eval of the policy inference serves, every step (interval 1), greedy on 4 reverse_text tasks
-        assert 0.0 <= record["eval/reverse_text/avg@1"] <= 1.0
-        assert record["eval/reverse_text/num_tasks"] == 4
+        # online eval of the policy inference serves, every step (interval 1), greedy on 4 held-out tasks of
+        # each environment the run trains on (the default when no [[orchestrator.online_eval.env]] is given)
+        for env in ("reverse_text", "alphabet_sort", "vf:vf_reverse_words"):
+            assert 0.0 <= record[f"eval/{env}/avg@1"] <= 1.0
+            assert record[f"eval/{env}/num_tasks"] == 4
+        assert 0.0 <= record["rollouts/failed_frac"] <= 1.0
 
 
 # ---- the trainer alone: batches written by the test through the filesystem transport, no orchestrator ----

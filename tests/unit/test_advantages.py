@@ -155,3 +155,23 @@ def test_negative_async_level_is_rejected():
 def test_off_policy_lags_per_rollout():
     groups = [group(1.0, 0.0, version=3), Group("t", "test", [rollout(1.0, version=5)])]
     assert off_policy_lags(groups, step=5) == [2, 2, 0]
+
+
+def test_failed_rollouts_do_not_make_a_group_stale():
+    # a rollout that failed before any model call has no policy version (it carries 0)
+    failed_early = rollout(0.0, version=0, failed=True)
+    all_failed = Group("a", "test", [failed_early, failed_early])
+    mixed = Group("b", "test", [rollout(1.0, version=5), failed_early, rollout(0.0, version=5)])
+    split = split_stale([all_failed, mixed], step=5, max_async_level=0)
+    assert split.stale == [] and [g.task_id for g in split.fresh] == ["a", "b"]
+    assert split_stale([mixed], step=7, max_async_level=1).stale == [mixed]  # usable ones still judged
+
+
+def test_a_group_with_every_rollout_failed_is_failed_not_zero_signal_and_never_kept():
+    failed = Group("a", "test", [rollout(0.0, failed=True), rollout(0.0, failed=True)])
+    for policy in ("keep", "drop"):
+        result = filter_groups([failed, group(1.0, 0.0)], policy=policy)
+        assert [g.task_id for g in result.groups] == ["t"]
+        assert (
+            result.num_failed_groups == 1 and result.num_zero_signal == 0 and result.num_failed_rollouts == 2
+        )

@@ -174,3 +174,78 @@ def test_changing_a_variant_type_replaces_the_table(tmp_path):
     args = parse_args(["@", base, "--data.train", '{type = "hf", id = "org/data"}'])
     config = load_config(SFTConfig, args.files, args.overrides)
     assert config.data.train.type == "hf" and config.data.train.id == "org/data"
+
+
+SHADOWED_BY_TOP_LEVEL = [
+    # (table text of a `tidal rl` file, key the error names, the top-level key it says to set)
+    ("[trainer]\ntemperature = 0.7\n", "trainer.temperature", "orchestrator.sampling.temperature"),
+    ("[orchestrator]\nmax_async_level = 3\n", "orchestrator.max_async_level", "max_async_level"),
+    ('[orchestrator]\noutput_dir = "elsewhere"\n', "orchestrator.output_dir", "output_dir"),
+    ("[orchestrator]\nmax_steps = 999\n", "orchestrator.max_steps", "max_steps"),
+    ("[trainer]\nseed = 5\n", "trainer.seed", "seed"),
+    ("[trainer]\nresume = true\n", "trainer.resume", "resume"),
+    ('[trainer.model]\nname = "other/model"\n', "trainer.model", "model"),
+    ('[orchestrator.model]\ndtype = "float32"\n', "orchestrator.model", "model"),
+    ('[inference.model]\nname = "other/model"\n', "inference.model", "model"),
+    ('[trainer.transport]\ntype = "zmq"\n', "trainer.transport", "transport"),
+    ('[orchestrator.transport]\ntype = "filesystem"\nkeep_last = 9\n', "orchestrator.transport", "transport"),
+    ('[orchestrator.client]\nurls = ["http://x:1"]\n', "orchestrator.client.urls", "inference.server"),
+    ("[orchestrator.batch]\nnum_trainer_ranks = 2\n", "orchestrator.batch.num_trainer_ranks", "deployment"),
+    ("[inference.vllm]\nseed = 3\n", "inference.vllm.seed", "seed"),
+    (
+        '[inference.cpu]\nomp_threads_bind = "1"\n',
+        "inference.cpu.omp_threads_bind",
+        "deployment.inference_cpus",
+    ),
+]
+
+
+@pytest.mark.parametrize("text,key,top", SHADOWED_BY_TOP_LEVEL, ids=[c[1] for c in SHADOWED_BY_TOP_LEVEL])
+def test_rl_rejects_a_sub_table_key_that_tidal_rl_sets_from_the_top(tmp_path, text, key, top):
+    """Before: `tidal rl` overwrote the sub-table's value with the top-level one without a word."""
+    from tidal.config.rl import RLConfig
+
+    path = write(tmp_path, "rl.toml", "max_steps = 5\n" + text)
+    with pytest.raises(UserError) as info:
+        load_config(RLConfig, [path], [])
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}: ") and "\n" not in message, message
+    assert f"`{top}" in message, message
+    assert info.value.exit_code == 2
+
+
+def test_rl_sub_table_keys_tidal_rl_does_not_set_are_kept(tmp_path):
+    from tidal.config.rl import RLConfig
+    from tidal.launcher.split import split_config
+
+    text = "[orchestrator.sampling]\ntemperature = 0.7\n[orchestrator.batch]\nnum_prompts = 4\n"
+    text += '[orchestrator.client]\nadmin_token = "t"\n[trainer]\nnum_threads = 1\n'
+    config = load_config(RLConfig, [write(tmp_path, "rl.toml", text)], [("trainer.optim.lr", 1e-6)])
+    roles = split_config(config, on_gpu=False, num_cpus=4)
+    assert roles.trainer.temperature == 0.7 and roles.orchestrator.batch.num_prompts == 4
+    assert roles.orchestrator.client.admin_token == "t" and roles.trainer.num_threads == 1
+
+
+SHIPPED_CONFIGS = sorted((REPO / "examples").glob("*/*.toml")) + sorted((REPO / "configs").glob("*/*.toml"))
+
+
+def _schema_for(path: Path) -> str:
+    stem = path.stem
+    for prefix, schema in [
+        ("rl", "tidal.config.rl:RLConfig"),
+        ("async_overlap", "tidal.config.rl:RLConfig"),
+        ("sft", "tidal.config.sft:SFTConfig"),
+        ("eval", "tidal.config.eval:EvalConfig"),
+        ("infer", "tidal.config.inference:InferenceConfig"),
+    ]:
+        if stem.startswith(prefix):
+            return schema
+    raise AssertionError(f"{path}: which command is this config for?")
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[str(p.relative_to(REPO)) for p in SHIPPED_CONFIGS])
+def test_every_shipped_config_validates(path):
+    import importlib
+
+    module, name = _schema_for(path).split(":")
+    load_config(getattr(importlib.import_module(module), name), [str(path)], [])

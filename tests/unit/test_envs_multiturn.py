@@ -1,6 +1,8 @@
-"""Multi-turn environments on scripted replies: exact token continuation, masks, generation and scoring."""
+"""Multi-turn environments on scripted replies: exact token continuation, masks, generation and scoring,
+with the tiny model's ChatML template and with the Qwen3-style one (which re-renders history)."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -10,16 +12,18 @@ from tidal.envs.alphabet_sort import (
     list_agreement,
     parse_names,
 )
-from tidal.envs.base import Episode, Turn, render_prompt, run_episode
+from tidal.envs.base import Episode, Turn, answer_text, render_prompt, run_episode
+from tidal.envs.tool_use import ToolUseEnv
 from tidal.envs.wordle import MAX_GUESSES, WordleEnv, feedback, parse_guess
+from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
 from tidal.testing.tiny import build_tokenizer
 
 
 class ScriptedSampler:
     """Answers each turn with the next scripted text (EOS appended, as a model that stops would)."""
 
-    def __init__(self, replies: list[str]):
-        self.tokenizer = build_tokenizer()
+    def __init__(self, replies: list[str], tokenizer=None):  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer or build_tokenizer()
         self.replies = list(replies)
         self.prompts: list[list[int]] = []
         self.sampled: list[list[int]] = []
@@ -32,8 +36,8 @@ class ScriptedSampler:
         return Turn(list(prompt_ids), ids, [-0.5] * len(ids), text, "stop")
 
 
-def roll(env, task, replies):
-    sampler = ScriptedSampler(replies)
+def roll(env, task, replies, tokenizer=None):
+    sampler = ScriptedSampler(replies, tokenizer)
     return asyncio.run(run_episode(env, task, sampler)), sampler
 
 
@@ -150,3 +154,90 @@ def test_wordle_invalid_and_exhausted_games_end_after_six_guesses():
 def test_wordle_rejects_bad_word_lists():
     with pytest.raises(ValueError):
         WordleEnv(words=["toolong"])
+
+
+# ---- the Qwen3-style template: `<think>` on the last reply only, reasoning stripped, tool responses ------
+
+
+def qwen3_tokenizer():  # type: ignore[no-untyped-def]
+    return build_tokenizer(chat_template=QWEN3_STYLE_TEMPLATE)
+
+
+def env_text(episode: Episode, tokenizer) -> list[str]:  # type: ignore[no-untyped-def]
+    """The environment's inserted text between model turns, one string per gap (mask-0 runs)."""
+    runs: list[list[int]] = []
+    previous = 1
+    for token, mask in zip(episode.completion_ids, episode.completion_mask, strict=True):
+        if mask == 0:
+            if previous == 1:
+                runs.append([])
+            runs[-1].append(token)
+        previous = mask
+    return [tokenizer.decode(r) for r in runs]
+
+
+def test_wordle_on_the_qwen3_template_continues_every_turn():
+    env = WordleEnv(num_examples=20, seed=0)
+    task = env.task(5)
+    guesses = ["zzzzz", "yyyyy", task.answer]
+    replies = [f"<think>\nmaybe {g}\n</think>\n\n<guess>{g}</guess>" for g in guesses]
+    episode, sampler = roll(env, task, replies, qwen3_tokenizer())
+    assert episode.info["solved"] and episode.num_turns == 3
+    check_token_invariants(episode, sampler)
+    gaps = env_text(episode, sampler.tokenizer)
+    assert len(gaps) == 2
+    for gap, guess in zip(gaps, guesses, strict=False):
+        assert gap.startswith("\n<|im_start|>user\n") and gap.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert feedback(guess, task.answer) in gap
+    # the model's reasoning stays in its context (the template would drop it from earlier turns)
+    assert sampler.tokenizer.decode(sampler.prompts[-1]).count("<think>\nmaybe") == 2
+
+
+def test_alphabet_sort_on_the_qwen3_template_continues_every_turn():
+    env = AlphabetSortEnv(num_examples=10, seed=0, min_turns=3, max_turns=3)
+    task = env.task(0)
+    replies = ["<think>\n\n</think>\n\n" + "\n".join(names) for names in expected_lists(task)]
+    episode, sampler = roll(env, task, replies, qwen3_tokenizer())
+    assert episode.num_turns == 3 and episode.reward == 1.0
+    check_token_invariants(episode, sampler)
+    assert [
+        "Add: " + ", ".join(names) in gap
+        for gap, names in zip(env_text(episode, sampler.tokenizer), task.info["turns"][1:], strict=True)
+    ] == [True, True]
+
+
+def test_tool_use_on_the_qwen3_template_wraps_tool_results_in_a_user_turn():
+    env = ToolUseEnv(num_examples=20)
+    index = next(i for i in range(20) if env.task(i).messages[1]["content"].startswith("What is"))
+    task = env.task(index)
+    expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    call = f"<tool_call>\n{arguments}\n</tool_call>"
+    replies = [call, call + call, f"<answer>{task.answer}</answer>"]
+    episode, sampler = roll(env, task, replies, qwen3_tokenizer())
+    assert episode.reward == 1.0 and episode.num_turns == 3
+    assert episode.metrics["tools/num_tool_calls"] == 3 and episode.metrics["tools/num_tool_errors"] == 0
+    check_token_invariants(episode, sampler)
+    assert "# Tools" in sampler.tokenizer.decode(episode.prompt_ids)  # the template describes the tools
+    response = f"\n<tool_response>\n{task.answer}\n</tool_response>"
+    assert env_text(episode, sampler.tokenizer) == [
+        f"\n<|im_start|>user{response}<|im_end|>\n<|im_start|>assistant\n",
+        f"\n<|im_start|>user{response}{response}<|im_end|>\n<|im_start|>assistant\n",
+    ]
+
+
+def test_rewards_and_tools_read_the_answer_not_the_reasoning():
+    assert answer_text("<think>\nAda\nZed\n</think>\n\nAda") == "\n\nAda"
+    assert answer_text("<think>still thinking, cut at max_tokens") == ""
+    assert answer_text("no reasoning") == "no reasoning"
+    wordle = WordleEnv(num_examples=20, seed=0)
+    task = wordle.task(5)
+    draft = f"<think><guess>{task.answer}</guess> is a guess I could try</think>"
+    replies = [draft + "<guess>zzzzz</guess>"] + [f"<think>{draft}"] * 5  # then cut inside the reasoning
+    episode, _ = roll(wordle, task, replies, qwen3_tokenizer())
+    assert not episode.info["solved"] and episode.info["num_invalid"] == 5
+    assert episode.info["feedback"] == [feedback("zzzzz", task.answer)]
+    tools = ToolUseEnv(num_examples=5)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    episode, _ = roll(tools, tools.task(0), [f"<think>maybe {call}?</think>no call"], qwen3_tokenizer())
+    assert episode.num_turns == 1 and episode.metrics["tools/num_tool_calls"] == 0

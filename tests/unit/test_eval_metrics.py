@@ -1,13 +1,26 @@
 """Eval metrics (pass@k, intervals, summaries), the eval config and its report/markdown helpers."""
 
+import asyncio
+import json
 import math
 from itertools import combinations
 
 import pytest
 
 from tidal.config.eval import EvalConfig
+from tidal.envs.base import SingleTurnEnv, Task
+from tidal.envs.reverse_text import ReverseTextEnv
 from tidal.eval.metrics import k_values, mean_with_ci, pass_at_k, summarize
-from tidal.eval.runner import RolloutRecord, env_report, markdown_table
+from tidal.eval.runner import (
+    EvalResults,
+    RolloutRecord,
+    env_report,
+    evaluate_env,
+    evaluate_envs,
+    markdown_table,
+    write_outputs,
+)
+from tidal.testing.tiny import build_tokenizer
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -80,3 +93,66 @@ def test_eval_config_checks():
         EvalConfig(env=[{"name": "math"}, {"name": "math"}])
     config = EvalConfig(model={"name": "some/model"})
     assert config.inference_config().model.name == "some/model"
+
+
+def test_mean_with_ci_of_non_finite_values_is_nan_not_a_crash():
+    estimate = mean_with_ci([math.nan, 1.0, 0.0])
+    assert math.isnan(estimate.mean) and math.isnan(estimate.low) and math.isnan(estimate.high)
+    with_inf = mean_with_ci([math.inf, 1.0])
+    assert with_inf.mean == math.inf and math.isnan(with_inf.low) and math.isnan(with_inf.high)
+
+
+class NanEnv(SingleTurnEnv):
+    """Two tasks whose only reward function returns NaN."""
+
+    name = "nan_env"
+
+    def __init__(self):
+        super().__init__(rewards=[(self.nan_reward, 1.0)])
+
+    def num_tasks(self) -> int:
+        return 2
+
+    def task(self, index: int) -> Task:
+        return Task(task_id=f"nan_env/{index}", messages=[{"role": "user", "content": "hi"}])
+
+    def nan_reward(self, task: Task, episode) -> float:
+        return math.nan
+
+
+class BrokenEnv(NanEnv):
+    name = "broken"
+
+    def task(self, index: int) -> Task:
+        raise RuntimeError("dataset row missing")
+
+
+def test_a_nan_reward_fails_those_rollouts_and_the_env_report_is_written(tmp_path):
+    from tests.unit.test_orchestrator_loop import FakeClient
+
+    config = EvalConfig(output_dir=tmp_path, k=2, env=[{"name": "reverse_text", "label": "nan_env"}])
+    tokenizer = build_tokenizer()
+    records = asyncio.run(evaluate_env(FakeClient(), tokenizer, NanEnv(), config.env[0], config))
+    assert all(
+        r.failed and r.error.startswith("NonFiniteReward: reward function 'nan_reward'") for r in records
+    )
+    report = env_report(records, config)
+    assert report["num_failed"] == 4 and report["avg@2"]["mean"] == 0.0
+
+
+def test_one_failing_env_does_not_lose_the_other_envs_results(tmp_path):
+    from tests.unit.test_orchestrator_loop import FakeClient
+
+    config = EvalConfig(
+        output_dir=tmp_path,
+        num_tasks=3,
+        env=[{"name": "reverse_text"}, {"name": "reverse_text", "label": "broken"}],
+    )
+    envs = [(config.env[0], ReverseTextEnv(num_examples=3)), (config.env[1], BrokenEnv())]
+    results = EvalResults()
+    asyncio.run(evaluate_envs(FakeClient(), build_tokenizer(), envs, config, results))
+    write_outputs(config, results, seconds=1.0)
+    written = json.loads((tmp_path / "eval.json").read_text())["envs"]
+    assert written["reverse_text"]["num_rollouts"] == 3 and "avg@1" in written["reverse_text"]
+    assert written["broken"]["error"] == "RuntimeError: dataset row missing"
+    assert "| broken | error: RuntimeError: dataset row missing |" in (tmp_path / "eval.md").read_text()

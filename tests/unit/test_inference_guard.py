@@ -6,8 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tidal.inference.guard import AccessPolicy, AdminGuard
+from tidal.transport.weight_checks import WEIGHTS_BROKEN
 
 LOCAL, REMOTE = "127.0.0.1", "192.0.2.7"
 
@@ -30,6 +33,26 @@ def test_dev_and_unknown_routes_are_local_only_even_with_the_token() -> None:
     for path in ("/collective_rpc", "/collective_rpc/", "/sleep", "/server_info", "/docs", "/something_new"):
         assert status(policy, path, REMOTE, "s3cret") == 403, path
     assert status(policy, "/collective_rpc", None, "s3cret") == 403  # unknown client address: not local
+
+
+def test_with_a_token_dev_routes_need_it_from_loopback_too() -> None:
+    policy = AccessPolicy(bind_host="127.0.0.1", admin_token="s3cret")
+    dev = (
+        "/collective_rpc",
+        "/sleep",
+        "/wake_up",
+        "/server_info",
+        "/weight_checker",
+        "/docs",
+        "/something_new",
+    )
+    for path in dev:
+        assert status(policy, path, LOCAL) == 401, path
+        assert status(policy, path, LOCAL, "wrong") == 401, path
+        assert status(policy, path, LOCAL, "s3cret") == 200, path
+        assert status(policy, path, REMOTE, "s3cret") == 403, path
+    assert status(policy, "/v1/completions", LOCAL) == 200
+    assert status(policy, "/reset_prefix_cache", LOCAL) == 401
 
 
 def test_admin_routes_need_the_token_once_one_is_set() -> None:
@@ -65,18 +88,40 @@ async def _call(guard_app: Any, path: str, body: bytes) -> tuple[int, bytes]:
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
-def _guard(monkeypatch: pytest.MonkeyPatch) -> tuple[AdminGuard, list[bytes]]:
+def _guard(
+    monkeypatch: pytest.MonkeyPatch, reply: tuple[int, bytes] = (200, b"ok"), reference: Path | None = None
+) -> tuple[AdminGuard, list[bytes]]:
     monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("TIDAL_BIND_HOST", "127.0.0.1")
+    if reference is None:
+        monkeypatch.delenv("TIDAL_REFERENCE_WEIGHTS", raising=False)
+    else:
+        monkeypatch.setenv("TIDAL_REFERENCE_WEIGHTS", str(reference))
     seen: list[bytes] = []
 
     async def inner(scope: Any, receive: Any, send: Any) -> None:
-        message = await receive()
-        seen.append(message["body"])
+        if scope["path"] == "/update_weights":
+            message = await receive()
+            seen.append(message["body"])
+            await send({"type": "http.response.start", "status": reply[0], "headers": []})
+            await send({"type": "http.response.body", "body": reply[1]})
+            return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
     return AdminGuard(inner), seen
+
+
+def checkpoint(directory: Path, **tensors: torch.Tensor) -> Path:
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text("{}")
+    (directory / ".complete").touch()
+    return directory
+
+
+def update_body(directory: Path) -> bytes:
+    return json.dumps({"update_info": {"path": str(directory)}}).encode()
 
 
 def test_update_weights_with_a_bad_path_is_a_400_before_reaching_vllm(
@@ -94,8 +139,54 @@ def test_update_weights_with_a_complete_dir_passes_the_body_through(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     guard, seen = _guard(monkeypatch)
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    (tmp_path / ".complete").touch()
-    body = json.dumps({"update_info": {"path": str(tmp_path)}}).encode()
+    body = update_body(checkpoint(tmp_path / "new", w=torch.ones(2, 3)))
     status, _ = asyncio.run(_call(guard, "/update_weights", body))
     assert status == 200 and seen == [body]
+
+
+def test_bad_files_are_a_400_naming_the_tensor_before_reaching_vllm(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    reference = checkpoint(tmp_path / "ref", w=torch.ones(2, 3), b=torch.ones(3))
+    guard, seen = _guard(monkeypatch, reference=reference)
+    cases = {
+        "shape": (checkpoint(tmp_path / "shape", w=torch.ones(3, 2), b=torch.ones(3)), "tensor w has shape"),
+        "missing": (checkpoint(tmp_path / "missing", w=torch.ones(2, 3)), "tensor b is missing"),
+        "nan": (
+            checkpoint(tmp_path / "nan", w=torch.ones(2, 3), b=torch.full((3,), float("nan"))),
+            "tensor b",
+        ),
+    }
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "model.safetensors").write_bytes(b"")
+    (empty / ".complete").touch()
+    cases["empty"] = (empty, "not a safetensors file")
+    for label, (directory, expect) in cases.items():
+        status, reply = asyncio.run(_call(guard, "/update_weights", update_body(directory)))
+        assert status == 400 and expect in json.loads(reply)["error"]["message"], label
+    assert not seen
+
+
+def test_a_load_that_broke_the_weights_makes_the_server_unhealthy_until_an_update_succeeds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    body = update_body(checkpoint(tmp_path / "new", w=torch.ones(2, 3)))
+    restored, _ = _guard(monkeypatch, reply=(500, b"failed midway; the previous weights serve again"))
+    assert asyncio.run(_call(restored, "/update_weights", body))[0] == 500
+    assert asyncio.run(_call(restored, "/health", b""))[0] == 200  # the old weights are back: healthy
+    broken, _ = _guard(monkeypatch, reply=(500, f"failed midway: {WEIGHTS_BROKEN}".encode()))
+    assert asyncio.run(_call(broken, "/update_weights", body))[0] == 500
+    assert asyncio.run(_call(broken, "/health", b""))[0] == 503
+    status, reply = asyncio.run(_call(broken, "/v1/completions", b"{}"))
+    assert status == 503 and WEIGHTS_BROKEN in reply.decode()
+    broken.app = _guard(monkeypatch)[0].app  # the next update loads
+    assert asyncio.run(_call(broken, "/update_weights", body))[0] == 200
+    assert asyncio.run(_call(broken, "/health", b""))[0] == 200
+
+
+def test_the_value_check_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TIDAL_CHECK_FINITE", "0")
+    guard, seen = _guard(monkeypatch)
+    body = update_body(checkpoint(tmp_path / "nan", w=torch.full((2,), float("nan"))))
+    assert asyncio.run(_call(guard, "/update_weights", body))[0] == 200 and seen == [body]

@@ -38,6 +38,12 @@ def test_defaults_wire_in_tidal_and_keep_sampling_explicit(monkeypatch: pytest.M
     assert launch.url == "http://127.0.0.1:8000"
 
 
+def test_updates_are_checked_against_the_model_served_and_the_value_check_can_be_turned_off() -> None:
+    env = build_launch(config(), "/models/tiny", "cpu").env
+    assert env["TIDAL_REFERENCE_WEIGHTS"] == "/models/tiny" and env["TIDAL_CHECK_FINITE"] == "1"
+    assert build_launch(config(weights={"check_finite": False}), "m", "cpu").env["TIDAL_CHECK_FINITE"] == "0"
+
+
 def test_vllm_options_pass_through() -> None:
     vllm = {"max_model_len": 512, "enforce_eager": True, "tensor_parallel_size": 2, "enable_lora": True}
     argv = build_launch(
@@ -93,3 +99,16 @@ def test_a_port_with_a_listener_is_refused_and_a_free_one_passes() -> None:
         with pytest.raises(UserError, match=f"127.0.0.1:{port} is already in use"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # the listener is gone: free again
+
+
+def test_value_check_is_on_for_tidal_inference_and_off_under_tidal_rl_unless_set() -> None:
+    from tidal.config.rl import RLConfig
+    from tidal.launcher.split import split_config
+
+    assert build_launch(config(), "m", "cpu").env["TIDAL_CHECK_FINITE"] == "1"  # auto, standalone
+    under_rl = split_config(RLConfig(), on_gpu=False, num_cpus=2).inference
+    assert build_launch(under_rl, "m", "cpu").env["TIDAL_CHECK_FINITE"] == "0"
+    asked = split_config(
+        RLConfig.model_validate({"inference": {"weights": {"check_finite": True}}}), on_gpu=False, num_cpus=2
+    ).inference
+    assert build_launch(asked, "m", "cpu").env["TIDAL_CHECK_FINITE"] == "1"

@@ -132,6 +132,41 @@ def test_kl_term_k3_against_inference():
     assert grad == pytest.approx([(-2 + 0.1) / 2, -0.5])
 
 
+def test_sequence_ratio_averages_over_kept_tokens_only_so_a_masked_token_gets_no_gradient():
+    # token 0: π = 0.9 vs μ = 0.5, |Δp| = 0.4 > 0.3, masked; tokens 1-3: π = 0.5 vs μ = 0.4, ratio 1.25, kept.
+    # The sequence ratio is the exp of the mean over the kept three: 1.25, whatever token 0's ratio is.
+    config = LossConfig(ratio_type="sequence", mask_low=None, mask_high=None, max_prob_diff=0.3)
+    mu = [math.log(0.5)] + [math.log(0.4)] * 3
+    delta = [math.log(0.9 / 0.5)] + [math.log(1.25)] * 3
+    loss, metrics, grad = run(delta, [1.0] * 4, config, mu=mu)
+    assert grad[0] == 0.0  # exactly: the masked token is outside the mean
+    assert loss == pytest.approx(-3 * 1.25 / 4)  # the masked token stays in the normaliser
+    # each kept token: −Σ_kept A·s·(1/3) / N = −1.25 / 4
+    assert grad[1:] == pytest.approx([-1.25 / 4] * 3)
+    assert metrics["masked_fraction"] == pytest.approx(0.25)
+
+
+def test_kl_term_applies_to_tokens_outside_the_trust_region():
+    # ratio 10 is outside [1/8, 8]: no policy-gradient term, but k3 still pulls it back: d k3 / d logπ = r − 1
+    config = LossConfig(kl_coef=0.1)
+    loss, metrics, grad = run([math.log(10.0), 0.0], [1.0, 1.0], config)
+    assert grad == pytest.approx([0.1 * 9 / 2, -1 / 2])
+    assert loss == pytest.approx((0.1 * (10 - math.log(10.0) - 1) - 1) / 2)
+    assert metrics["masked_fraction"] == pytest.approx(0.5)
+    # the documented alternative: KL inside the trust region only
+    _, _, grad = run([math.log(10.0), 0.0], [1.0, 1.0], LossConfig(kl_coef=0.1, kl_tokens="trust_region"))
+    assert grad == pytest.approx([0.0, -1 / 2])
+
+
+def test_kl_term_applies_to_tokens_masked_by_max_prob_diff_in_sequence_mode():
+    config = LossConfig(ratio_type="sequence", mask_low=None, mask_high=None, max_prob_diff=0.3, kl_coef=0.1)
+    mu = [math.log(0.5), math.log(0.4)]
+    delta = [math.log(0.9 / 0.5), math.log(1.25)]
+    _, _, grad = run(delta, [1.0, 1.0], config, mu=mu)
+    assert grad[0] == pytest.approx(0.1 * (1.8 - 1) / 2)  # KL only: the masked token has no ratio term
+    assert grad[1] == pytest.approx((-1.25 + 0.1 * 0.25) / 2)
+
+
 @pytest.mark.parametrize("ratio_type", ["token", "sequence"])
 def test_log_ratio_of_500_gives_finite_loss_and_gradients(ratio_type):
     # exp(500) overflows float32 (and float64); the clamp to ±20 keeps everything finite

@@ -5,7 +5,9 @@ import threading
 import pytest
 
 from tidal import run_layout
-from tidal.config.rl import FilesystemTransport, RLConfig, ZMQTransport
+from tidal.config.loader import load_config
+from tidal.config.rl import FilesystemTransport, OrchestratorConfig, RLConfig, ZMQTransport
+from tidal.errors import UserError
 from tidal.launcher.split import split_config
 from tidal.transport.rollouts import FilesystemReceiver, FilesystemSender, ZMQReceiver, ZMQSender
 from tidal.types import MicroBatch, TrainBatch
@@ -30,12 +32,12 @@ def test_split_copies_shared_keys_and_pins_cpu_threads(tmp_path):
             "model": {"name": "some/model"},
             "deployment": {"num_trainer_ranks": 2},
             "inference": {"server": {"port": 9001}},
-            "orchestrator": {"sampling": {"temperature": 0.7}, "max_steps": 999},
+            "orchestrator": {"sampling": {"temperature": 0.7}},
             "transport": {"type": "zmq", "port": 6000},
         }
     )
     roles = split_config(rl, on_gpu=False, num_cpus=8)
-    assert roles.orchestrator.max_steps == roles.trainer.max_steps == 7  # the top-level value wins
+    assert roles.orchestrator.max_steps == roles.trainer.max_steps == 7
     assert roles.orchestrator.max_async_level == 2 and roles.orchestrator.seed == roles.trainer.seed == 3
     assert roles.inference.model.name == roles.trainer.model.name == "some/model"
     assert roles.orchestrator.client.urls == ["http://127.0.0.1:9001"]
@@ -89,6 +91,68 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def load_rl(tmp_path, text: str) -> RLConfig:
+    path = tmp_path / "rl.toml"
+    path.write_text(text)
+    return load_config(RLConfig, [str(path)], [])
+
+
+def test_rollout_steps_kept_on_disk_cover_the_async_bound(tmp_path):
+    # The orchestrator sends step n while the trainer may still wait for step n − max_async_level.
+    config = load_rl(tmp_path, "max_async_level = 6\n")
+    assert config.transport.keep_last == 7
+    roles = split_config(config, on_gpu=False, num_cpus=2)
+    sender = FilesystemSender(tmp_path, roles.orchestrator.transport)
+    receiver = FilesystemReceiver(tmp_path, roles.trainer.transport, rank=0)
+    for step in range(10):
+        sender.send(step, [tiny_batch(step, 0)])
+    assert receiver.receive(10 - 1 - 6, should_stop=lambda: True) == tiny_batch(3, 0)
+    assert load_rl(tmp_path, "max_async_level = 2\n").transport.keep_last == 4  # the default when larger
+    orchestrator = OrchestratorConfig(max_async_level=5)
+    assert isinstance(orchestrator.transport, FilesystemTransport) and orchestrator.transport.keep_last == 6
+
+
+def test_keep_last_set_below_the_async_bound_is_a_one_line_config_error(tmp_path):
+    text = 'max_async_level = 4\n[transport]\ntype = "filesystem"\nkeep_last = 4\n'
+    with pytest.raises(UserError) as info:
+        load_rl(tmp_path, text)
+    message = str(info.value)
+    assert "\n" not in message and "transport.keep_last" in message and "max_async_level" in message
+    with pytest.raises(ValueError, match="max_async_level"):
+        OrchestratorConfig(max_async_level=3, transport={"type": "filesystem", "keep_last": 2})
+    assert load_rl(tmp_path, text.replace("keep_last = 4", "keep_last = 5")).transport.keep_last == 5
+
+
+def test_online_eval_defaults_to_the_runs_own_environments_held_out(tmp_path):
+    config = load_rl(
+        tmp_path,
+        '[[orchestrator.env]]\nname = "wordle"\nkwargs = { num_examples = 20000 }\n'
+        "[orchestrator.online_eval]\ninterval = 10\n",
+    )
+    (spec,) = config.orchestrator.online_eval.env
+    assert spec.name == "wordle" and spec.display_name == "wordle"
+    assert spec.kwargs["seed"] != 0  # another seed than training's: games the run does not train on
+    mixed = OrchestratorConfig(
+        env=[
+            {"name": "reverse_text", "kwargs": {"num_examples": 20000, "seed": 1}},
+            {"name": "math", "label": "gsm8k", "kwargs": {"dataset": "openai/gsm8k", "subset": "main"}},
+        ],
+        online_eval={"interval": 5, "num_tasks": 30},
+    )
+    reverse, gsm8k = mixed.online_eval.env
+    assert reverse.kwargs == {"num_examples": 30, "seed": 1, "split": "heldout"}
+    assert gsm8k.display_name == "gsm8k" and gsm8k.kwargs["split"] == "test"
+    explicit = OrchestratorConfig(env=[{"name": "wordle"}], online_eval={"env": [{"name": "math"}]})
+    assert [s.name for s in explicit.online_eval.env] == ["math"]
+
+
+def test_orchestrator_ckpt_interval_is_gone_because_state_is_saved_every_step(tmp_path):
+    # a resumed trainer restarts from any step it checkpointed (SIGTERM included): the orchestrator keeps a
+    # state per step from that checkpoint on, so a key claiming "every N steps" would be a setting ignored
+    with pytest.raises(UserError, match="orchestrator.ckpt_interval: unknown key"):
+        load_rl(tmp_path, "[orchestrator]\nckpt_interval = 5\n")
 
 
 def test_step_metrics_across_ranks_weigh_tokens_sum_counts_and_take_the_slowest_time():

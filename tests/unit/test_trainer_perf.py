@@ -271,3 +271,79 @@ def test_out_of_memory_in_a_step_becomes_a_one_line_error_with_what_to_change():
     assert "\n" not in message and "activation_checkpointing" in message and "seq_len" in message
     with pytest.raises(ValueError), out_of_memory_as_user_error(7, CPU):  # anything else passes through
         raise ValueError("not memory")
+
+
+def sliding_qwen3(window: int = 4) -> torch.nn.Module:
+    """The tiny Qwen3 with a sliding window of `window` tokens on every layer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=window, max_window_layers=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config)
+
+
+def gpt_oss_like() -> torch.nn.Module:
+    """A tiny GPT-OSS: attention sinks (s_aux) on every layer, a sliding window on every second one."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+    )  # fmt: skip
+    return GptOssForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "make,named", [(sliding_qwen3, "sliding_window"), (gpt_oss_like, "s_aux")], ids=["qwen3-swa", "gpt-oss"]
+)
+def test_varlen_attention_refuses_a_model_whose_attention_it_cannot_do(make, named):
+    """Before: the window / sinks went into **kwargs and the model trained with full attention."""
+    from tidal.errors import UserError
+
+    model = make()
+    with pytest.raises(UserError) as info:
+        parallelize(model, CPU, PerfConfig(attention="varlen"))
+    message = str(info.value)
+    assert named in message and type(model).__name__ in message and "perf.attention" in message
+    assert "\n" not in message
+
+
+def test_sliding_window_model_keeps_its_window_under_auto_attention():
+    model = sliding_qwen3(window=4)
+    ids, _, targets = packed_row()
+    ids, targets = ids[:, :16], targets[:, :16]
+    with torch.no_grad():
+        want = plain_logprobs(model, ids, targets)  # HF's own sliding-window attention
+        got, _ = parallelize(model, CPU, PerfConfig())(ids, torch.arange(16).unsqueeze(0), targets)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_attention_picks_hf_for_models_varlen_cannot_do():
+    from tidal.trainer.parallel import choose_attention
+
+    assert choose_attention("auto", flash=True, unsupported=None) == "varlen"
+    assert choose_attention("auto", flash=True, unsupported="sliding_window = 4") == "hf"
+    assert choose_attention("auto", flash=False, unsupported=None) == "hf"
+    assert choose_attention("hf", flash=True, unsupported=None) == "hf"
+
+
+def test_varlen_attention_call_with_a_window_or_sinks_fails_instead_of_ignoring_them():
+    from tidal.errors import UserError
+    from tidal.trainer.attention import varlen_attention_forward
+
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    bounds = torch.tensor([0, 2, 6], dtype=torch.int32)
+    extra = {"tidal_cu_seqlens": bounds, "tidal_max_seqlen": 6}
+    varlen_attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=None, **extra)  # None: fine
+    for name, value in [
+        ("sliding_window", 4),
+        ("s_aux", torch.zeros(4)),
+        ("softcap", 30.0),
+        ("dropout", 0.1),
+    ]:
+        with pytest.raises(UserError, match=name):
+            varlen_attention_forward(torch.nn.Module(), q, k, v, None, **{name: value}, **extra)

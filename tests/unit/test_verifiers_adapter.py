@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_envs_multiturn import ScriptedSampler
-from tidal.envs.base import Turn, run_episode
+from tidal.envs.base import NonFiniteReward, Turn, run_episode
 from tidal.envs.registry import load_env
 from tidal.errors import UserError
 
@@ -77,3 +77,18 @@ def test_episodes_from_turns_need_one_token_sequence():
 def test_unknown_verifiers_env_is_a_user_error():
     with pytest.raises(UserError, match="not installed"):
         load_env("vf:no_such_env_here")
+
+
+def test_verifiers_nan_reward_fails_the_rollout_naming_env_and_reward():
+    env = load_env("vf:vf_nan_reward")
+
+    async def go():
+        try:
+            return await run_episode(env, env.task(0), ScriptedSampler(["hi"]))
+        finally:
+            await env.aclose()
+
+    with pytest.raises(
+        NonFiniteReward, match="'not_a_number' of environment 'vf:vf_nan_reward' returned nan"
+    ):
+        asyncio.run(go())

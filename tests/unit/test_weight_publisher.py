@@ -85,3 +85,21 @@ def test_served_dtype_explicit_then_model_dtype_then_the_checkpoint_s_own(tmp_pa
     assert served_dtype(stored) == torch.bfloat16  # vLLM serves what the checkpoint stores
     assert served_dtype(stored, "float16") == torch.float16
     assert served_dtype(ModelConfig(name=str(tmp_path), dtype="float32")) == torch.float32
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_and_step(tmp_path: Path) -> None:
+    from tidal.errors import UserError
+    from tidal.trainer.parallel import DistInfo
+
+    model, tokenizer = small_model()
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[3, 1] = float("nan")
+    publisher = WeightPublisher(tmp_path)
+    with pytest.raises(UserError, match=r"step_7: tensor model\.layers\.0\.mlp\.up_proj\.weight has NaN/inf"):
+        publisher.publish_model(7, model, tokenizer, info)
+    state = model.state_dict()
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("inf"))
+    with pytest.raises(UserError, match=r"step_8: tensor model\.\S+ \(and 1 more\) has NaN/inf"):
+        publisher.publish_state_dict(8, state, model.config, tokenizer)
+    assert list_published(tmp_path) == [] and not (tmp_path / "weights").exists()

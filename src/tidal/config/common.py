@@ -12,9 +12,12 @@ class ModelConfig(Config):
     """Which model to load."""
 
     name: str = "tidal-testing/tiny-qwen3"
-    """A Hugging Face hub id, a local directory in HF format, or `tidal-testing/tiny-qwen3` (built locally)."""
+    """A Hugging Face hub id, a local directory in HF format, or `tidal-testing/tiny-qwen3` (built locally;
+    `tidal-testing/tiny-qwen3-chat`: the same with a Qwen3-style chat template)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype for loading; `auto` = float32 master weights (compute precision is set by the trainer)."""
+    """dtype inference serves (vLLM `--dtype`) and trainers publish weights in (`tidal sft`: final/); `auto`:
+    the checkpoint's own for inference, fp32 for SFT's final/. The trainers' parameters are fp32 whatever
+    this says (`perf.master_dtype`); their compute dtype is `perf.mixed_precision`."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers."""
     trust_remote_code: bool = False

@@ -12,7 +12,8 @@ class LossConfig(Config):
 
     ratio_type: Literal["token", "sequence"] = "token"
     """`token`: ratio exp(logπ − logμ) per token. `sequence` (GSPO): exp of the mean of logπ − logμ over the
-    sequence's loss tokens, shared by all its tokens."""
+    sequence's loss tokens that max_prob_diff keeps, shared by all its tokens (mask_low/high then apply to
+    that sequence ratio)."""
     # 1/8 .. 8: far outside the ~0.8..1.25 that bf16 and kernel differences give, so a healthy run masks
     # almost nothing, yet a token the two engines disagree on by nearly an order of magnitude (a tail token
     # sampled by inference that the trainer finds near impossible, or the reverse) cannot dominate the step.
@@ -25,6 +26,11 @@ class LossConfig(Config):
     """DPPO-style mask: tokens with |π − μ| (probabilities, not logs) above this get zero loss; None disables."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of a k3 KL(μ‖π) penalty against the inference policy; 0 disables."""
+    kl_tokens: Literal["all", "trust_region"] = "all"
+    """Where the KL penalty applies. `all`: every loss token with finite inputs, including those the trust
+    region (mask_low/high, max_prob_diff) takes the policy-gradient term from — the pull back towards μ is
+    what a token far from it needs. `trust_region`: only the tokens the policy-gradient term keeps (the KL
+    gradient r − 1 of a token with a large ratio r then cannot dominate the step)."""
     norm: Literal["token", "sequence", "constant"] = "token"
     """`token`: sum over loss tokens / their global count. `sequence`: mean within each sequence, summed, /
     number of sequences. `constant`: sum / norm_constant (no length bias, fixed scale)."""

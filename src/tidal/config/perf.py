@@ -16,9 +16,15 @@ class PerfConfig(Config):
     Measured speeds: benchmarks/results/trainer_mfu_h200.json.
     """
 
+    master_dtype: Literal["float32"] = "float32"
+    """dtype of the trainer's parameters (master weights), gradients and optimizer update, whatever
+    `model.dtype` is: `model.dtype` is the dtype inference serves and weights are published in (`tidal sft`:
+    final/ is written in it). fp32 only, on purpose: bf16 masters round away small updates (100 AdamW steps
+    at lr 1e-6 on weights of scale 0.02 moved 1.9% of bf16 elements against 100% in fp32), so there is no
+    bf16 choice; bf16 compute comes from `mixed_precision`, bf16 optimizer moments from `optimizer_state`."""
     mixed_precision: Literal["auto", "bf16", "off"] = "auto"
     """`bf16`: FSDP2 computes in bf16 while master weights, gradients, optimizer state and gradient
-    reductions stay fp32. `off`: compute in the parameters' dtype. `auto`: bf16 on GPU, off on CPU."""
+    reductions stay fp32. `off`: compute in the master dtype (fp32). `auto`: bf16 on GPU, off on CPU."""
     activation_checkpointing: Literal["auto", "none", "full", "selective", "projections", "attention"] = (
         "auto"
     )
@@ -46,7 +52,8 @@ class PerfConfig(Config):
     padding, no attention across documents; on CPU a per-document SDPA loop; rows holding a single document
     use causal SDPA, whose cuDNN kernel is ~1.8x faster than flash varlen on an H200). `hf`: the model's
     `model.attn_implementation`, which masks documents by their position-id resets. `auto`: `varlen` where
-    the flash varlen kernel works (CUDA), else `hf`."""
+    the flash varlen kernel works (CUDA) and the model needs nothing varlen lacks (sliding windows,
+    attention sinks, logit soft-capping, attention dropout), else `hf`; `varlen` refuses such a model."""
     loss_chunk_tokens: int = Field(default=1024, gt=0)
     """Tokens per chunk of the output head: logits exist for one [chunk, vocab] slab at a time, forward and
     backward, never for the whole [tokens, vocab]."""

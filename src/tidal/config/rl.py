@@ -1,7 +1,7 @@
 """Schemas of the RL commands: `tidal orchestrator`, `tidal trainer`, and `tidal rl` which runs both plus inference."""
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -31,7 +31,8 @@ class FilesystemTransport(Config):
     poll_interval: float = Field(default=0.05, gt=0)
     """Seconds between checks for the next batch."""
     keep_last: int | None = Field(default=4, gt=0)
-    """Rollout steps kept on disk (None: all, for inspection)."""
+    """Rollout steps kept on disk (None: all, for inspection). Must exceed max_async_level: the trainer may
+    still wait for step n − max_async_level when step n is written (unset: raised to max_async_level + 1)."""
 
 
 class ZMQTransport(Config):
@@ -88,6 +89,10 @@ class BatchConfig(Config):
     """`mean`: r − mean(r); `std`: divided by the group's std too; `rloo`: leave-one-out baseline."""
     zero_signal: Literal["drop", "keep"] = "drop"
     """Groups whose advantages are all zero teach nothing: `drop` refills them with new tasks."""
+    max_tasks_factor: float = Field(default=4.0, ge=1)
+    """A step draws at most this × num_prompts new tasks to replace dropped groups (zero-signal, failed,
+    stale). At the limit it trains on the groups it has (a warning says how many), or stops with the reason
+    when it has none: a run whose rewards never differ, or whose rollouts all fail, must not hang."""
     seq_len: int = Field(default=2048, gt=1)
     """Packed row length for the trainer; must hold the longest prompt + completion."""
     micro_batch_size: int = Field(default=1, gt=0)
@@ -101,14 +106,57 @@ class OnlineEvalConfig(Config):
 
     interval: int | None = Field(default=None, gt=0)
     """Run the eval every N steps (and before step 0); None disables it."""
-    env: list[EvalEnvSpec] = Field(default_factory=lambda: [EvalEnvSpec(name="reverse_text")], min_length=1)
-    """Environments to evaluate, as [[orchestrator.online_eval.env]] tables."""
+    env: list[EvalEnvSpec] | None = Field(default=None, min_length=1)
+    """Environments to evaluate, as [[orchestrator.online_eval.env]] tables. Default: the run's own
+    environments on tasks it does not train on (see `heldout_spec`)."""
     num_tasks: int = Field(default=50, gt=0)
     """Tasks per environment."""
     k: int = Field(default=1, gt=0)
     """Samples per task (avg@k, pass@k)."""
-    sampling: EvalSamplingConfig = EvalSamplingConfig(temperature=0.0, max_tokens=64)
-    """Greedy by default, so the number moves only when the policy does."""
+    sampling: EvalSamplingConfig | None = None
+    """Default: greedy, so the number moves only when the policy does, with the run's max_tokens."""
+
+
+HELDOUT_SEED_OFFSET = 1_000_003
+"""Added to a generated environment's seed for its held-out tasks (any other seed draws other instances)."""
+
+
+def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
+    """The eval spec of a training environment, on tasks the run does not train on.
+
+    reverse_text: its heldout split (strings disjoint from train by a hash of the text). math: a hub
+    dataset's `test` split when training uses `train`; the local generator, like wordle, alphabet_sort and
+    tool_use, another seed (new instances of the same generator; a small task space may repeat some).
+    vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split).
+    """
+    kwargs = dict(spec.kwargs)
+    if spec.name == "reverse_text":
+        kwargs.update(split="heldout", num_examples=num_tasks)
+    elif spec.name == "math" and kwargs.get("dataset", "local") != "local":
+        if kwargs.get("split", "train") == "train":
+            kwargs["split"] = "test"
+    elif not spec.name.startswith("vf:"):
+        kwargs["seed"] = int(kwargs.get("seed", 0)) + HELDOUT_SEED_OFFSET
+    return EvalEnvSpec(name=spec.name, label=spec.label, kwargs=kwargs)
+
+
+def fit_keep_last(
+    transport: "FilesystemTransport | ZMQTransport", max_async_level: int
+) -> "FilesystemTransport | ZMQTransport":
+    """The transport with enough rollout steps on disk for the async bound: an unset keep_last is raised to
+    max_async_level + 1, one set too low is a ConfigProblem (the trainer would wait forever for a deleted step)."""
+    if not isinstance(transport, FilesystemTransport) or transport.keep_last is None:
+        return transport
+    if transport.keep_last > max_async_level:
+        return transport
+    if "keep_last" in transport.model_fields_set:
+        raise ConfigProblem(
+            "transport.keep_last",
+            f"keeps {transport.keep_last} rollout steps on disk but max_async_level = {max_async_level} lets "
+            "the orchestrator write that many steps past the one the trainer reads next, which would be "
+            f"deleted unread; set keep_last ≥ {max_async_level + 1} (or leave it unset)",
+        )
+    return transport.model_copy(update={"keep_last": max_async_level + 1})
 
 
 class OrchestratorConfig(RunConfig):
@@ -128,8 +176,6 @@ class OrchestratorConfig(RunConfig):
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
     transport: RolloutTransport = FilesystemTransport()
-    ckpt_interval: int = Field(default=10, gt=0)
-    """Save orchestrator state (step, task position, buffered groups) every N steps."""
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
@@ -137,6 +183,21 @@ class OrchestratorConfig(RunConfig):
         problem = check_distinct(self.env)
         if problem is not None:
             raise ConfigProblem("env", problem)
+        transport = fit_keep_last(self.transport, self.max_async_level)
+        if transport is not self.transport:
+            self.transport = transport
+        return self
+
+    @model_validator(mode="after")
+    def _fill_online_eval(self) -> "OrchestratorConfig":
+        """Unset online-eval environments and sampling follow the run's (shown resolved by --dry-run)."""
+        spec, fill = self.online_eval, dict[str, Any]()
+        if spec.env is None:
+            fill["env"] = [heldout_spec(s, spec.num_tasks) for s in self.env]
+        if spec.sampling is None:
+            fill["sampling"] = EvalSamplingConfig(temperature=0.0, max_tokens=self.sampling.max_tokens)
+        if fill:
+            self.online_eval = spec.model_copy(update=fill)
         return self
 
 
@@ -189,6 +250,40 @@ class DeploymentConfig(Config):
     """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
 
 
+# Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
+# where the user sets them instead: a value written in the sub-table would be overwritten without a word.
+SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
+    **{(role, key): key for role in ("orchestrator", "trainer") for key in RunConfig.model_fields},
+    ("orchestrator", "model"): "model",
+    ("trainer", "model"): "model",
+    ("inference", "model"): "model",
+    ("orchestrator", "max_async_level"): "max_async_level",
+    ("orchestrator", "transport"): "transport",
+    ("trainer", "transport"): "transport",
+    ("trainer", "temperature"): "orchestrator.sampling.temperature",
+    ("orchestrator", "client", "urls"): "inference.server.host` / `inference.server.port",
+    ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
+    ("inference", "vllm", "seed"): "seed",
+    ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
+}
+
+
+def shadowed_key(config: Config, table: dict[tuple[str, ...], str]) -> tuple[str, str] | None:
+    """The first (dotted key, where to set it instead) of `table` that the user set in `config`; None if none.
+
+    "Set" means written in the file or on the command line (pydantic's `model_fields_set`), not a default.
+    """
+    for path, top in table.items():
+        node: object = config
+        for part in path:
+            if not isinstance(node, Config) or part not in node.model_fields_set:
+                break
+            node = getattr(node, part)
+        else:
+            return ".".join(path), top
+    return None
+
+
 class RLConfig(RunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
 
@@ -208,7 +303,18 @@ class RLConfig(RunConfig):
     """Seconds to wait for inference to become healthy."""
 
     @model_validator(mode="after")
+    def _check_keys_set_from_the_top(self) -> "RLConfig":
+        shadowed = shadowed_key(self, SET_FROM_THE_TOP)
+        if shadowed is not None:
+            key, top = shadowed
+            raise ConfigProblem(key, f"`tidal rl` sets this from `{top}`; set that instead")
+        return self
+
+    @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
+        transport = fit_keep_last(self.transport, self.max_async_level)
+        if transport is not self.transport:
+            self.transport = transport
         if self.trainer.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
                 "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"

@@ -7,6 +7,7 @@ the failure accounting: an exception or a timeout fails that rollout only.
 """
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,6 +92,21 @@ class Episode:
 RewardFn = Callable[[Task, Episode], float | Awaitable[float]]
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or ±inf: that rollout fails (a NaN would poison the group's advantages)."""
+
+
+def check_reward(value: float, env: str, fn: str) -> float:
+    """`value` if it is finite; else `NonFiniteReward` naming the environment and the reward function."""
+    if not math.isfinite(value):
+        raise NonFiniteReward(f"reward function {fn!r} of environment {env!r} returned {value}")
+    return value
+
+
+def reward_name(fn: RewardFn) -> str:
+    return getattr(fn, "__name__", "fn")
+
+
 async def call_reward(fn: RewardFn, task: Task, episode: Episode) -> float:
     """Reward functions may be plain or async."""
     value = fn(task, episode)
@@ -130,8 +146,8 @@ class Environment(ABC):
         """Weighted sum of the reward functions; each one is also logged as a metric under its name."""
         total = 0.0
         for fn, weight in self.rewards:
-            value = await call_reward(fn, task, episode)
-            episode.metrics[f"reward/{getattr(fn, '__name__', 'fn')}"] = value
+            value = check_reward(await call_reward(fn, task, episode), self.name, reward_name(fn))
+            episode.metrics[f"reward/{reward_name(fn)}"] = value
             total += weight * value
         episode.reward = total
 
@@ -158,17 +174,31 @@ class SingleTurnEnv(Environment):
 
 
 def completion_text(episode: Episode) -> str:
-    """The last assistant message of the episode ('' if none)."""
+    """The answer of the last assistant message of the episode, reasoning removed ('' if none)."""
     for message in reversed(episode.messages):
         if message["role"] == "assistant":
-            return str(message["content"])
+            return answer_text(str(message["content"]))
     return ""
 
 
-async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:
-    episode = await env.rollout(task, sampler)
+def answer_text(reply: str) -> str:
+    """A reply without its reasoning: the text after the last `</think>`; '' while a `<think>` block it opens
+    is unfinished (cut at max_tokens). Thinking models (Qwen3 by default) write their drafts there, and a
+    reward that parsed them would score the drafts (alphabet_sort would read `<think>` as a name)."""
+    if "</think>" in reply:
+        return reply.rsplit("</think>", 1)[1]
+    return "" if reply.lstrip().startswith("<think>") else reply
+
+
+async def score_episode(env: Environment, task: Task, episode: Episode) -> Episode:
+    """`env.score`, then the total checked too: an environment may override `score` (verifiers does)."""
     await env.score(task, episode)
+    check_reward(episode.reward, env.name, "score")
     return episode
+
+
+async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:
+    return await score_episode(env, task, await env.rollout(task, sampler))
 
 
 def task_stream(env: Environment, start: int = 0) -> Iterator[tuple[int, Task]]:

@@ -7,7 +7,7 @@ are never re-tokenised, and the text the environment adds between turns enters t
 from abc import abstractmethod
 from typing import Any
 
-from tidal.envs.base import Environment, Episode, Sampler, Task, render_prompt
+from tidal.envs.base import Environment, Episode, Sampler, Task, answer_text, render_prompt
 from tidal.inference.chat import continue_prompt
 from tidal.inference.types import ChatMessage
 
@@ -65,5 +65,5 @@ def _chat_message(message: Message) -> ChatMessage:
 
 
 def model_replies(episode: Episode) -> list[str]:
-    """The text of every assistant turn, in order."""
-    return [str(m["content"]) for m in episode.messages if m["role"] == "assistant"]
+    """The answer of every assistant turn (reasoning removed: `answer_text`), in order."""
+    return [answer_text(str(m["content"])) for m in episode.messages if m["role"] == "assistant"]

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.envs.base import Episode, RewardFn, Sampler, Task
+from tidal.envs.base import Episode, RewardFn, Sampler, Task, answer_text
 from tidal.envs.multiturn import Message, MultiTurnEnv
 
 ToolFn = Callable[..., Any | Awaitable[Any]]
@@ -149,7 +149,7 @@ class ToolEnv(MultiTurnEnv):
         episode.info.update(num_tool_calls=0, num_tool_errors=0)
 
     async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
-        calls = parse_tool_calls(str(episode.messages[-1]["content"]))
+        calls = parse_tool_calls(answer_text(str(episode.messages[-1]["content"])))
         if not calls:
             return None
         replies = []

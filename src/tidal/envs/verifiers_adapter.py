@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from tidal.envs.base import Environment, Episode, Sampler, Task, Turn, render_prompt
+from tidal.envs.base import Environment, Episode, Sampler, Task, Turn, check_reward, render_prompt
 from tidal.errors import UserError
 from tidal.inference.chat import continue_prompt
 from tidal.inference.types import ChatMessage
@@ -168,13 +168,15 @@ class VerifiersEnv(Environment):
         return episode
 
     async def score(self, task: Task, episode: Episode) -> None:
-        """The environment scored itself during the rollout; copy its rewards and metrics."""
+        """The environment scored itself during the rollout; copy its rewards and metrics (a non-finite
+        reward fails the rollout, naming the reward function that returned it)."""
         traces = episode.info.get("vf_traces", [])
-        episode.reward = sum(t.reward for t in traces) / max(1, len(traces))
         for trace in traces:
             for name, reward in trace.rewards.items():
                 if reward is not None:
-                    episode.metrics[f"reward/{name}"] = reward.score
+                    episode.metrics[f"reward/{name}"] = check_reward(float(reward.score), self.name, name)
+        episode.reward = sum(t.reward for t in traces) / max(1, len(traces))
+        for trace in traces:
             for name, value in trace.metrics.items():
                 if value is not None:
                     episode.metrics[f"vf/{name}"] = float(value)

@@ -10,7 +10,7 @@ import random
 import re
 from collections import Counter
 
-from tidal.envs.base import Episode, RewardFn, Task
+from tidal.envs.base import Episode, RewardFn, Task, answer_text
 from tidal.envs.multiturn import Message, MultiTurnEnv
 
 MAX_GUESSES = 6
@@ -119,7 +119,7 @@ class WordleEnv(MultiTurnEnv):
     async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
         info = episode.info
         info["num_guesses"] += 1
-        guess = parse_guess(str(episode.messages[-1]["content"]))
+        guess = parse_guess(answer_text(str(episode.messages[-1]["content"])))
         left = MAX_GUESSES - info["num_guesses"]
         if guess is None:
             info["num_invalid"] += 1

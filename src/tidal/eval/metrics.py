@@ -32,14 +32,21 @@ class Estimate:
 
 
 def mean_with_ci(values: Sequence[float], confidence: float = 0.95) -> Estimate:
-    """Mean and normal-approximation interval (mean ± z·s/√n, sample std), clipped to the values' range."""
+    """Mean and normal-approximation interval (mean ± z·s/√n, sample std), clipped to the values' range.
+
+    A NaN or infinite value gives that mean with a NaN interval: reported, never a crash (`statistics.stdev`
+    raises on them).
+    """
     if not values:
         return Estimate(math.nan, math.nan, math.nan)
+    if not all(math.isfinite(v) for v in values):
+        return Estimate(sum(values) / len(values), math.nan, math.nan)
     mean = statistics.fmean(values)
     if len(values) < 2:
         return Estimate(mean, mean, mean)
     z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
-    half = z * statistics.stdev(values) / math.sqrt(len(values))
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    half = z * std / math.sqrt(len(values))
     return Estimate(mean, max(min(values), mean - half), min(max(values), mean + half))
 
 

@@ -1,8 +1,11 @@
 """`tidal eval`: k rollouts per task for each environment against one model; eval.json, eval.md, rollouts.jsonl.
 
 start the server (or use server_url) → for each env: tasks × k samples, bounded in flight, each under
-a timeout (a raising or hanging environment fails that rollout only, counted) → avg@k / pass@k with
-intervals per env → files → stop the server
+a timeout (a raising or hanging environment, or a NaN reward, fails that rollout only, counted) → avg@k /
+pass@k with intervals per env → files → stop the server
+
+An environment that fails as a whole is reported with its error and the others go on; the files are
+written with whatever finished even when inference dies midway.
 """
 
 import asyncio
@@ -87,6 +90,37 @@ async def evaluate_env(
     return list(await asyncio.gather(*jobs))
 
 
+@dataclass
+class EvalResults:
+    """What finished so far: a report per environment (or its error) and every rollout record."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: list[RolloutRecord] = field(default_factory=list)
+
+
+async def evaluate_envs(
+    client: InferenceClient,
+    tokenizer: Any,
+    envs: list[tuple[EvalEnvSpec, Environment]],
+    config: EvalConfig,
+    results: EvalResults,
+) -> None:
+    """Each environment in turn into `results`; one that raises is reported as `{"error": ...}`, the
+    others still run. Inference being unreachable stops the whole eval (what finished stays in `results`)."""
+    for spec, env in envs:
+        name = spec.display_name
+        try:
+            found = await evaluate_env(client, tokenizer, env, spec, config)
+            results.reports[name] = env_report(found, config)
+        except Exception as exc:  # noqa: BLE001 - environment code may raise anything
+            if is_infrastructure_error(exc):
+                raise
+            logger.error("eval of environment %s failed: %s: %s", name, type(exc).__name__, exc)
+            results.reports[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            continue
+        results.records += found
+
+
 def env_report(records: list[RolloutRecord], config: EvalConfig) -> dict[str, Any]:
     """avg@k / pass@k with intervals, failures, and the mean of every per-rollout metric."""
     by_task: dict[int, list[float]] = {}
@@ -119,6 +153,9 @@ def markdown_table(model: str, reports: dict[str, dict[str, Any]], confidence: f
         "|---|---|---|---|" + "---|" * len(columns),
     ]
     for name, r in reports.items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} |")
+            continue
         cells = [_cell(r[c]) if c in r else "" for c in columns]
         lines.append(
             f"| {name} | {r['num_tasks']} | {r['k']} | {r['num_failed']} | " + " | ".join(cells) + " |"
@@ -135,49 +172,42 @@ def _cell(estimate: dict[str, float]) -> str:
     return f"{estimate['mean']:.3f} [{estimate['ci_low']:.3f}, {estimate['ci_high']:.3f}]"
 
 
-def write_outputs(
-    config: EvalConfig, reports: dict[str, dict[str, Any]], records: list[RolloutRecord], seconds: float
-) -> Path:
+def write_outputs(config: EvalConfig, results: EvalResults, seconds: float, error: str | None = None) -> Path:
+    """eval.json, eval.md (and rollouts.jsonl) with what finished; `error` says why the eval stopped early."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "model": config.model.name,
         "seconds": seconds,
-        "envs": reports,
+        "envs": results.reports,
         "config": config.model_dump(mode="json"),
     }
+    if error is not None:
+        result["error"] = error
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    (out / "eval.md").write_text(markdown_table(config.model.name, reports, config.confidence))
+    (out / "eval.md").write_text(markdown_table(config.model.name, results.reports, config.confidence))
     if config.save_rollouts:
         with (out / "rollouts.jsonl").open("w") as fh:
-            for r in records:
+            for r in results.records:
                 fh.write(json.dumps(r.__dict__) + "\n")
     return out
 
 
-async def evaluate(config: EvalConfig, url: str) -> tuple[dict[str, dict[str, Any]], list[RolloutRecord]]:
-    from transformers import AutoTokenizer
-
+async def evaluate(config: EvalConfig, url: str, results: EvalResults) -> None:
     from tidal.envs.registry import build_env
-    from tidal.testing import resolve_model_name
+    from tidal.inference.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
+    tokenizer = load_tokenizer(config.model)
     envs = [(spec, build_env(spec)) for spec in config.env]
-    reports: dict[str, dict[str, Any]] = {}
-    records: list[RolloutRecord] = []
     async with InferenceClient([url], timeout=config.timeout) as client:
         await client.wait_healthy(timeout=60)
         try:
-            for spec, env in envs:
-                found = await evaluate_env(client, tokenizer, env, spec, config)
-                reports[spec.display_name] = env_report(found, config)
-                records += found
+            await evaluate_envs(client, tokenizer, envs, config, results)
         finally:
             for _, env in envs:
                 close = getattr(env, "aclose", None)  # adapters holding servers (verifiers) release them
                 if close is not None:
                     await close()
-    return reports, records
 
 
 def main(config: EvalConfig) -> int:
@@ -197,16 +227,18 @@ def main(config: EvalConfig) -> int:
         if server is not None:
             server.wait_ready(config.startup_timeout)
         url = config.server_url or (server.url if server else "")
-        start = time.perf_counter()
+        start, results = time.perf_counter(), EvalResults()
         try:
-            reports, records = asyncio.run(evaluate(config, url))
+            asyncio.run(evaluate(config, url, results))
         except (NoHealthyServer, ServerFailed) as exc:
+            if results.reports:  # keep what finished before inference went away
+                write_outputs(config, results, time.perf_counter() - start, error=f"inference failed: {exc}")
             raise UserError(f"inference failed: {exc}") from None
-        out = write_outputs(config, reports, records, time.perf_counter() - start)
+        out = write_outputs(config, results, time.perf_counter() - start)
     finally:
         if server is not None:
             server.stop()
-    print(markdown_table(config.model.name, reports, config.confidence), end="")
+    print(markdown_table(config.model.name, results.reports, config.confidence), end="")
     print(f"tidal eval: wrote {out / 'eval.json'} and {out / 'eval.md'}", flush=True)
     return 0
 

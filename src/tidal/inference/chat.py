@@ -4,6 +4,28 @@ Rendering the grown message list again and tokenising it can give different ids 
 earlier reply (BPE merges across the boundary, templates that strip reasoning, a reply cut at max_tokens),
 and the trainer would then learn from tokens the model never sampled. `continue_prompt` keeps the ids
 that were sampled verbatim and tokenises only the text the chat template adds after them.
+
+Where that text is: the conversation is rendered with a placeholder standing for the model's last reply
+and the new messages after it, and what follows the placeholder is appended. Only the text after the
+last reply is taken from the template, so templates that render history differently once more turns
+follow it are handled: Qwen3's, which puts `<think>\\n\\n</think>\\n\\n` before the final assistant reply
+only and strips the reasoning of turns before the last user query; harmony-style ones, which end the final assistant message
+with the stop token and earlier ones with another marker. When the model stopped with the special token
+that the template's text after the reply starts with (ChatML's `<|im_end|>`), or with the one the template
+ends a final reply with (harmony's `<|return|>`, where history has `<|end|>`), the sampled token closes
+the turn and the template's end-of-turn token is not added again.
+
+Whatever the template would now render differently *before* the reply (reasoning dropped, `<think>`
+blocks added or removed, an earlier turn's end marker swapped) is left as it was sampled, on purpose:
+the context is what the model saw when it generated, and the trainer must score exactly those tokens.
+The cost is a context that differs from a fresh render of the same conversation (Qwen3 keeps the
+reasoning of earlier turns that its template would strip); a model then sees its own full history, as
+when it generated it. Still refused (`TemplateMismatch`): a template that renders the reply's content
+not exactly once, or a new message not after the reply (dropped, or put earlier, e.g. into the system
+turn). Not detectable: text before the reply that depends on later turns (a turn counter in the system
+prompt); it is not added, for the same reason. The template is called with its defaults (no
+`enable_thinking`, as for the first prompt), so every generation prompt is the same, and without `tools=`:
+Qwen3's tool list is in the system turn, before any reply, so that changes nothing that is appended.
 """
 
 from collections.abc import Sequence
@@ -13,7 +35,7 @@ from tidal.inference.types import ChatMessage
 
 
 class TemplateMismatch(ValueError):
-    """The chat template does not render the conversation so far as a prefix of the longer one."""
+    """The chat template does not render the new messages as text that follows the model's last reply."""
 
 
 # Stands in for the model's reply when rendering, so the sampled text (which may hold special tokens or
@@ -40,18 +62,59 @@ def continue_prompt(
     `context_ids` are the last prompt's ids followed by the sampled completion ids (EOS included if it was
     sampled). `messages` is the conversation they encode, ending with the model's reply, whose content is
     not used (see _REPLY). What is appended: the rest of the reply's turn (the end-of-turn marker unless
-    the model sampled it) and the new messages with the generation prompt.
+    the model sampled a stop token) and the new messages with the generation prompt.
     """
     if not messages or messages[-1].role != "assistant":
         raise ValueError("messages must end with the assistant turn that context_ids end with")
     history = [*messages[:-1], ChatMessage(role="assistant", content=_REPLY)]
-    closed = render(tokenizer, history, add_generation_prompt=False)
-    full = render(tokenizer, [*history, *new_messages], add_generation_prompt=True)
-    if not full.startswith(closed) or closed.count(_REPLY) != 1:
-        raise TemplateMismatch("the chat template does not render earlier turns as a prefix of later ones")
-    turn_end = closed[closed.index(_REPLY) + len(_REPLY) :]
-    eos = tokenizer.eos_token
-    if context_ids and context_ids[-1] == tokenizer.eos_token_id and eos and turn_end.startswith(eos):
-        turn_end = turn_end[len(eos) :]
-    suffix = tokenizer(turn_end + full[len(closed) :], add_special_tokens=False)["input_ids"]
-    return [*context_ids, *suffix]
+    suffix = text_after_reply(render(tokenizer, [*history, *new_messages], add_generation_prompt=True))
+    check_new_messages_follow(suffix, new_messages)
+    ids = token_ids(tokenizer, suffix)
+    if context_ids and ids:
+        final_end = token_ids(
+            tokenizer, text_after_reply(render(tokenizer, history, add_generation_prompt=False))
+        )
+        if closes_turn(tokenizer, context_ids[-1], ids[0], final_end[:1]):
+            ids = ids[1:]
+    return [*context_ids, *ids]
+
+
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def text_after_reply(rendered: str) -> str:
+    """The rendered text after the placeholder reply, which must appear exactly once."""
+    if rendered.count(_REPLY) != 1:
+        raise TemplateMismatch(
+            f"the chat template renders the model's reply {rendered.count(_REPLY)} times, not once"
+        )
+    return rendered[rendered.index(_REPLY) + len(_REPLY) :]
+
+
+def check_new_messages_follow(suffix: str, new_messages: Sequence[ChatMessage]) -> None:
+    """Every new message's content (stripped: templates may trim it) must be in the text after the reply."""
+    for message in new_messages:
+        if message.content.strip() not in suffix:
+            raise TemplateMismatch(
+                f"the chat template does not render the new {message.role} message after the model's reply"
+            )
+
+
+def closes_turn(tokenizer: Any, last_id: int, first_id: int, final_end: list[int]) -> bool:
+    """Whether the sampled `last_id` already ends the reply's turn, so the suffix's `first_id` is not added.
+
+    Yes if both are special tokens and the model sampled that very token (ChatML's `<|im_end|>`), or
+    sampled the token the template ends a *final* reply with (`final_end`, the start of the text after
+    the reply when nothing follows it) while a non-final reply ends with another (harmony: `<|return|>`
+    sampled, `<|end|>` in history). A special token the template puts after a final reply too (a role
+    marker of a template without end-of-turn markers) is kept.
+    """
+    if not (is_special(tokenizer, last_id) and is_special(tokenizer, first_id)):
+        return False
+    return last_id == first_id or final_end == [last_id]
+
+
+def is_special(tokenizer: Any, token_id: int) -> bool:
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    return token_id in tokenizer.all_special_ids or (added is not None and added.special)

@@ -6,20 +6,30 @@ vLLM mounts its RL routes (pause, weight transfer) only in dev mode, which also 
 - public: health, model list, OpenAI generation, tokenisation, read-only status;
 - admin: pause/resume, weight updates, LoRA loads — need the shared token whenever one is configured (and
   one must be, to bind beyond loopback);
-- everything else (dev routes, docs, anything new in a later vLLM) answers only to loopback clients.
+- everything else (dev routes, docs, anything new in a later vLLM) answers only to loopback clients, and
+  once a token is configured only with it: other processes on the host (a rollout's sandboxed code, other
+  users) reach loopback too.
 
-It also checks a filesystem `/update_weights` path before it reaches the workers, so a typo is a 400
-instead of a worker error.
+It also checks a filesystem `/update_weights` directory before it reaches the workers (which tear the model
+down before they read a file): safetensors headers, names, shapes and dtypes against the checkpoint the
+server started from, and (unless turned off) that every value is finite. A bad update is a 400 naming the
+tensor and the old weights keep serving. If a load still fails midway and the workers could not restore
+the previous weights (their error carries `WEIGHTS_BROKEN`), the server answers 503 on `/health` and on
+generation until an update succeeds, so clients and the launcher take it out of rotation.
 """
 
+import asyncio
 import hmac
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, is_loopback
+from tidal.transport.weight_checks import WEIGHTS_BROKEN, Reference, load_reference, update_problem
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -28,7 +38,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 BIND_HOST_ENV = "TIDAL_BIND_HOST"
 WEIGHTS_BACKEND_ENV = "TIDAL_WEIGHTS_BACKEND"
+REFERENCE_WEIGHTS_ENV = "TIDAL_REFERENCE_WEIGHTS"  # the model the server started from (dir or hub id)
+CHECK_FINITE_ENV = "TIDAL_CHECK_FINITE"
 TOKEN_HEADER = "x-admin-token"
+logger = logging.getLogger(__name__)
 
 PUBLIC_ROUTES = frozenset(
     {
@@ -85,6 +98,8 @@ class AccessPolicy:
             return self._check_admin(token)
         if client_host is None or not is_loopback(client_host):
             return 403, f"{path} is only served to clients on the server's own host"
+        if self.admin_token is not None and not self._token_matches(token):
+            return 401, f"{path}: missing or wrong {TOKEN_HEADER} header"
         return None
 
     def _check_admin(self, token: str | None) -> tuple[int, str] | None:
@@ -92,9 +107,17 @@ class AccessPolicy:
             if is_loopback(self.bind_host):
                 return None
             return 403, "admin routes are disabled: the server binds beyond loopback without an admin token"
-        if token is None or not hmac.compare_digest(token.encode(), self.admin_token.encode()):
+        if not self._token_matches(token):
             return 401, f"admin route: missing or wrong {TOKEN_HEADER} header"
         return None
+
+    def _token_matches(self, token: str | None) -> bool:
+        expected = self.admin_token
+        return (
+            expected is not None
+            and token is not None
+            and hmac.compare_digest(token.encode(), expected.encode())
+        )
 
 
 class AdminGuard:
@@ -104,24 +127,85 @@ class AdminGuard:
         self.app = app
         self.policy = AccessPolicy.from_env()
         self.check_paths = os.environ.get(WEIGHTS_BACKEND_ENV, "filesystem") == "filesystem"
+        self.checks = UpdateChecks.from_env()
+        self.broken: str | None = None  # why this server must not serve (a load that failed midway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         client = scope.get("client")
-        denied = self.policy.check(scope["path"], client[0] if client else None, _header(scope, TOKEN_HEADER))
+        path = scope["path"].rstrip("/") or "/"
+        denied = self.policy.check(path, client[0] if client else None, _header(scope, TOKEN_HEADER))
         if denied is not None:
             await _reply(send, *denied, kind="PermissionDenied")
             return
-        if self.check_paths and scope["path"].rstrip("/") == "/update_weights":
+        if self.broken is not None and (path == "/health" or path.startswith("/v1/")):
+            await _reply(send, 503, self.broken, kind="ServiceUnavailable")
+            return
+        if path == "/update_weights":
+            await self._update_weights(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _update_weights(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.check_paths:
             body = await _read_body(receive)
-            problem = _weights_path_problem(body)
+            # Reading every tensor takes about a second per GB: off the event loop, so /health answers.
+            problem = await asyncio.to_thread(self.checks.problem, body)
             if problem is not None:
                 await _reply(send, 400, problem, kind="BadRequestError")
                 return
             receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+        status, reply = await _forward_watching(self.app, scope, receive, send)
+        if status < 300:
+            self.broken = None
+        elif status >= 500 and WEIGHTS_BROKEN in reply:
+            self.broken = (
+                f"a weight update failed midway and the {WEIGHTS_BROKEN}: load good weights or restart"
+            )
+            logger.error("tidal guard: %s", self.broken)
+
+
+@dataclass
+class UpdateChecks:
+    """What a filesystem update is checked against: the served checkpoint's headers (read once)."""
+
+    reference_name: str | None
+    check_finite: bool
+    _reference: Reference | None = None
+    _resolved: bool = False
+
+    @classmethod
+    def from_env(cls) -> "UpdateChecks":
+        finite = os.environ.get(CHECK_FINITE_ENV, "1") not in ("0", "false", "False")
+        return cls(os.environ.get(REFERENCE_WEIGHTS_ENV) or None, finite)
+
+    def problem(self, body: bytes) -> str | None:
+        """Why the `/update_weights` request in `body` must not reach the workers, or None."""
+        from tidal.transport.weights import check_weights_dir  # imports the trainer's export module
+
+        paths, malformed = _update_paths(body)
+        if malformed is not None:
+            return malformed
+        for path in paths:
+            problem = check_weights_dir(path) or update_problem(
+                Path(path), self.reference(), self.check_finite
+            )
+            if problem is not None:
+                return problem
+        return None
+
+    def reference(self) -> Reference | None:
+        if not self._resolved:
+            self._resolved = True
+            self._reference = load_reference(self.reference_name) if self.reference_name else None
+            if self._reference is None:
+                logger.warning(
+                    "tidal guard: no local checkpoint for %s: updates are checked without names/shapes",
+                    self.reference_name,
+                )
+        return self._reference
 
 
 def _header(scope: Scope, name: str) -> str | None:
@@ -131,22 +215,20 @@ def _header(scope: Scope, name: str) -> str | None:
     return None
 
 
-def _weights_path_problem(body: bytes) -> str | None:
-    from tidal.transport.weights import check_weights_dir
-
+def _update_paths(body: bytes) -> tuple[list[str], str | None]:
+    """The directories a filesystem `/update_weights` body names, or why the body is malformed."""
     try:
         update_info = json.loads(body or b"{}").get("update_info")
     except (ValueError, AttributeError):
-        return "body must be a JSON object with an `update_info` field"
+        return [], "body must be a JSON object with an `update_info` field"
     infos = update_info if isinstance(update_info, list) else [update_info]
+    paths = []
     for info in infos:
         path = info.get("path") if isinstance(info, dict) else None
         if not isinstance(path, str):
-            return 'filesystem weight update needs `update_info` = {"path": "<dir of HF safetensors>"}'
-        problem = check_weights_dir(path)
-        if problem is not None:
-            return problem
-    return None
+            return [], 'filesystem weight update needs `update_info` = {"path": "<dir of HF safetensors>"}'
+        paths.append(path)
+    return paths, None
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -170,6 +252,24 @@ def _replay(body: bytes, original: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return receive
+
+
+async def _forward_watching(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> tuple[int, str]:
+    """Run the app, passing its response through; returns the status and (the start of) the body."""
+    status, kept = 0, 0
+    chunks: list[bytes] = []
+
+    async def watch(message: MutableMapping[str, Any]) -> None:
+        nonlocal status, kept
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+        elif message["type"] == "http.response.body" and kept < 65536:
+            chunks.append(bytes(message.get("body", b"")))
+            kept += len(chunks[-1])
+        await send(message)
+
+    await app(scope, receive, watch)
+    return status, b"".join(chunks).decode("utf-8", "replace")
 
 
 async def _reply(send: Send, status: int, message: str, kind: str) -> None:

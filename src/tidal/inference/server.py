@@ -4,7 +4,7 @@ The server is vLLM's own (`vllm.entrypoints.openai.api_server`, which works on v
 console script does not), started with:
 - `VLLM_SERVER_DEV_MODE=1`, which mounts vLLM's RL routes (pause/resume, weight transfer, weight version);
 - `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
-  and puts admin routes behind a token;
+  and puts them and the admin routes behind a token, and checks weight-update files before they load;
 - `--worker-extension-cls`, which registers the `filesystem` weight-transfer engine in the workers;
 - `--generation-config vllm`, so the model's generation_config cannot change sampling behind RL's back.
 It runs in its own session (process group); stopping kills the whole group, engine processes included.
@@ -25,7 +25,12 @@ from typing import IO, Literal
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
-from tidal.inference.guard import BIND_HOST_ENV, WEIGHTS_BACKEND_ENV
+from tidal.inference.guard import (
+    BIND_HOST_ENV,
+    CHECK_FINITE_ENV,
+    REFERENCE_WEIGHTS_ENV,
+    WEIGHTS_BACKEND_ENV,
+)
 from tidal.launcher.process import INNER_STOP_GRACE, die_with_parent, stop_groups
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -97,6 +102,8 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         "PYTHONUNBUFFERED": "1",
         BIND_HOST_ENV: config.server.host,
         WEIGHTS_BACKEND_ENV: config.weights.backend,
+        REFERENCE_WEIGHTS_ENV: model_path,  # what updates are checked against (guard and workers)
+        CHECK_FINITE_ENV: "0" if config.weights.check_finite is False else "1",
     }
     if token is not None:
         env[ADMIN_TOKEN_ENV] = token

@@ -4,8 +4,13 @@ vLLM imports the class named by `--worker-extension-cls` in every worker before 
 importing this module is how the engine reaches the spawned workers without a plugin entry point. The
 engine plugs into vLLM's own RL weight-transfer API (`/start_weight_update`, `/update_weights` with
 `{"path": DIR}`, `/finish_weight_update`), so pausing, versioning and the HTTP routes stay vLLM's.
+
+A load begins only after the files pass the header checks of `tidal.transport.weight_checks` (the server's
+guard has run them and the value check already); a load that still fails midway reloads the weights served
+before it, and says `WEIGHTS_BROKEN` (the guard then reports the server unhealthy) if that fails too.
 """
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from tidal.inference.guard import REFERENCE_WEIGHTS_ENV
+from tidal.transport.weight_checks import (
+    Reference,
+    load_or_restore,
+    load_reference,
+    local_checkpoint,
+    update_problem,
+)
 from tidal.transport.weights import check_weights_dir
 
 FILESYSTEM_BACKEND = "filesystem"
@@ -58,6 +71,10 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
 
     init_info_cls = FilesystemInitInfo
     update_info_cls = FilesystemUpdateInfo
+    # per-instance once set (the base class's __init__ differs across vLLM releases, so no __init__ here)
+    _served: Path | None = None
+    _reference_cache: Reference | None = None
+    _reference_loaded = False
 
     def init_transfer_engine(self, init_info: FilesystemInitInfo) -> None:
         pass
@@ -74,19 +91,45 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: FilesystemUpdateInfo) -> None:
+        directory = Path(update_info.path)
+        # The server's guard checked the files already (values included); the cheap header checks again
+        # here keep a request that bypassed it from tearing the model down over a bad file.
+        reference = self._reference()
+        problem = check_weights_dir(directory) or update_problem(directory, reference, check_finite=False)
+        if problem:
+            raise ValueError(problem)
+        load_or_restore(self._load, directory, self._serving())
+        self._served = directory
+
+    def _load(self, directory: Path) -> None:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        directory = Path(update_info.path)
-        problem = check_weights_dir(directory)
-        if problem:
-            raise ValueError(problem)
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter_safetensors(directory))  # type: ignore[operator]  # vLLM models define it
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            self.model.load_weights(iter_safetensors(directory))  # type: ignore[operator]  # vLLM models define it
+        finally:
+            # also after a failure: puts the layers that got nothing back and unwraps the loaders, so the
+            # next reload (of the previous weights) starts from a whole model
+            finalize_layerwise_reload(self.model, self.model_config)
         retie_lm_head(self.model, self.model_config)
+
+    def _reference(self) -> Reference | None:
+        if not self._reference_loaded:
+            name = os.environ.get(REFERENCE_WEIGHTS_ENV)
+            self._reference_cache = load_reference(name) if name else None
+            self._reference_loaded = True
+        return self._reference_cache
+
+    def _serving(self) -> Path | None:
+        """The weights served now: the last update (even if since pruned: then restoring fails, rather
+        than silently serving older weights under the current version), else the checkpoint started from."""
+        if self._served is not None:
+            return self._served
+        name = os.environ.get(REFERENCE_WEIGHTS_ENV)
+        return local_checkpoint(name) if name else None
 
     def finish_weight_update(self) -> None:
         pass

@@ -3,9 +3,9 @@
 import os
 from dataclasses import dataclass
 
-from tidal.config.inference import InferenceConfig, VLLMConfig
+from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, RLConfig, RLTrainerConfig
+from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig
 from tidal.inference.server import client_url
 
 
@@ -19,7 +19,8 @@ class RoleConfigs:
 
 
 def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
-    """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top."""
+    """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top
+    (RLConfig refuses them in the sub-tables, where they would be overwritten)."""
     num_cpus = num_cpus or os.cpu_count() or 1
     shared = {
         "output_dir": rl.output_dir,
@@ -28,7 +29,9 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
         "resume": rl.resume,
         "model": rl.model,
     }
-    inference = rl.inference.model_copy(update={"model": rl.model, "vllm": _vllm_for(rl)})
+    inference = rl.inference.model_copy(
+        update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
+    )
     if not on_gpu:
         inference = inference.model_copy(
             update={
@@ -59,9 +62,19 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
             "transport": rl.transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
+            "publish": _publish_for(rl),
         }
     )
     return RoleConfigs(inference, orchestrator, trainer)
+
+
+def _publish_for(rl: RLConfig) -> PublishConfig:
+    """Publish in the dtype inference serves, spelled out (`auto` would mean it too): the trainer's config
+    then shows it beside its fp32 master weights (perf.master_dtype)."""
+    publish = rl.trainer.publish
+    if publish.dtype == "auto" and rl.model.dtype != "auto":
+        publish = publish.model_copy(update={"dtype": rl.model.dtype})
+    return publish
 
 
 def _vllm_for(rl: RLConfig) -> VLLMConfig:
@@ -75,6 +88,14 @@ def _vllm_for(rl: RLConfig) -> VLLMConfig:
         # Each step is a new adapter; requests of the previous one may still run beside the new one's.
         update["max_loras"] = max(vllm.max_loras, 2)
     return vllm.model_copy(update=update)
+
+
+def _weights_for(rl: RLConfig) -> WeightUpdateConfig:
+    """`check_finite = auto` is off under `tidal rl`: its trainer refuses non-finite weights at publish."""
+    weights = rl.inference.weights
+    if weights.check_finite == "auto":
+        return weights.model_copy(update={"check_finite": False})
+    return weights
 
 
 def _inference_cpus(rl: RLConfig, num_cpus: int) -> str:

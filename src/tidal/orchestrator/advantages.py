@@ -60,6 +60,8 @@ class FilterResult:
     """`advantages[i][j]` belongs to `groups[i].rollouts[j]`."""
     num_zero_signal: int = 0
     """Groups whose advantages are all zero (dropped unless the policy is `keep`)."""
+    num_failed_groups: int = 0
+    """Groups none of whose rollouts finished (always dropped: nothing to keep, whatever the policy)."""
     num_failed_rollouts: int = 0
     """Rollouts removed because they failed."""
 
@@ -71,7 +73,8 @@ def filter_groups(
     eps: float = DEFAULT_EPS,
     tol: float = DEFAULT_TOL,
 ) -> FilterResult:
-    """Drop failed rollouts, compute advantages, and drop zero-signal groups unless `policy` is `keep`.
+    """Drop failed rollouts, compute advantages, and drop zero-signal groups unless `policy` is `keep`;
+    a group none of whose rollouts finished is dropped whatever the policy (counted as failed).
 
     `refill` filters like `drop`; the caller then samples `num_zero_signal` new tasks to replace them.
     """
@@ -79,6 +82,9 @@ def filter_groups(
     for group in groups:
         usable = usable_rollouts(group)
         result.num_failed_rollouts += len(group.rollouts) - len(usable)
+        if not usable:
+            result.num_failed_groups += 1
+            continue
         advantages = group_advantages(group, kind, eps)
         if is_zero_signal(advantages, tol):
             result.num_zero_signal += 1
@@ -117,8 +123,19 @@ def split_stale(groups: Sequence[Group], step: int, max_async_level: int) -> Sta
         raise ValueError(f"max_async_level must be >= 0, got {max_async_level}")
     split = StalenessSplit(fresh=[], stale=[])
     for group in groups:
-        (split.stale if stale(group.min_version, step, max_async_level) else split.fresh).append(group)
+        version = oldest_usable_version(group)
+        too_old = version is not None and stale(version, step, max_async_level)
+        (split.stale if too_old else split.fresh).append(group)
     return split
+
+
+def oldest_usable_version(group: Group) -> int | None:
+    """The oldest policy behind the group's finished rollouts; None when every one failed.
+
+    A failed rollout trains nothing, and one that failed before any model call has no version at all (it
+    carries 0): judging by it would call the group stale when it is failed.
+    """
+    return min((r.policy_version for r in usable_rollouts(group)), default=None)
 
 
 class StalenessTracker:

@@ -1,7 +1,8 @@
 """`tidal orchestrator`: for each step, wait until inference is recent enough, collect groups, ship a batch.
 
-    wait for policy ≥ step − max_async_level → run groups (bounded in flight) → drop stale / zero-signal
-    groups, refill → advantages → pack per trainer rank → send batch `step` → save state → log
+    wait for policy ≥ step − max_async_level → run groups (bounded in flight) → drop stale / zero-signal /
+    failed groups, refill (at most max_tasks_factor × num_prompts tasks) → advantages → pack per trainer
+    rank → send batch `step` → save state → log
 
 Inference keeps serving while the trainer works on the previous batch: with max_async_level = k the
 rollouts of step n may come from any policy n − k … n, which is where asynchrony buys speed.
@@ -10,8 +11,8 @@ rollouts of step n may come from any policy n − k … n, which is where asynch
 import asyncio
 import json
 import logging
+import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import make_train_batches, make_train_samples
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
+from tidal.orchestrator.stats import StepStats, mean_std, per_env_metrics, shortfall
 from tidal.transport.rollouts import setup_sender
 from tidal.types import Group
 
@@ -48,26 +50,6 @@ class OrchestratorState:
     staleness: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class StepStats:
-    """What one step's collection did, for the metrics."""
-
-    num_zero_signal: int = 0
-    num_failed_rollouts: int = 0
-    num_stale_rollouts: int = 0
-    num_groups_run: int = 0
-    env_rewards: dict[str, list[float]] = field(default_factory=dict)
-    """Rewards of every finished rollout per environment, kept or dropped (zero-signal groups included)."""
-    env_failed: dict[str, int] = field(default_factory=dict)
-
-    def record(self, groups: list[Group]) -> None:
-        for group in groups:
-            self.env_rewards.setdefault(group.env, []).extend(r.reward for r in group.rollouts)
-            self.env_failed[group.env] = self.env_failed.get(group.env, 0) + sum(
-                r.failed for r in group.rollouts
-            )
-
-
 def build_env(config: OrchestratorConfig) -> Environment:
     """One environment, or an EnvMix over several by weight (task order seeded by the run's seed)."""
     from tidal.envs.registry import build_envs
@@ -79,16 +61,14 @@ class Orchestrator:
     """Owns the task stream, the group buffer and the batch sender; `run()` is the whole process."""
 
     def __init__(self, config: OrchestratorConfig):
-        from transformers import AutoTokenizer
-
-        from tidal.testing import resolve_model_name
+        from tidal.inference.tokenizer import load_tokenizer
 
         self.config = config
         self.out = config.output_dir
         self.env = build_env(config)
         # built at the first online eval, reused, closed at the end
         self.eval_envs: dict[str, Environment] = {}
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(config.model.name))
+        self.tokenizer = load_tokenizer(config.model)
         self.state = OrchestratorState()
         self.tracker = StalenessTracker(config.max_async_level)
         self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
@@ -147,62 +127,77 @@ class Orchestrator:
     async def _collect(
         self, client: InferenceClient, step: int
     ) -> tuple[list[Group], list[list[float]], StepStats]:
-        """Exactly `num_prompts` fresh groups with signal: buffered ones first, then new ones, refilling drops."""
+        """`num_prompts` fresh groups with signal: buffered ones first, then new ones, refilling drops.
+
+        At most `max_tasks_factor × num_prompts` new tasks: then the step trains on fewer groups (warned),
+        or, with none, stops the run with the reason (every rollout failing, rewards that never differ).
+        """
         cfg, stats = self.config, StepStats()
+        num_prompts = cfg.batch.num_prompts
+        limit = math.floor(cfg.batch.max_tasks_factor * num_prompts)
         kept: list[Group] = []
         advantages: list[list[float]] = []
-        buffered = [Group.from_dict(g) for g in self.state.buffer]
+        self._accept([Group.from_dict(g) for g in self.state.buffer], step, kept, advantages, stats)
         self.state.buffer = []
-        self._accept(buffered, step, kept, advantages, stats)
         pending: dict[asyncio.Task[Group], int] = {}
+        drawn = 0
         try:
-            while len(kept) < cfg.batch.num_prompts:
-                while (
-                    len(kept) + len(pending) < cfg.batch.num_prompts
-                    and len(pending) < cfg.client.max_in_flight
-                ):
+            while len(kept) < num_prompts and (pending or drawn < limit):
+                busy = len(pending)
+                room = min(limit - drawn, num_prompts - len(kept) - busy, cfg.client.max_in_flight - busy)
+                for _ in range(max(0, room)):
                     position, task = self._next_task()
                     pending[asyncio.create_task(self._run(client, task, position))] = position
+                    drawn += 1
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for finished in done:
                     pending.pop(finished)
                     stats.num_groups_run += 1
                     self._accept([finished.result()], step, kept, advantages, stats)
         finally:
-            for (
-                running,
-                position,
-            ) in pending.items():  # not needed this step: run again later with the same seed
+            for running, position in pending.items():  # not needed this step: run again later, same seed
                 running.cancel()
                 self.state.requeued.append(position)
-        extra = kept[cfg.batch.num_prompts :]
-        self.state.buffer = [g.to_dict() for g in extra]
-        return kept[: cfg.batch.num_prompts], advantages[: cfg.batch.num_prompts], stats
+        self._check_enough(step, len(kept), stats)
+        self.state.buffer = [g.to_dict() for g in kept[num_prompts:]]
+        return kept[:num_prompts], advantages[:num_prompts], stats
+
+    def _check_enough(self, step: int, num_kept: int, stats: StepStats) -> None:
+        """Stop with the reason when a step found no group to train on; warn when it found fewer than asked."""
+        num_prompts = self.config.batch.num_prompts
+        if num_kept >= num_prompts:
+            return
+        reason = shortfall(step, num_kept, num_prompts, stats)
+        if num_kept == 0:
+            raise UserError(reason)
+        print(f"orchestrator: {reason}; training on them", flush=True)
 
     async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
-        """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/..."""
+        """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/...
+
+        An eval environment that fails is logged and left out; training goes on."""
         from tidal.config.eval import EvalConfig
         from tidal.envs.registry import build_env as build_one
-        from tidal.eval.runner import env_report, evaluate_env
+        from tidal.eval.runner import EvalResults, evaluate_envs
 
         spec = self.config.online_eval
+        assert spec.env is not None and spec.sampling is not None  # OrchestratorConfig fills the defaults
         eval_config = EvalConfig(
             env=spec.env, num_tasks=spec.num_tasks, k=spec.k, sampling=spec.sampling, seed=self.config.seed
         )
-        metrics: dict[str, float] = {"eval/policy_version": version}
         for env_spec in eval_config.env:
-            env = self.eval_envs.get(env_spec.display_name)
-            if env is None:
-                env = self.eval_envs[env_spec.display_name] = build_one(env_spec)
-            report = env_report(
-                await evaluate_env(client, self.tokenizer, env, env_spec, eval_config), eval_config
-            )
+            if env_spec.display_name not in self.eval_envs:
+                self.eval_envs[env_spec.display_name] = build_one(env_spec)
+        envs = [(s, self.eval_envs[s.display_name]) for s in eval_config.env]
+        results = EvalResults()
+        await evaluate_envs(client, self.tokenizer, envs, eval_config, results)
+        metrics: dict[str, float] = {"eval/policy_version": version}
+        for name, report in results.reports.items():
             for key, value in report.items():
-                name = f"eval/{env_spec.display_name}/{key}"
                 if isinstance(value, int | float):
-                    metrics[name] = value
+                    metrics[f"eval/{name}/{key}"] = value
                 elif isinstance(value, dict) and "mean" in value:  # avg@k / pass@k with their interval
-                    metrics[name] = value["mean"]
+                    metrics[f"eval/{name}/{key}"] = value["mean"]
         print(
             f"orchestrator online eval at step {step}: "
             + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "avg@" in k or "pass@" in k),
@@ -227,6 +222,7 @@ class Orchestrator:
             kind=self.config.batch.advantage,
         )
         stats.num_zero_signal += result.num_zero_signal
+        stats.num_failed_groups += result.num_failed_groups
         stats.num_failed_rollouts += result.num_failed_rollouts
         kept.extend(result.groups)
         advantages.extend(result.advantages)
@@ -266,20 +262,23 @@ class Orchestrator:
         waited: float,
         evaluated: dict[str, float],
     ) -> None:
-        rollouts = [r for g in groups for r in g.rollouts]
-        rewards = [r.reward for r in rollouts]
+        rollouts = [r for g in groups for r in g.rollouts]  # the batch: failed rollouts are removed already
+        reward_mean, reward_std = mean_std([r.reward for r in rollouts])
         lags = [step - r.policy_version for r in rollouts]
         num_tokens = sum(len(r.completion_ids) for r in rollouts)
         metrics = {
-            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
-            "reward/std": statistics.pstdev(rewards) if rewards else 0.0,
+            "reward/mean": reward_mean,
+            "reward/std": reward_std,
             "off_policy/max": max(lags, default=0),
-            "off_policy/mean": statistics.fmean(lags) if lags else 0.0,
+            "off_policy/mean": mean_std(lags)[0],
             "policy_version": policy.version,
             "rollouts/dropped_stale": stats.num_stale_rollouts,
             "rollouts/dropped_stale_total": self.tracker.num_dropped_rollouts,
             "rollouts/zero_signal_groups": stats.num_zero_signal,
             "rollouts/failed": stats.num_failed_rollouts,
+            "rollouts/failed_frac": stats.failed_frac,
+            "rollouts/groups_kept": len(groups),
+            "rollouts/failed_groups": stats.num_failed_groups,
             "rollouts/groups_run": stats.num_groups_run,
             "completion_len/mean": num_tokens / max(1, len(rollouts)),
             "tokens_per_s": num_tokens / max(elapsed, 1e-9),
@@ -327,19 +326,6 @@ class Orchestrator:
         sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
-
-
-def per_env_metrics(stats: StepStats, kept: list[Group]) -> dict[str, float]:
-    """Per environment (`env/<name>/...`): mean reward and failures over every rollout run this step (a mixed
-    run drops zero-signal groups per env, so the kept batch alone would hide an env that earns nothing), and
-    the groups that made it into the batch."""
-    out: dict[str, float] = {}
-    for name, rewards in stats.env_rewards.items():
-        out[f"env/{name}/reward/mean"] = statistics.fmean(rewards) if rewards else 0.0
-        out[f"env/{name}/rollouts"] = float(len(rewards))
-        out[f"env/{name}/failed"] = float(stats.env_failed.get(name, 0))
-        out[f"env/{name}/kept_groups"] = float(sum(g.env == name for g in kept))
-    return out
 
 
 def main(config: OrchestratorConfig) -> int:

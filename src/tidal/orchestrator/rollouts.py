@@ -12,7 +12,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, run_episode
+from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, run_episode, score_episode
 from tidal.envs.mix import EnvMix, env_name
 from tidal.inference.client import InferenceClient, is_infrastructure_error
 from tidal.inference.sampler import ClientSampler
@@ -83,12 +83,8 @@ async def _single_turn_group(
     finally:
         client.end_session(sampler.session_id)
 
-    async def score(episode: Episode) -> Episode:
-        await env.score(task, episode)
-        return episode
-
     rollouts = await asyncio.gather(
-        *(_fails_alone(score(e), env, task, sampler.versions, timeout) for e in episodes)
+        *(_fails_alone(score_episode(env, task, e), env, task, sampler.versions, timeout) for e in episodes)
     )
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
 

@@ -3,6 +3,11 @@
 No download: the tokenizer is a character vocabulary (printable ASCII plus newline and tab) with ChatML
 special tokens, and the model is a randomly initialised Qwen3 with a fixed seed. Both are written in HF
 format, so `AutoModelForCausalLM`, `AutoTokenizer` and vLLM load the directory like any hub model.
+
+`tidal-testing/tiny-qwen3` uses plain ChatML; `tidal-testing/tiny-qwen3-chat` is the same model and
+vocabulary with a Qwen3-style chat template (`tidal.testing.templates`: `<think>` blocks on the last
+assistant turn only, reasoning stripped from earlier turns, tool results in `<tool_response>` user turns),
+for multi-turn runs that meet a template which re-renders history. `<think>` is plain characters there.
 """
 
 import os
@@ -11,9 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
+
 TINY_MODEL_NAME = "tidal-testing/tiny-qwen3"
+TINY_CHAT_MODEL_NAME = "tidal-testing/tiny-qwen3-chat"
 # Bump when the recipe changes so cached copies are rebuilt instead of silently reused.
 _RECIPE_VERSION = "v2"
+_CHAT_RECIPE_VERSION = "v1"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
@@ -50,11 +59,14 @@ def cache_dir() -> Path:
 
 def resolve_model_name(name: str) -> str:
     """Map a config's model name to something `from_pretrained` accepts, building a local test model
-    (`tidal-testing/tiny-qwen3`, `tidal-testing/random-qwen3-0.6b`) on first use."""
-    if name == TINY_MODEL_NAME:
-        target = cache_dir() / f"tiny-qwen3-{_RECIPE_VERSION}"
+    (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`, `…/random-qwen3-0.6b`) on first use."""
+    if name in (TINY_MODEL_NAME, TINY_CHAT_MODEL_NAME):
+        chat = name == TINY_CHAT_MODEL_NAME
+        target = cache_dir() / (
+            f"tiny-qwen3-chat-{_CHAT_RECIPE_VERSION}" if chat else f"tiny-qwen3-{_RECIPE_VERSION}"
+        )
         if not (target / "config.json").exists():
-            build_tiny_model(target)
+            build_tiny_model(target, chat_template=QWEN3_STYLE_TEMPLATE if chat else CHAT_TEMPLATE)
         return str(target)
     from tidal.testing.random_models import RANDOM_MODELS, build_random_model  # imports tiny: cycle
 
@@ -67,7 +79,9 @@ def resolve_model_name(name: str) -> str:
     return name
 
 
-def build_tokenizer(vocab_size: int | None = None):  # -> PreTrainedTokenizerFast
+def build_tokenizer(
+    vocab_size: int | None = None, chat_template: str = CHAT_TEMPLATE
+):  # -> PreTrainedTokenizerFast
     """The char-level tokenizer; `vocab_size` pads the vocabulary with unused `<|filler_i|>` entries so a
     random model with a real model's vocabulary (e.g. Qwen3's 151936) can be served and decoded."""
     from tokenizers import Tokenizer, decoders, models
@@ -88,16 +102,16 @@ def build_tokenizer(vocab_size: int | None = None):  # -> PreTrainedTokenizerFas
         additional_special_tokens=["<|im_start|>"],
         model_max_length=TINY_CONFIG["max_position_embeddings"],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def build_tiny_model(target: Path, seed: int = 0) -> Path:
+def build_tiny_model(target: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write the tiny model and tokenizer to `target` atomically (safe if several ranks race)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         bos_token_id=None,

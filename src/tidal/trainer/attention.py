@@ -107,6 +107,56 @@ def varlen_works(device: torch.device) -> bool:
     return False
 
 
+def unsupported_attention(model: torch.nn.Module) -> str | None:
+    """What `model`'s attention needs that tidal_varlen does not do, e.g. "sliding_window = 4096"; None if nothing.
+
+    Read from the HF config (sliding-window / non-full layer types, logit soft-capping, attention dropout)
+    and the modules (attention sinks: GPT-OSS's `sinks`, passed to the kernel as `s_aux`).
+    """
+    config: Any = model.config
+    found = []
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if layer_types - {"full_attention"}:
+        kinds = ", ".join(sorted(layer_types - {"full_attention"}))
+        found.append(f"sliding_window = {window} ({kinds} layers)" if window else f"{kinds} layers")
+    elif not layer_types and window and getattr(config, "use_sliding_window", True):
+        found.append(f"sliding_window = {window}")
+    if getattr(config, "attn_logit_softcapping", None):
+        found.append(f"softcap = {config.attn_logit_softcapping} (attn_logit_softcapping)")
+    if getattr(config, "attention_dropout", 0.0):
+        found.append(f"dropout = {config.attention_dropout} (attention_dropout)")
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        found.append("s_aux (attention sinks)")
+    return " and ".join(found) or None
+
+
+def _refuse_unsupported(
+    module: torch.nn.Module,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    is_causal: bool | None,
+) -> None:
+    """A call that asks for what this kernel does not do fails here instead of silently running without it."""
+    asked = {
+        "sliding_window": sliding_window is not None,
+        "softcap": bool(softcap),
+        "s_aux": s_aux is not None,
+        "dropout": bool(dropout),
+        "is_causal": is_causal is False,
+    }
+    for name, present in asked.items():
+        if present:
+            from tidal.errors import UserError
+
+            raise UserError(
+                f"{type(module).__name__}: tidal_varlen attention does not support {name}; "
+                "set perf.attention = 'hf'"
+            )
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -117,9 +167,18 @@ def varlen_attention_forward(
     dropout: float = 0.0,
     tidal_cu_seqlens: torch.Tensor | None = None,
     tidal_max_seqlen: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: q [b, heads, s, d], k/v [b, kv_heads, s, d] → out [b, s, heads, d]."""
+    """transformers attention interface: q [b, heads, s, d], k/v [b, kv_heads, s, d] → out [b, s, heads, d].
+
+    Arguments that change the attention (window, sinks, soft-capping, dropout, non-causal) are refused, not
+    swallowed: `unsupported_attention` keeps such models off this path at load time, this is the backstop.
+    """
+    _refuse_unsupported(module, dropout, sliding_window, softcap, s_aux, is_causal)
     if tidal_cu_seqlens is None or tidal_max_seqlen is None:
         raise ValueError("tidal_varlen attention needs tidal_cu_seqlens / tidal_max_seqlen (see TokenScorer)")
     batch, heads, seq, dim = query.shape

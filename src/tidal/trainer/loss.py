@@ -75,17 +75,22 @@ def sequence_log_ratio(
     return means[sample_ids.clamp(min=0)]  # [batch, seq]
 
 
-def trust_region(
-    ratio: torch.Tensor, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, config: LossConfig
+def prob_diff_keep(
+    logprobs: torch.Tensor, inference_logprobs: torch.Tensor, config: LossConfig
 ) -> torch.Tensor:
-    """Bool [batch, seq]: tokens inside the trust region (IcePop ratio bounds, DPPO probability difference)."""
+    """Bool [batch, seq]: tokens the DPPO probability-difference rule keeps (|π − μ| ≤ max_prob_diff); per token."""
+    if config.max_prob_diff is None:
+        return torch.ones_like(logprobs, dtype=torch.bool)
+    return (logprobs.exp() - inference_logprobs.exp()).abs() <= config.max_prob_diff
+
+
+def ratio_keep(ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Bool [batch, seq]: ratios inside the IcePop bounds [mask_low, mask_high]."""
     keep = torch.ones_like(ratio, dtype=torch.bool)
     if config.mask_low is not None:
         keep &= ratio >= config.mask_low
     if config.mask_high is not None:
         keep &= ratio <= config.mask_high
-    if config.max_prob_diff is not None:
-        keep &= (logprobs.exp() - inference_logprobs.exp()).abs() <= config.max_prob_diff
     return keep
 
 
@@ -128,12 +133,12 @@ def rl_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance-weighted REINFORCE against the inference policy μ for one micro-batch; all inputs [batch, seq].
 
-    Per loss token: −ratio·A (+ kl_coef·k3), ratio = exp(logπ − logμ) (token) or exp(mean over the sequence)
-    (sequence), the gradient flowing through logπ, so ∇ = −ratio·A·∇logπ. Log ratios are clamped to
-    ±max_abs_log_ratio before exp (a clamped token passes no gradient; the default trust region masks it
-    anyway); tokens with a non-finite input get zero loss and are counted; tokens
-    outside the trust region get zero loss and are counted in masked_fraction (both stay in the normaliser,
-    so masking never up-weights the rest).
+    Per loss token: −ratio·A (+ kl_coef·k3), ratio = exp(logπ − logμ) (token) or exp(mean over the sequence's
+    tokens kept by max_prob_diff) (sequence), the gradient flowing through logπ, so ∇ = −ratio·A·∇logπ. Log
+    ratios are clamped to ±max_abs_log_ratio before exp (a clamped token passes no gradient; the default
+    trust region masks it anyway); tokens with a non-finite input get zero loss and are counted; tokens
+    outside the trust region lose the −ratio·A term (not the KL term, unless kl_tokens = "trust_region")
+    and are counted in masked_fraction (both stay in the normaliser, so masking never up-weights the rest).
 
     The normalisers are GLOBAL counts (every micro-batch of every rank): the trainer sums this loss over its
     micro-batches, and FSDP averages gradients over ranks, so the caller multiplies by world_size to make
@@ -151,16 +156,21 @@ def rl_loss(
 
     bound = config.max_abs_log_ratio
     token_log_ratio = (logprobs - mu).clamp(-bound, bound)  # [batch, seq]
+    # the probability-difference rule is per token, so it comes first: GSPO's sequence ratio then averages
+    # over the kept tokens only, and a masked token passes no gradient through its sequence's ratio
+    prob_kept = valid & prob_diff_keep(logprobs.detach(), mu, config)  # [batch, seq]
     log_ratio = token_log_ratio
     if config.ratio_type == "sequence":
-        log_ratio = sequence_log_ratio(logprobs - mu, valid, sample_ids).clamp(-bound, bound)
+        log_ratio = sequence_log_ratio(logprobs - mu, prob_kept, sample_ids).clamp(-bound, bound)
     ratio = log_ratio.exp()  # [batch, seq], at most e^bound
 
-    keep = valid & trust_region(ratio.detach(), logprobs.detach(), mu, config)
-    per_token = -ratio * adv
+    keep = prob_kept & ratio_keep(ratio.detach(), config)
+    per_token = torch.where(keep, -ratio * adv, zeros)  # [batch, seq]
     if config.kl_coef > 0:
-        per_token = per_token + config.kl_coef * k3(token_log_ratio)
-    per_token = torch.where(keep, per_token, zeros)  # [batch, seq]
+        # by default on every valid loss token: the trust region drops the policy-gradient term of a token
+        # far from μ, and the pull back towards μ is what such a token needs most
+        kl_tokens = keep if config.kl_tokens == "trust_region" else valid
+        per_token = per_token + torch.where(kl_tokens, config.kl_coef * k3(token_log_ratio), zeros)
     loss = normalise(per_token, mask, sample_ids, config, num_loss_tokens_global, num_samples_global)
     metrics = _metrics(mask, valid, keep, ratio.detach(), token_log_ratio.detach(), entropy)
     return loss, metrics

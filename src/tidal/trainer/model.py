@@ -39,15 +39,19 @@ def load_tokenizer(config: ModelConfig) -> Any:
     return tokenizer
 
 
-def load_model(config: ModelConfig) -> torch.nn.Module:
-    """Load on CPU in the master dtype (fp32 unless configured); `parallelize` moves and shards it."""
+def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.Module:
+    """Load on CPU with parameters in the master dtype (perf.master_dtype), whatever model.dtype is.
+
+    model.dtype is what inference serves and weights are published in (`served_dtype`); the trainer's
+    parameters, gradients and optimizer update stay fp32 (`parallelize` sets the compute dtype).
+    """
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_name(config.name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=_DTYPES[config.dtype],
+            dtype=_DTYPES[master_dtype],
             attn_implementation=config.attn_implementation,
             trust_remote_code=config.trust_remote_code,
         )
@@ -55,6 +59,11 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         raise UserError(f"model.name = {config.name!r}: cannot load model: {_first_line(exc)}") from None
     model.config.use_cache = False
     return model
+
+
+def export_dtype(config: ModelConfig) -> torch.dtype | None:
+    """The dtype `tidal sft` writes final/ in: model.dtype when set, else None (the fp32 masters as trained)."""
+    return None if config.dtype == "auto" else _DTYPES[config.dtype]
 
 
 def served_dtype(config: ModelConfig, publish_dtype: str = "auto") -> torch.dtype | None:

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from tidal.config.perf import PerfConfig
-from tidal.trainer.attention import use_varlen, varlen_works
+from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
 
@@ -110,12 +110,31 @@ def resolve_compile(perf: PerfConfig, info: DistInfo) -> bool:
 
 
 def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -> str:
-    """Switch to tidal's varlen attention when asked (or, for `auto`, when its flash kernel works here)."""
-    flash = varlen_works(device)
-    if choice == "varlen" or (choice == "auto" and flash):
+    """Switch to tidal's varlen attention when asked (or, for `auto`, when its flash kernel works here and the
+    model needs nothing it lacks); an explicit `varlen` for a model that needs more is a one-line error."""
+    unsupported = unsupported_attention(model)
+    if choice == "varlen" and unsupported is not None:
+        from tidal.errors import UserError
+
+        path = getattr(model.config, "_name_or_path", "")  # type: ignore[union-attr]
+        name = f"{type(model).__name__} ({path})" if path else type(model).__name__
+        raise UserError(
+            f"perf.attention = 'varlen': {name} uses {unsupported}, which tidal's "
+            "variable-length attention does not implement; set perf.attention = 'hf' (or 'auto')"
+        )
+    flash = varlen_works(device) if choice != "hf" else False
+    picked = choose_attention(choice, flash, unsupported)
+    if picked == "varlen":
         use_varlen(model, flash)
-        return "varlen"
-    return "hf"
+    return picked
+
+
+def choose_attention(choice: str, flash: bool, unsupported: str | None) -> str:
+    """`varlen` or `hf` for perf.attention = `choice`; `auto` takes varlen only with the flash kernel and a
+    model whose attention it fully implements (`unsupported` is None)."""
+    if choice == "auto":
+        return "varlen" if flash and unsupported is None else "hf"
+    return choice
 
 
 def mp_policy(perf: PerfConfig, info: DistInfo) -> MixedPrecisionPolicy:

@@ -161,6 +161,26 @@ def rl_step(
         "lr": lr,
         "tokens_per_s": m["tokens"] / m["elapsed"],
         "time/forward_backward": m["elapsed"],
+        **peak_memory(info),
+    }
+
+
+def peak_memory(info: DistInfo) -> dict[str, float]:
+    """The largest peak GPU memory of any rank so far (a GPU shared with inference needs both sides' numbers)."""
+    local = memory_metrics(info.device)
+    if not local:
+        return {}
+    gathered = all_gather_floats(list(local.values()), info)
+    return {key: max(row[i] for row in gathered) for i, key in enumerate(local)}
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak GPU memory of this process so far."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
     }
 
 

@@ -51,7 +51,7 @@ def open_trainer(
     torch.manual_seed(config.seed)
     check_output_dir(metrics_path, ckpt_root, config.resume)
     tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model)
+    model = load_model(config.model, config.perf.master_dtype)
     # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
     lora_modules = apply_lora(model, config.lora)
     scorer = parallelize(model, info, config.perf)

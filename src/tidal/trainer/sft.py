@@ -33,6 +33,7 @@ from tidal.trainer.data import (
 from tidal.trainer.evaluate import greedy_exact_match
 from tidal.trainer.export import export_model
 from tidal.trainer.lora import export_adapter, export_merged, peft_config
+from tidal.trainer.model import export_dtype
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -195,14 +196,15 @@ def _export_final(
     say: Any,
 ) -> Path:
     """`final/` as a plain HF model; with LoRA the adapters merged into it, and alone in `final_adapter/`."""
+    dtype = export_dtype(config.model)  # model.dtype when set; the masters themselves are fp32
     if not lora_modules:
-        final = export_model(out / "final", model, tokenizer, info)
+        final = export_model(out / "final", model, tokenizer, info, dtype)
         say(f"final model exported to {final}")
         return final
     adapter = export_adapter(
         out / "final_adapter", model, peft_config(config.lora, lora_modules, config.model.name), info
     )
-    final = export_merged(out / "final", model, tokenizer, info)
+    final = export_merged(out / "final", model, tokenizer, info, dtype)
     say(f"final LoRA adapter exported to {adapter}, merged model to {final}")
     return final
 

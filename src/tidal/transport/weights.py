@@ -11,7 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tidal.errors import UserError
 from tidal.trainer.export import COMPLETE_MARKER
+from tidal.transport.weight_checks import non_finite_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -90,6 +92,7 @@ class WeightPublisher:
         """Write a full (unsharded) state dict as step `step`; call on one process only."""
         from tidal.trainer.export import save_hf_checkpoint
 
+        refuse_non_finite(step, non_finite_tensors(state_dict.items()))
         target = save_hf_checkpoint(step_dir(self.output_dir, step), state_dict, hf_config, tokenizer, dtype)
         self._prune()
         return target
@@ -97,7 +100,9 @@ class WeightPublisher:
     def publish_model(self, step: int, model: Any, tokenizer: Any, info: Any) -> Path:
         """Gather an (FSDP-sharded) model on every rank and write it on rank 0 in `dtype`; a collective.
 
-        With an adapter config only the trainable LoRA tensors are gathered and written (PEFT format)."""
+        With an adapter config only the trainable LoRA tensors are gathered and written (PEFT format).
+        Every rank checks its own shards for NaN/inf first and all refuse together (before the gather)."""
+        refuse_non_finite(step, _local_non_finite(model, info))
         if self.adapter_config is not None:
             from tidal.trainer.lora import export_adapter
 
@@ -117,3 +122,33 @@ class WeightPublisher:
             return
         for _, path in list_published(self.output_dir)[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def refuse_non_finite(step: int, bad: list[str]) -> None:
+    """Inference would load NaN/inf and every later completion would fail: stop the trainer instead."""
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(
+            f"refusing to publish weights step_{step}: tensor {bad[0]}{more} has NaN/inf values "
+            "(training diverged: lower the learning rate or check the loss and grad norm of the steps before)"
+        )
+
+
+def _local_non_finite(model: Any, info: Any) -> list[str]:
+    """Non-finite parameters in this rank's shards; on a rank with none, the other ranks' count."""
+    import torch
+
+    named = [(name, _local(param.detach())) for name, param in model.named_parameters()]
+    bad = non_finite_tensors(named)
+    if not info.distributed:
+        return bad
+    count = torch.tensor([len(bad)], dtype=torch.int64, device=info.device)
+    torch.distributed.all_reduce(count)
+    total = int(count.item())
+    return bad or ([f"on another rank ({total} tensor(s))"] if total else [])
+
+
+def _local(tensor: Any) -> Any:
+    """The shard this rank holds of an FSDP (DTensor) parameter, or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

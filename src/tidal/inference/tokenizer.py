@@ -1,0 +1,31 @@
+"""The tokenizer of a run's model, as every process that renders prompts or pads batches loads it."""
+
+from typing import Any
+
+from tidal.config.common import ModelConfig
+from tidal.errors import UserError
+
+
+def load_tokenizer(config: ModelConfig) -> Any:
+    """The model's HF tokenizer, with a chat template (prompts are rendered with it) and a pad token.
+
+    Many base models ship no pad token; padding positions are never trained on, so EOS stands in.
+    """
+    from transformers import AutoTokenizer
+
+    from tidal.testing import resolve_model_name
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_name(config.name), trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"model.name = {config.name!r}: cannot load tokenizer: {first}") from None
+    if tokenizer.chat_template is None:
+        raise UserError(f"model.name = {config.name!r}: tokenizer has no chat template")
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"model.name = {config.name!r}: tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,0 +1,43 @@
+"""Two gloo ranks: a NaN in one rank's parameters makes every rank refuse to publish (none waits in a gather)."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    from tidal.errors import UserError
+    from tidal.trainer.parallel import DistInfo
+    from tidal.transport.weights import WeightPublisher
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    info = DistInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    if rank == 1:
+        with torch.no_grad():
+            model[1].weight[0, 0] = float("nan")
+    try:
+        WeightPublisher(Path(out)).publish_model(3, model, None, info)
+        message = "published"
+    except UserError as exc:
+        message = str(exc)
+    Path(out, f"rank{rank}.txt").write_text(message)
+    dist.destroy_process_group()
+
+
+def test_every_rank_refuses_when_one_holds_nan(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert rank1.startswith("refusing to publish weights step_3: tensor 1.weight has NaN/inf"), rank1
+    assert rank0.startswith("refusing to publish weights step_3: tensor on another rank (1 tensor(s))"), rank0

@@ -1,0 +1,199 @@
+"""The orchestrator's step loop on fakes: a fake inference client and small environments, no processes.
+
+The client answers every request with the same completion; the environments decide the rewards, so a test
+can make every group zero-signal, failing or NaN and watch what the loop does with it.
+"""
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tidal.config.rl import OrchestratorConfig
+from tidal.envs.base import Episode, SingleTurnEnv, Task
+from tidal.errors import UserError
+from tidal.inference.types import Completion, GenerateRequest, Generation
+from tidal.orchestrator.loop import Orchestrator
+from tidal.orchestrator.policy import PolicyWatcher
+from tidal.testing.tiny import build_tokenizer
+
+
+class FakeClient:
+    """Answers each request with `n` copies of one completion, from policy `version`."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.num_requests = 0
+
+    async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
+        self.num_requests += 1
+        done = Completion(token_ids=(5, 6), logprobs=(-0.5, -0.5), text="ab", finish_reason="stop")
+        return Generation(
+            prompt_token_ids=request.prompt_token_ids,
+            completions=(done,) * request.n,
+            server="fake",
+            weight_version=self.version,
+        )
+
+    def end_session(self, session_id: str) -> None:
+        pass
+
+
+class ScriptedEnv(SingleTurnEnv):
+    """Tasks 0..n-1; the reward of a rollout is `reward(task index, sample index)` (or raises)."""
+
+    name = "scripted"
+
+    def __init__(self, reward):
+        self._reward = reward
+        self._count: dict[str, int] = {}
+        super().__init__(rewards=[(self.scripted_reward, 1.0)])
+
+    def num_tasks(self) -> int:
+        return 1000
+
+    def task(self, index: int) -> Task:
+        return Task(task_id=f"scripted/{index}", messages=[{"role": "user", "content": "hi"}])
+
+    def scripted_reward(self, task: Task, episode: Episode) -> float:
+        sample = self._count.get(task.task_id, 0)
+        self._count[task.task_id] = sample + 1
+        return self._reward(int(task.task_id.split("/")[1]), sample)
+
+
+class RenderFails(ScriptedEnv):
+    """Fails before any model call (the prompt cannot be rendered)."""
+
+    async def rollout_group(self, task, sampler, n):
+        raise KeyError("no chat template for this message")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def orchestrator(tmp_path: Path, tokenizer_dir: Path, env, **batch) -> Orchestrator:
+    config = OrchestratorConfig.model_validate(
+        {
+            "output_dir": str(tmp_path),
+            "model": {"name": str(tokenizer_dir)},
+            "batch": {"num_prompts": 4, "group_size": 2, "seq_len": 64, **batch},
+            "client": {"max_in_flight": 4},
+        }
+    )
+    orch = Orchestrator(config)
+    orch.env = env
+    return orch
+
+
+def collect(orch: Orchestrator, client: FakeClient, step: int = 0):
+    return asyncio.run(asyncio.wait_for(orch._collect(client, step), timeout=10))
+
+
+def test_all_zero_signal_stops_with_a_one_line_error_instead_of_refilling_forever(tmp_path, tokenizer_dir):
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(lambda task, sample: 0.0), max_tasks_factor=3)
+    client = FakeClient()
+    with pytest.raises(UserError) as info:
+        collect(orch, client, step=3)
+    message = str(info.value)
+    assert "\n" not in message and "step 3" in message and "zero-signal" in message
+    assert "max_tasks_factor" in message
+    assert client.num_requests == 12  # 3 × num_prompts tasks drawn, then it stopped
+
+
+def test_all_failed_names_the_failure_causes(tmp_path, tokenizer_dir):
+    def raises(task: int, sample: int) -> float:
+        raise TimeoutError("slow judge")
+
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(raises), max_tasks_factor=2)
+    with pytest.raises(UserError) as info:
+        collect(orch, FakeClient(), step=3)
+    assert str(info.value).startswith("all 16 rollouts of step 3 failed: TimeoutError × 16")
+
+
+def test_a_few_groups_with_signal_are_trained_on_when_the_limit_is_reached(tmp_path, tokenizer_dir, capsys):
+    # only tasks 0 and 5 have signal: sample 0 earns 1, sample 1 earns 0
+    orch = orchestrator(
+        tmp_path,
+        tokenizer_dir,
+        ScriptedEnv(lambda task, sample: float(task in (0, 5) and sample == 0)),
+        max_tasks_factor=2,
+    )
+    groups, advantages, stats = collect(orch, FakeClient())
+    assert sorted(g.task_id for g in groups) == ["scripted/0", "scripted/5"]
+    assert advantages == [[0.5, -0.5], [0.5, -0.5]]
+    assert stats.num_groups_run == 8 and stats.num_zero_signal == 6
+    assert "only 2 of 4 groups" in capsys.readouterr().out
+
+
+def test_a_rollout_that_fails_before_any_model_call_counts_as_failed_not_stale(tmp_path, tokenizer_dir):
+    orch = orchestrator(tmp_path, tokenizer_dir, RenderFails(lambda task, sample: 1.0), max_tasks_factor=1)
+    orch.tracker.max_async_level = 0
+    with pytest.raises(UserError) as info:
+        collect(orch, FakeClient(version=5), step=5)  # policy 5 serves step 5: nothing can be stale
+    assert str(info.value).startswith("all 8 rollouts of step 5 failed: KeyError × 8")
+    assert orch.tracker.num_dropped_rollouts == 0
+
+
+def test_nan_reward_fails_the_rollout_and_metrics_stay_finite(tmp_path, tokenizer_dir, caplog):
+    # task 0's second sample is NaN; every other group has signal
+    def reward(task: int, sample: int) -> float:
+        return math.nan if (task, sample) == (0, 1) else float(sample == 0)
+
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(reward))
+    groups, _, stats = collect(orch, FakeClient())
+    assert stats.num_failed_rollouts == 1
+    assert all(math.isfinite(r.reward) for g in groups for r in g.rollouts)
+    assert "scripted" in caplog.text and "scripted_reward" in caplog.text and "nan" in caplog.text
+    metrics = logged_metrics(orch, 0, groups, stats)
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+
+
+def test_the_orchestrator_tokenizer_falls_back_to_eos_for_padding(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = OrchestratorConfig(output_dir=tmp_path / "run", model={"name": str(tmp_path / "tok")})
+    loaded = Orchestrator(config).tokenizer
+    assert loaded.pad_token_id is not None and loaded.pad_token_id == loaded.eos_token_id
+
+
+def logged_metrics(orch: Orchestrator, step: int, groups, stats) -> dict:
+    orch._log(step, groups, stats, PolicyWatcher(None, orch.out), 1.0, 0.0, {})
+    orch.metrics.close()
+    lines = (orch.out / "orchestrator" / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_env_reward_mean_and_batch_reward_mean_both_leave_failed_rollouts_out(tmp_path, tokenizer_dir):
+    def reward(task: int, sample: int) -> float:
+        if sample == 3:
+            raise RuntimeError("judge down")
+        return float(sample != 1)
+
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(reward), group_size=4)
+    groups, _, stats = collect(orch, FakeClient())
+    metrics = logged_metrics(orch, 0, groups, stats)
+    assert metrics["reward/mean"] == pytest.approx(2 / 3)
+    assert metrics["env/scripted/reward/mean"] == pytest.approx(2 / 3)  # failed rollouts are not zeros
+    assert metrics["env/scripted/rollouts/failed_frac"] == 0.25 and metrics["rollouts/failed_frac"] == 0.25
+
+
+def test_online_eval_by_default_evaluates_the_environment_the_run_trains_on(tmp_path, tokenizer_dir):
+    config = OrchestratorConfig.model_validate(
+        {
+            "output_dir": str(tmp_path),
+            "model": {"name": str(tokenizer_dir)},
+            "env": [{"name": "wordle", "kwargs": {"num_examples": 100}}],
+            "online_eval": {"interval": 10, "num_tasks": 2},
+            "sampling": {"max_tokens": 8},
+        }
+    )
+    metrics = asyncio.run(Orchestrator(config)._online_eval(FakeClient(), step=0, version=0))
+    assert metrics["eval/wordle/num_tasks"] == 2 and "eval/wordle/avg@1" in metrics
+    assert not any("reverse_text" in key for key in metrics)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -110,10 +111,10 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path, sync_run):
-    out = tmp_path / "killed"
+def start_rl_until_trained(out: Path, args: list[str], num_steps: int) -> subprocess.Popen:
+    """Start `tidal <args>` (a `tidal rl` run into `out`) and return once its trainer logged `num_steps`."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "tidal", *rl_args(out, 0)],
+        [sys.executable, "-m", "tidal", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -122,10 +123,16 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
     trainer_metrics = out / "trainer" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not (
-        trainer_metrics.exists() and len(read_metrics(trainer_metrics)) >= 3
+        trainer_metrics.exists() and len(read_metrics(trainer_metrics)) >= num_steps
     ):
         assert launcher.poll() is None, launcher.communicate()
         time.sleep(0.2)
+    return launcher
+
+
+def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path, sync_run):
+    out = tmp_path / "killed"
+    launcher = start_rl_until_trained(out, rl_args(out, 0), num_steps=3)
     family = _descendants(launcher.pid)
     # the `tidal trainer @ …` process itself (the run dir's path holds "trainer" too: match the argument)
     trainers = [p for p in family if "trainer" in p.cmdline()[:6]]
@@ -167,20 +174,7 @@ def test_sigkill_of_the_vllm_server_blames_inference_and_leaves_no_vllm_process(
     and none of the server's descendants seen before the kill is alive."""
     out = tmp_path / "inference_killed"
     args = [*rl_args(out, 0), "--max-steps", "200", "--inference.server.port", "18541"]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tidal", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    trainer_metrics = out / "trainer" / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (
-        trainer_metrics.exists() and len(read_metrics(trainer_metrics)) >= 2
-    ):
-        assert launcher.poll() is None, launcher.communicate()
-        time.sleep(0.2)
+    launcher = start_rl_until_trained(out, args, num_steps=2)
     # the launcher's `tidal inference @ …` child, then the vLLM server it started (its only child)
     wrappers = [p for p in psutil.Process(launcher.pid).children() if "inference" in p.cmdline()[:6]]
     assert len(wrappers) == 1, [p.cmdline() for p in psutil.Process(launcher.pid).children()]

@@ -197,3 +197,44 @@ def test_online_eval_by_default_evaluates_the_environment_the_run_trains_on(tmp_
     metrics = asyncio.run(Orchestrator(config)._online_eval(FakeClient(), step=0, version=0))
     assert metrics["eval/wordle/num_tasks"] == 2 and "eval/wordle/avg@1" in metrics
     assert not any("reverse_text" in key for key in metrics)
+
+
+def test_a_reward_that_holds_the_event_loop_shows_in_the_lag_metrics_and_a_warning(
+    tmp_path, tokenizer_dir, capsys
+):
+    import time
+    from types import SimpleNamespace
+
+    from tidal.orchestrator.lag import lag_metrics, percentile
+
+    assert percentile([0.3, 0.1, 0.2, 0.4], 50) == 0.2 and percentile([0.3, 0.1, 0.2, 0.4], 99) == 0.4
+    assert math.isnan(percentile([], 50)) and lag_metrics([]) == {}
+
+    def blocking(task: int, sample: int) -> float:
+        if task == 0 and sample == 0:
+            time.sleep(0.4)  # a CPU-heavy reward run on the loop holds every request behind it
+        return float(sample)
+
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(blocking))
+    orch.config = orch.config.model_copy(update={"loop_lag_warn": 0.3})
+
+    async def step() -> tuple[list, list, object]:
+        orch.lag.start()
+        await asyncio.sleep(0.2)  # some samples of an idle loop first
+        try:
+            return await orch._collect(FakeClient(), 0)
+        finally:
+            await orch.lag.stop()
+
+    groups, _, stats = asyncio.run(asyncio.wait_for(step(), timeout=10))
+    samples = orch.lag.take()
+    orch.lag._samples = samples  # _log takes them again
+    assert max(samples) >= 0.3, samples
+    assert percentile(samples, 50) < 0.3, samples  # most wake-ups were on time
+    policy = SimpleNamespace(version=0, update_seconds=0.0)
+    orch._log(0, groups, stats, policy, elapsed=1.0, waited=0.0, evaluated={})  # type: ignore[arg-type]
+    logged = [
+        json.loads(line) for line in (tmp_path / "orchestrator" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert logged[-1]["event_loop/lag_max_s"] >= 0.3
+    assert "step 0: the event loop was held" in capsys.readouterr().out

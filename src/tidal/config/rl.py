@@ -172,6 +172,9 @@ class OrchestratorConfig(RunConfig):
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
     rollout_timeout: float = Field(default=300.0, gt=0)
     """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
+    loop_lag_warn: float = Field(default=0.5, gt=0)
+    """Warn, naming the step, when the event loop was held this many seconds at once: every request in
+    flight waited that long (logged every step as event_loop/lag_p50_s, _p99_s, _max_s)."""
     sampling: SamplingConfig = SamplingConfig()
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()

@@ -26,6 +26,7 @@ from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import make_train_batches, make_train_samples
+from tidal.orchestrator.lag import LoopLagMonitor, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
 from tidal.orchestrator.stats import StepStats, mean_std, per_env_metrics, shortfall
@@ -73,6 +74,7 @@ class Orchestrator:
         self.tracker = StalenessTracker(config.max_async_level)
         self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
+        self.lag = LoopLagMonitor()
 
     async def run(self) -> int:
         cfg = self.config
@@ -90,10 +92,12 @@ class Orchestrator:
             if cfg.resume:
                 self._restore(sender)
             await policy.start()
+            self.lag.start()
             try:
                 while self.state.step < cfg.max_steps:
                     await self._one_step(client, policy, sender)
             finally:
+                await self.lag.stop()
                 await policy.stop()
                 sender.close()
                 for env in (self.env, *self.eval_envs.values()):
@@ -288,7 +292,15 @@ class Orchestrator:
         }
         metrics.update(per_env_metrics(stats, groups))
         metrics.update(evaluated)
+        metrics.update(lag_metrics(self.lag.take()))
         self.metrics.log(step, metrics)
+        worst = metrics.get("event_loop/lag_max_s", 0.0)
+        if worst > self.config.loop_lag_warn:
+            print(
+                f"orchestrator: warning: step {step}: the event loop was held {worst:.2f} s at once "
+                f"(p99 {metrics['event_loop/lag_p99_s']:.3f} s); every request in flight waited",
+                flush=True,
+            )
         print(
             f"orchestrator step {step} | reward {metrics['reward/mean']:.3f} | off-policy ≤{metrics['off_policy/max']}"
             f" | {metrics['tokens_per_s']:.0f} tok/s | {elapsed:.2f} s",

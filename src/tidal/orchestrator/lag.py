@@ -1,0 +1,60 @@
+"""Event-loop lag: how late the orchestrator's asyncio loop wakes a timer, sampled all the time, summed up per step.
+
+Everything the orchestrator does (dispatching requests, reading replies, scoring, packing) shares one event
+loop; anything that holds it (a CPU-heavy reward, a big JSON parse) delays every request behind it. A
+sleeper task asks to wake every `interval` s and records how much later than that it woke: the lag.
+"""
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of `values`; NaN for none (pure)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def lag_metrics(samples: Sequence[float]) -> dict[str, float]:
+    """The step's lag summary as metrics (seconds); empty when the loop was never sampled."""
+    if not samples:
+        return {}
+    return {
+        "event_loop/lag_p50_s": percentile(samples, 50),
+        "event_loop/lag_p99_s": percentile(samples, 99),
+        "event_loop/lag_max_s": max(samples),
+    }
+
+
+class LoopLagMonitor:
+    """Samples the running loop's wake-up lag every `interval` s until `stop()`; `take()` hands over what
+    was sampled since the last `take()`."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self._samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def take(self) -> list[float]:
+        samples, self._samples = self._samples, []
+        return samples
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + self.interval
+            await asyncio.sleep(self.interval)
+            self._samples.append(max(0.0, loop.time() - asked))

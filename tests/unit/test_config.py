@@ -249,3 +249,14 @@ def test_every_shipped_config_validates(path):
 
     module, name = _schema_for(path).split(":")
     load_config(getattr(importlib.import_module(module), name), [str(path)], [])
+
+
+def test_eval_rejects_an_inference_model_it_would_replace_by_the_top_level_one(tmp_path):
+    """Before: `tidal eval` served the top-level [model] and dropped [inference.model] without a word."""
+    from tidal.config.eval import EvalConfig
+
+    path = write(tmp_path, "eval.toml", '[inference.model]\nname = "other"\n')
+    with pytest.raises(UserError) as info:
+        load_config(EvalConfig, [path], [])
+    assert str(info.value).startswith(f"{path}: inference.model: ") and "top-level [model]" in str(info.value)
+    assert load_config(EvalConfig, [], [("model.name", "m")]).inference_config().model.name == "m"

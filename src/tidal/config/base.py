@@ -23,3 +23,19 @@ class ConfigProblem(ValueError):
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
+
+
+def shadowed_key(config: Config, table: dict[tuple[str, ...], str]) -> tuple[str, str] | None:
+    """The first (dotted key, where to set it instead) of `table` that the user set in `config`; None if none.
+
+    "Set" means written in the file or on the command line (pydantic's `model_fields_set`), not a default.
+    """
+    for path, top in table.items():
+        node: object = config
+        for part in path:
+            if not isinstance(node, Config) or part not in node.model_fields_set:
+                break
+            node = getattr(node, part)
+        else:
+            return ".".join(path), top
+    return None

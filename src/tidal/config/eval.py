@@ -4,7 +4,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from tidal.config.base import Config, ConfigProblem
+from tidal.config.base import Config, ConfigProblem, shadowed_key
 from tidal.config.common import ModelConfig
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.inference import InferenceConfig
@@ -61,6 +61,10 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EvalConfig":
+        if shadowed_key(self, {("inference", "model"): "model"}) is not None:
+            raise ConfigProblem(
+                "inference.model", "`tidal eval` serves the top-level [model]; set that instead"
+            )
         problem = check_distinct(list(self.env))
         if problem is not None:
             raise ConfigProblem("env", problem)

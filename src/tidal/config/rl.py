@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from tidal.config.base import Config, ConfigProblem
+from tidal.config.base import Config, ConfigProblem, shadowed_key
 from tidal.config.common import (
     CheckpointConfig,
     LogConfig,
@@ -269,22 +269,6 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
 }
-
-
-def shadowed_key(config: Config, table: dict[tuple[str, ...], str]) -> tuple[str, str] | None:
-    """The first (dotted key, where to set it instead) of `table` that the user set in `config`; None if none.
-
-    "Set" means written in the file or on the command line (pydantic's `model_fields_set`), not a default.
-    """
-    for path, top in table.items():
-        node: object = config
-        for part in path:
-            if not isinstance(node, Config) or part not in node.model_fields_set:
-                break
-            node = getattr(node, part)
-        else:
-            return ".".join(path), top
-    return None
 
 
 class RLConfig(RunConfig):

@@ -1,7 +1,5 @@
 """Load an HF causal LM and its tokenizer by config (hub id, local dir or the tiny test model)."""
 
-from typing import Any
-
 import torch
 
 from tidal.config.common import ModelConfig
@@ -22,21 +20,6 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-
-
-def load_tokenizer(config: ModelConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    path = resolve_model_name(config.name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.name = {config.name!r}: cannot load tokenizer: {_first_line(exc)}") from None
-    if tokenizer.chat_template is None:
-        raise UserError(f"model.name = {config.name!r}: tokenizer has no chat template")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.Module:

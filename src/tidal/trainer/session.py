@@ -11,11 +11,12 @@ import torch
 from tidal.config.rl import RLTrainerConfig
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
+from tidal.inference.tokenizer import load_tokenizer
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer import ckpt
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import apply_lora
-from tidal.trainer.model import load_model, load_tokenizer, quiet_transformers
+from tidal.trainer.model import load_model, quiet_transformers
 from tidal.trainer.optim import build_optimizer, build_scheduler, clip_and_step, resolve_state_dtype
 from tidal.trainer.parallel import DistInfo, all_reduce_sum, parallelize, set_num_threads
 from tidal.trainer.signals import StopSignal

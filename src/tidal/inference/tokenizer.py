@@ -3,7 +3,7 @@
 from typing import Any
 
 from tidal.config.common import ModelConfig
-from tidal.errors import UserError
+from tidal.errors import UserError, first_line
 
 
 def load_tokenizer(config: ModelConfig) -> Any:
@@ -20,8 +20,7 @@ def load_tokenizer(config: ModelConfig) -> Any:
             resolve_model_name(config.name), trust_remote_code=config.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"model.name = {config.name!r}: cannot load tokenizer: {first}") from None
+        raise UserError(f"model.name = {config.name!r}: cannot load tokenizer: {first_line(exc)}") from None
     if tokenizer.chat_template is None:
         raise UserError(f"model.name = {config.name!r}: tokenizer has no chat template")
     if tokenizer.pad_token_id is None:

@@ -3,7 +3,7 @@
 import torch
 
 from tidal.config.common import ModelConfig
-from tidal.errors import UserError
+from tidal.errors import UserError, first_line
 from tidal.testing import resolve_model_name
 
 _DTYPES = {
@@ -39,7 +39,7 @@ def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.M
             trust_remote_code=config.trust_remote_code,
         )
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.name = {config.name!r}: cannot load model: {_first_line(exc)}") from None
+        raise UserError(f"model.name = {config.name!r}: cannot load model: {first_line(exc)}") from None
     model.config.use_cache = False
     return model
 
@@ -71,8 +71,3 @@ def served_dtype(config: ModelConfig, publish_dtype: str = "auto") -> torch.dtyp
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -83,6 +83,10 @@ class ServerState:
     last_pick: int = 0
     """When it was last picked (a counter): ties in load go to the least recently used server."""
     version: int = 0
+    requests: int = 0
+    """Generation requests it answered (a running total; the orchestrator logs it per step)."""
+    completion_tokens: int = 0
+    """Tokens it generated for this client (a running total)."""
 
 
 def parse_version(raw: object) -> int:
@@ -166,6 +170,7 @@ class InferenceClient:
         server, version, data = await self._send_generation("/v1/completions", body, request.lora, session_id)
         completions = tuple(_completion(c, c["logprobs"]["token_logprobs"]) for c in _choices(data))
         prompt_ids = tuple(data["choices"][0]["prompt_token_ids"])
+        self._count(server, completions)
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
         )
@@ -193,6 +198,7 @@ class InferenceClient:
             for c in _choices(data)
         )
         prompt_ids = tuple(data["prompt_token_ids"])
+        self._count(server, completions)
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
         )
@@ -211,6 +217,12 @@ class InferenceClient:
             adapter_version = self._policy_adapters.get(model, (None, ""))[0]
             server, version, data = await self._dispatch(path, {"model": model, **body}, session_id)
         return server, version if adapter_version is None else adapter_version, data
+
+    def _count(self, url: str, completions: Sequence[Completion]) -> None:
+        state = self.servers.get(url)
+        if state is not None:
+            state.requests += 1
+            state.completion_tokens += sum(len(c.token_ids) for c in completions)
 
     @contextlib.contextmanager
     def _using_adapter(self, name: str) -> Iterator[None]:

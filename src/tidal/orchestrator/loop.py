@@ -29,7 +29,14 @@ from tidal.orchestrator.batching import make_train_batches, make_train_samples
 from tidal.orchestrator.lag import LoopLagMonitor, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
-from tidal.orchestrator.stats import StepStats, mean_std, per_env_metrics, shortfall
+from tidal.orchestrator.stats import (
+    ReplicaCounts,
+    StepStats,
+    mean_std,
+    per_env_metrics,
+    replica_metrics,
+    shortfall,
+)
 from tidal.transport.rollouts import setup_sender
 from tidal.types import Group
 
@@ -75,6 +82,7 @@ class Orchestrator:
         self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
         self.lag = LoopLagMonitor()
+        self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
         cfg = self.config
@@ -126,7 +134,9 @@ class Orchestrator:
         sender.send(step, batches)
         self.state.step = step + 1
         self._save_state()
-        self._log(step, groups, stats, policy, time.perf_counter() - start, waited, evaluated)
+        elapsed = time.perf_counter() - start
+        replicas = self._replica_metrics(client, elapsed)
+        self._log(step, groups, stats, policy, elapsed, waited, {**evaluated, **replicas})
 
     async def _collect(
         self, client: InferenceClient, step: int
@@ -165,6 +175,15 @@ class Orchestrator:
         self._check_enough(step, len(kept), stats)
         self.state.buffer = [g.to_dict() for g in kept[num_prompts:]]
         return kept[:num_prompts], advantages[:num_prompts], stats
+
+    def _replica_metrics(self, client: InferenceClient, seconds: float) -> dict[str, float]:
+        now = [
+            ReplicaCounts(s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy)
+            for s in client.servers.values()
+        ]
+        metrics = replica_metrics(now, self._replicas_before, seconds)
+        self._replicas_before = now
+        return metrics
 
     def _check_enough(self, step: int, num_kept: int, stats: StepStats) -> None:
         """Stop with the reason when a step found no group to train on; warn when it found fewer than asked."""
@@ -264,7 +283,7 @@ class Orchestrator:
         policy: PolicyWatcher,
         elapsed: float,
         waited: float,
-        evaluated: dict[str, float],
+        extra: dict[str, float],
     ) -> None:
         rollouts = [r for g in groups for r in g.rollouts]  # the batch: failed rollouts are removed already
         reward_mean, reward_std = mean_std([r.reward for r in rollouts])
@@ -291,7 +310,7 @@ class Orchestrator:
             "time/weight_updates_total": policy.update_seconds,
         }
         metrics.update(per_env_metrics(stats, groups))
-        metrics.update(evaluated)
+        metrics.update(extra)  # online eval, per-replica counts
         metrics.update(lag_metrics(self.lag.take()))
         self.metrics.log(step, metrics)
         worst = metrics.get("event_loop/lag_max_s", 0.0)

@@ -95,3 +95,34 @@ def shortfall(step: int, num_kept: int, num_prompts: int, stats: StepStats) -> s
         f"{stats.num_stale_rollouts} stale rollouts; {failed}); "
         "the limit is orchestrator.batch.max_tasks_factor × num_prompts tasks per step"
     )
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """One inference replica's running totals as the client counted them, and what it serves now."""
+
+    requests: int
+    completion_tokens: int
+    in_flight: int
+    version: int
+    healthy: bool
+
+
+def replica_metrics(
+    now: Sequence[ReplicaCounts], before: Sequence[ReplicaCounts] | None, seconds: float
+) -> dict[str, float]:
+    """Per replica (numbered in `orchestrator.client.urls` order) over one step: requests answered, tokens
+    generated per second, requests in flight and the weight version at the step's end, whether it is in
+    rotation. `before` is the previous step's counts (None: the client's totals start at zero)."""
+    metrics: dict[str, float] = {}
+    for index, counts in enumerate(now):
+        previous = before[index] if before is not None else None
+        requests = counts.requests - (previous.requests if previous else 0)
+        tokens = counts.completion_tokens - (previous.completion_tokens if previous else 0)
+        prefix = f"inference/replica_{index}"
+        metrics[f"{prefix}/requests"] = requests
+        metrics[f"{prefix}/tokens_per_s"] = tokens / max(seconds, 1e-9)
+        metrics[f"{prefix}/in_flight"] = counts.in_flight
+        metrics[f"{prefix}/version"] = counts.version
+        metrics[f"{prefix}/healthy"] = float(counts.healthy)
+    return metrics

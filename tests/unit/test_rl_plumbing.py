@@ -189,3 +189,61 @@ def test_step_metrics_across_ranks_weigh_tokens_sum_counts_and_take_the_slowest_
     assert combined["num_nonfinite"] == 3 and combined["ratio_max"] == 3.0
     assert combined["loss"] == pytest.approx(-0.25) and combined["tokens"] == 100
     assert combined["elapsed"] == 3.0  # the step took as long as its slowest rank
+
+
+def test_replicas_get_consecutive_ports_their_own_cores_and_gpus_and_the_orchestrator_all_urls():
+    rl = RLConfig.model_validate(
+        {
+            "deployment": {
+                "num_replicas": 3,
+                "inference_cpus": "0-3,6",
+                "inference_gpus": [4, 5, 6, 7, 2, 3],
+            },
+            "inference": {
+                "server": {"port": 9100, "log_file": "/tmp/vllm.log"},
+                "vllm": {"tensor_parallel_size": 2},
+            },
+        }
+    )
+    cpu = split_config(rl, on_gpu=False, num_cpus=8)
+    assert [r.server.port for r in cpu.replicas] == [9100, 9101, 9102]
+    assert cpu.orchestrator.client.urls == [f"http://127.0.0.1:{p}" for p in (9100, 9101, 9102)]
+    assert [r.cpu.omp_threads_bind for r in cpu.replicas] == ["0-1", "2-3", "6"]
+    assert [r.server.log_file for r in cpu.replicas] == [f"/tmp/vllm_{i}.log" for i in range(3)]
+    assert cpu.replica_gpus == ()
+    gpu = split_config(rl, on_gpu=True, num_cpus=8)
+    assert gpu.replica_gpus == ((4, 5), (6, 7), (2, 3))
+    assert all(r.cpu.omp_threads_bind == "auto" for r in gpu.replicas)  # untouched on GPUs
+
+
+def test_two_replicas_on_two_cores_share_the_inference_core_unless_given_cores():
+    two = RLConfig.model_validate({"deployment": {"num_replicas": 2}})
+    assert [r.cpu.omp_threads_bind for r in split_config(two, on_gpu=False, num_cpus=2).replicas] == [
+        "0",
+        "0",
+    ]
+    spread = RLConfig.model_validate({"deployment": {"num_replicas": 2, "inference_cpus": "0-1"}})
+    assert [r.cpu.omp_threads_bind for r in split_config(spread, on_gpu=False, num_cpus=2).replicas] == [
+        "0",
+        "1",
+    ]
+    one = split_config(RLConfig(), on_gpu=False, num_cpus=2)
+    assert len(one.replicas) == 1 and one.inference.server.port == 8000
+
+
+def test_replica_gpu_and_core_mistakes_are_one_line_errors(tmp_path):
+    short = RLConfig.model_validate({"deployment": {"num_replicas": 2, "inference_gpus": [0, 1, 2]}})
+    with pytest.raises(UserError, match=r"deployment.inference_gpus: lists 3 GPU\(s\) for 2 replica\(s\)"):
+        split_config(short, on_gpu=True)
+    with pytest.raises(UserError, match="deployment.inference_cpus"):
+        load_rl(tmp_path, '[deployment]\ninference_cpus = "0-x"\n')
+    with pytest.raises(UserError, match="deployment.inference_cpus"):
+        load_rl(tmp_path, '[deployment]\nnum_replicas = 2\ninference_cpus = "0-1|2-3"\n')
+    assert (
+        load_rl(tmp_path, '[deployment]\ninference_cpus = "0-1|2-3"\n').deployment.inference_cpus == "0-1|2-3"
+    )
+    too_high = RLConfig.model_validate(
+        {"deployment": {"num_replicas": 2}, "inference": {"server": {"port": 65535}}}
+    )
+    with pytest.raises(UserError, match="inference.server.port"):
+        split_config(too_high, on_gpu=False)

@@ -243,14 +243,47 @@ class DeploymentConfig(Config):
 
     num_trainer_ranks: int = Field(default=1, gt=0)
     """Trainer processes (torchrun when more than one)."""
-    inference_gpus: list[int] = [0]
-    """GPU ids for the inference server (ignored on CPU)."""
-    trainer_gpus: list[int] = [0]
+    num_replicas: int = Field(default=1, gt=0)
+    """Inference replicas: separate vLLM servers, replica i on port inference.server.port + i. The
+    orchestrator's client sends each request to the least-loaded one (every turn of an episode to the same
+    one) and each weight update to all of them."""
+    inference_gpus: list[int] = Field(default=[0], min_length=1)
+    """GPU ids for inference (ignored on CPU), split in order among the replicas: each gets
+    inference.vllm.tensor_parallel_size × data_parallel_size of them."""
+    trainer_gpus: list[int] = Field(default=[0], min_length=1)
     """GPU ids for the trainer ranks (ignored on CPU); may equal inference_gpus to share one GPU."""
     inference_cpus: str | None = None
-    """CPU cores for vLLM's threads on CPU runs, e.g. "0" (default: core 0 when there are few cores)."""
+    """CPU cores for vLLM's threads on CPU runs, e.g. "0" or "0-3,6" (default: core 0 when there are few
+    cores, else the first half), split in order among the replicas (fewer cores than replicas: they share)."""
     trainer_threads: int | None = Field(default=None, gt=0)
     """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
+
+    @model_validator(mode="after")
+    def _check_cpus(self) -> "DeploymentConfig":
+        if self.inference_cpus is not None and "|" in self.inference_cpus:  # vLLM's per-TP-rank lists
+            if self.num_replicas > 1:
+                raise ConfigProblem(
+                    "inference_cpus", "per-rank lists (`|`) are for one replica; give a plain core list"
+                )
+        elif self.inference_cpus is not None:
+            try:
+                parse_cpu_list(self.inference_cpus)
+            except ValueError as exc:
+                raise ConfigProblem("inference_cpus", str(exc)) from None
+        return self
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """`"0-2,5"` → [0, 1, 2, 5] (the form VLLM_CPU_OMP_THREADS_BIND takes for one process)."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise ValueError(f'{spec!r} is not a list of cores like "0-3,6"')
+        cores.extend(range(int(first), int(last or first) + 1))
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"{spec!r} names a core twice")
+    return cores
 
 
 # Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
@@ -264,7 +297,7 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "transport"): "transport",
     ("trainer", "transport"): "transport",
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
-    ("orchestrator", "client", "urls"): "inference.server.host` / `inference.server.port",
+    ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",

@@ -87,6 +87,8 @@ class ServerState:
     """Generation requests it answered (a running total; the orchestrator logs it per step)."""
     completion_tokens: int = 0
     """Tokens it generated for this client (a running total)."""
+    weight_updates: int = 0
+    """Policy updates (full weights or a policy adapter) it loaded, catch-ups included (a running total)."""
 
 
 def parse_version(raw: object) -> int:
@@ -395,6 +397,7 @@ class InferenceClient:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
         ok = server.version == version
+        server.weight_updates += ok
         return ServerVersion(
             url=server.url, version=server.version, ok=ok, seconds=time.perf_counter() - start
         )
@@ -470,6 +473,7 @@ class InferenceClient:
             if isinstance(exc, RequestRejected) and exc.status == 404:  # vLLM mounts the route only with LoRA
                 error += " (is LoRA enabled there? inference.vllm.enable_lora = true)"
             return ServerVersion(url=server.url, version=None, ok=False, error=error, seconds=seconds)
+        server.weight_updates += 1
         return ServerVersion(url=server.url, version=version, ok=True, seconds=time.perf_counter() - start)
 
     async def _load_adapter(self, server: ServerState, name: str, path: str) -> None:

@@ -102,10 +102,20 @@ def stop_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], grac
     """SIGTERM every process of `pgids` at once, whether or not a group's leader still runs (vLLM's engine
     and workers outlive a killed API server), SIGKILL what is left after `grace` s; `process` is reaped."""
     deadline = time.monotonic() + grace
+    terminate_groups(pgids)
+    return finish_groups(process, pgids, deadline)
+
+
+def terminate_groups(pgids: Collection[int]) -> None:
     for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
+
+
+def finish_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], deadline: float) -> int:
+    """After `terminate_groups`: wait for `process` and its groups until `deadline` (monotonic), SIGKILL what
+    is left then; `process` is reaped and its exit code returned."""
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
     if not wait_groups_gone(pgids, deadline):
         for pgid in pgids:
             signal_group(pgid, signal.SIGKILL)
@@ -170,6 +180,8 @@ class ManagedProcess:
         self.groups: list[int] = []
         """Process groups stopped with this child: its own (recorded at start), then any it started."""
         self._log: IO[bytes] | None = None
+        self.stop_seconds: float | None = None
+        """How long its stop took, from the SIGTERM until none of its groups was left (None: not stopped)."""
 
     def start(self) -> "ManagedProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,13 +218,16 @@ class ManagedProcess:
 
     def stop(self, grace: float = STOP_GRACE) -> int | None:
         """SIGTERM its groups at once, SIGKILL after `grace` s, and wait until no process of them is left."""
-        if self.process is None:
-            return None
-        code = stop_groups(self.process, self.groups, grace)
+        stop_together([self], grace)
+        return self.poll()
+
+    def _finish(self, deadline: float, started: float) -> None:
+        assert self.process is not None
+        finish_groups(self.process, self.groups, deadline)
+        self.stop_seconds = time.monotonic() - started
         if self._log is not None:
             self._log.close()
             self._log = None
-        return code
 
     def log_tail(self, num_lines: int = 20) -> str:
         try:
@@ -220,3 +235,15 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(lines[-num_lines:])
+
+
+def stop_together(children: Sequence[ManagedProcess], grace: float = STOP_GRACE) -> None:
+    """Stop `children` side by side: SIGTERM all their groups at once, then wait for each until one shared
+    deadline `grace` s away (SIGKILL after it), so that stopping several takes the slowest one's time, not
+    the sum. Each child's `stop_seconds` says how long it took."""
+    started = time.monotonic()
+    running = [c for c in children if c.process is not None and c.stop_seconds is None]
+    for child in running:
+        terminate_groups(child.groups)
+    for child in running:
+        child._finish(started + grace, started)

@@ -1,11 +1,14 @@
-"""Split one `tidal rl` config into the configs of its three processes (pure; tested without processes)."""
+"""Split one `tidal rl` config into the configs of its processes (pure; tested without processes):
+one per inference replica, the orchestrator, the trainer."""
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig
+from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig, parse_cpu_list
+from tidal.errors import UserError
 from tidal.inference.server import client_url
 
 
@@ -13,9 +16,17 @@ from tidal.inference.server import client_url
 class RoleConfigs:
     """The per-process configs `tidal rl` writes to <output_dir>/configs/ and starts the processes with."""
 
-    inference: InferenceConfig
+    replicas: tuple[InferenceConfig, ...]
+    """One `tidal inference` config per replica, on consecutive ports."""
     orchestrator: OrchestratorConfig
     trainer: RLTrainerConfig
+    replica_gpus: tuple[tuple[int, ...], ...] = ()
+    """The GPU ids of each replica (GPU runs; empty on CPU)."""
+
+    @property
+    def inference(self) -> InferenceConfig:
+        """The first replica's config (the only one, unless deployment.num_replicas > 1)."""
+        return self.replicas[0]
 
 
 def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
@@ -32,13 +43,11 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
     inference = rl.inference.model_copy(
         update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
     )
-    if not on_gpu:
-        inference = inference.model_copy(
-            update={
-                "cpu": inference.cpu.model_copy(update={"omp_threads_bind": _inference_cpus(rl, num_cpus)})
-            }
-        )
-    url = client_url(inference.server.host, inference.server.port)
+    cores = [None] * rl.deployment.num_replicas if on_gpu else _replica_cpus(rl, num_cpus)
+    replicas = tuple(
+        _replica(inference, index, rl.deployment.num_replicas, c) for index, c in enumerate(cores)
+    )
+    urls = [client_url(r.server.host, r.server.port) for r in replicas]
     orchestrator = rl.orchestrator.model_copy(
         update={
             **shared,
@@ -46,7 +55,7 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
             "transport": rl.transport,
             "client": rl.orchestrator.client.model_copy(
                 update={
-                    "urls": [url],
+                    "urls": urls,
                     "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
                 }
             ),
@@ -65,7 +74,71 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
             "publish": _publish_for(rl),
         }
     )
-    return RoleConfigs(inference, orchestrator, trainer)
+    gpus = _replica_gpus(rl) if on_gpu else ()
+    return RoleConfigs(replicas, orchestrator, trainer, gpus)
+
+
+def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -> InferenceConfig:
+    """Replica `index`: the next port, its own cores on CPU, its own vLLM log file if one is named."""
+    server = base.server
+    if count > 1:
+        port = server.port + index
+        if port > 65535:
+            raise UserError(
+                f"inference.server.port: {count} replicas need ports {server.port}-{server.port + count - 1}"
+            )
+        log_file = server.log_file
+        if log_file is not None:
+            path = Path(log_file)
+            log_file = str(path.with_name(f"{path.stem}_{index}{path.suffix}"))
+        server = server.model_copy(update={"port": port, "log_file": log_file})
+    update: dict[str, object] = {"server": server}
+    if cores is not None:
+        update["cpu"] = base.cpu.model_copy(update={"omp_threads_bind": cores})
+    return base.model_copy(update=update)
+
+
+def _replica_cpus(rl: RLConfig, num_cpus: int) -> list[str]:
+    """Each replica's share of the inference cores, in order; with fewer cores than replicas they share."""
+    spec = _inference_cpus(rl, num_cpus)
+    count = rl.deployment.num_replicas
+    if count == 1:
+        return [spec]
+    cores = parse_cpu_list(spec)
+    if len(cores) < count:
+        return [str(cores[i % len(cores)]) for i in range(count)]
+    size, extra = divmod(len(cores), count)
+    shares, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        shares.append(format_cpu_list(cores[start:end]))
+        start = end
+    return shares
+
+
+def format_cpu_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _replica_gpus(rl: RLConfig) -> tuple[tuple[int, ...], ...]:
+    """`deployment.inference_gpus` in order, tensor_parallel_size × data_parallel_size per replica."""
+    vllm, deploy = rl.inference.vllm, rl.deployment
+    per_replica = vllm.tensor_parallel_size * vllm.data_parallel_size
+    gpus = deploy.inference_gpus
+    if len(gpus) != per_replica * deploy.num_replicas:
+        raise UserError(
+            f"deployment.inference_gpus: lists {len(gpus)} GPU(s) for {deploy.num_replicas} replica(s) of "
+            f"{per_replica} GPU(s) each (inference.vllm.tensor_parallel_size × data_parallel_size); "
+            f"list {per_replica * deploy.num_replicas}"
+        )
+    return tuple(tuple(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(deploy.num_replicas))
 
 
 def _publish_for(rl: RLConfig) -> PublishConfig:

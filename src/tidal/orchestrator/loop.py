@@ -178,7 +178,9 @@ class Orchestrator:
 
     def _replica_metrics(self, client: InferenceClient, seconds: float) -> dict[str, float]:
         now = [
-            ReplicaCounts(s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy)
+            ReplicaCounts(
+                s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy, s.weight_updates
+            )
             for s in client.servers.values()
         ]
         metrics = replica_metrics(now, self._replicas_before, seconds)
@@ -308,6 +310,8 @@ class Orchestrator:
             "time/step": elapsed,
             "time/wait_for_policy": waited,
             "time/weight_updates_total": policy.update_seconds,
+            "weights/updates_total": policy.num_updates,
+            "rollouts/replica_switches": stats.num_replica_switches,
         }
         metrics.update(per_env_metrics(stats, groups))
         metrics.update(extra)  # online eval, per-replica counts

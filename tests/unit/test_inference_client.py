@@ -195,3 +195,35 @@ def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out() -> None:
     client = client_with(slow_a)
     assert asyncio.run(client.generate(REQUEST)).server == B  # least recently used A was tried first
     assert client.servers[A].healthy  # slow is not dead: only the health watch decides that
+
+
+def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers():
+    """A pinned session waits for its replica's update and is recorded with the new version; the others go
+    to the replica that is not loading (before: they queued behind the load, recorded with the old one)."""
+
+    async def main() -> tuple[list[Generation], Generation]:
+        release = asyncio.Event()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/update_weights" and request.url.host == "a":
+                await release.wait()  # replica A is slow to load
+            if request.url.path == "/v1/completions":
+                return completion(request)
+            return httpx.Response(404 if request.url.path == "/weight_info" else 200, json={})
+
+        client = client_with(handler)  # type: ignore[arg-type]
+        assert client.pick("episode").url == A  # the episode's earlier turns were on A
+        update = asyncio.create_task(client._update_one(client.servers[A], "/run/weights/step_1", 1))
+        await asyncio.sleep(0.05)
+        assert client.servers[A].updating
+        during = await generate_many(client, 4)
+        pinned = asyncio.create_task(client.generate(REQUEST, session_id="episode"))
+        await asyncio.sleep(0.05)
+        assert not pinned.done()  # held for A's new weights rather than sent into its paused queue
+        release.set()
+        assert (await update).ok
+        return during, await pinned
+
+    during, pinned = asyncio.run(main())
+    assert [(g.server, g.weight_version) for g in during] == [(B, 0)] * 4
+    assert (pinned.server, pinned.weight_version) == (A, 1)

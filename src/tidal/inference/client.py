@@ -22,7 +22,7 @@ import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -89,6 +89,13 @@ class ServerState:
     """Tokens it generated for this client (a running total)."""
     weight_updates: int = 0
     """Policy updates (full weights or a policy adapter) it loaded, catch-ups included (a running total)."""
+    updating: bool = False
+    """A full-weight update runs on it: new requests go elsewhere, or wait for `idle` (a pinned session)."""
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while no update runs."""
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
 
 def parse_version(raw: object) -> int:
@@ -251,7 +258,10 @@ class InferenceClient:
         if not healthy:
             raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
-        server = pinned if pinned is not None and pinned.healthy else min(healthy, key=_load)
+        if pinned is not None and pinned.healthy:
+            server = pinned  # even while it updates: the episode's prefix is cached there
+        else:
+            server = min([s for s in healthy if not s.updating] or healthy, key=_load)
         self._picks += 1
         server.last_pick = self._picks
         if session_id is not None:
@@ -274,6 +284,8 @@ class InferenceClient:
             except NoHealthyServer as exc:
                 failure = str(exc)
                 continue
+            if server.updating:  # the version must be the one that will answer: wait for the new one
+                await server.idle.wait()
             version = server.version
             server.in_flight += 1
             try:
@@ -384,11 +396,18 @@ class InferenceClient:
         return await self._update_one(server, path, version)
 
     async def _update_one(self, server: ServerState, path: str, version: int) -> ServerVersion:
+        """Pause, load, resume one server. While it updates, the client sends new requests to the other
+        replicas or holds them (a session pinned to it), and records the new version before resuming: every
+        request sent after the update then names the weights that answer it, so a rollout's version is its
+        replica's, exactly, even while replicas load a step at different times."""
         start = time.perf_counter()
+        server.updating = True
+        server.idle.clear()
         try:
             await self.pause(server)
             try:
                 await self._load(server, path, version)
+                server.version = version
             finally:
                 await self.resume(server)
             reported = await self._read_version(server)
@@ -396,6 +415,9 @@ class InferenceClient:
         except (InferenceError, httpx.HTTPError) as exc:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
+        finally:
+            server.updating = False
+            server.idle.set()
         ok = server.version == version
         server.weight_updates += ok
         return ServerVersion(

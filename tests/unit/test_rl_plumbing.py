@@ -1,6 +1,7 @@
 """Pure plumbing of `tidal rl`: config split, rollout transports (filesystem and ZMQ), run layout."""
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -247,3 +248,51 @@ def test_replica_gpu_and_core_mistakes_are_one_line_errors(tmp_path):
     )
     with pytest.raises(UserError, match="inference.server.port"):
         split_config(too_high, on_gpu=False)
+
+
+def test_cluster_split_points_the_orchestrator_at_every_replica_on_every_inference_node():
+    rl = RLConfig.model_validate(
+        {
+            "deployment": {
+                "type": "slurm", "num_inference_nodes": 2, "num_replicas": 2, "num_trainer_nodes": 2,
+                "num_trainer_ranks": 4,
+            },
+            "inference": {"server": {"port": 9000, "admin_token": "t"}},
+            "transport": {"type": "zmq", "port": 6000},
+        }
+    )  # fmt: skip
+    roles = split_config(
+        rl, on_gpu=False, num_cpus=8, addresses=["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
+    )
+    assert roles.orchestrator.client.urls == [
+        "http://10.0.0.1:9000", "http://10.0.0.1:9001", "http://10.0.0.2:9000", "http://10.0.0.2:9001"
+    ]  # fmt: skip
+    assert roles.replica_nodes == (0, 0, 1, 1) and roles.node_replicas(1) == [2, 3]
+    assert {r.server.host for r in roles.replicas} == {"0.0.0.0"}  # reachable from the orchestrator's node
+    # trainer ranks on nodes 2 and 3 connect to the orchestrator on the first trainer node
+    assert roles.trainer.transport.host == roles.orchestrator.transport.host == "10.0.0.3"
+    assert roles.orchestrator.batch.num_trainer_ranks == 8
+    with pytest.raises(UserError, match="4 nodes are needed, 2 given"):
+        split_config(rl, on_gpu=False, addresses=["a", "b"])
+
+
+def test_more_than_one_node_needs_a_cluster_type(tmp_path):
+    with pytest.raises(UserError, match="deployment.num_trainer_nodes: more than one node needs"):
+        load_rl(tmp_path, "[deployment]\nnum_trainer_nodes = 2\n")
+
+
+def test_trainer_command_joins_a_rendezvous_on_several_nodes():
+    from tidal.launcher.rl import trainer_argv
+
+    assert trainer_argv(Path("t.toml"), 1)[-4:] == ["tidal", "trainer", "@", "t.toml"]
+    single = trainer_argv(Path("t.toml"), 2)
+    assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "2"
+    multi = trainer_argv(Path("t.toml"), 8, num_nodes=4, rendezvous="10.0.0.3:29400", run_id="job7")
+    assert "--standalone" not in multi
+    assert (
+        multi[multi.index("--nnodes") + 1] == "4"
+        and multi[multi.index("--rdzv-endpoint") + 1] == "10.0.0.3:29400"
+    )
+    assert (
+        multi[multi.index("--rdzv-backend") + 1] == "c10d" and multi[multi.index("--rdzv-id") + 1] == "job7"
+    )

@@ -16,6 +16,7 @@ from tidal.config.common import (
     TrainerRunConfig,
     WandbConfig,
 )
+from tidal.config.deployment import DeploymentConfig
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
@@ -236,54 +237,6 @@ class RLTrainerConfig(TrainerRunConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig(interval=1)
     wandb: WandbConfig = WandbConfig()
-
-
-class DeploymentConfig(Config):
-    """Which devices each process gets (`tidal rl`)."""
-
-    num_trainer_ranks: int = Field(default=1, gt=0)
-    """Trainer processes (torchrun when more than one)."""
-    num_replicas: int = Field(default=1, gt=0)
-    """Inference replicas: separate vLLM servers, replica i on port inference.server.port + i. The
-    orchestrator's client sends each request to the least-loaded one (every turn of an episode to the same
-    one) and each weight update to all of them."""
-    inference_gpus: list[int] = Field(default=[0], min_length=1)
-    """GPU ids for inference (ignored on CPU), split in order among the replicas: each gets
-    inference.vllm.tensor_parallel_size × data_parallel_size of them."""
-    trainer_gpus: list[int] = Field(default=[0], min_length=1)
-    """GPU ids for the trainer ranks (ignored on CPU); may equal inference_gpus to share one GPU."""
-    inference_cpus: str | None = None
-    """CPU cores for vLLM's threads on CPU runs, e.g. "0" or "0-3,6" (default: core 0 when there are few
-    cores, else the first half), split in order among the replicas (fewer cores than replicas: they share)."""
-    trainer_threads: int | None = Field(default=None, gt=0)
-    """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
-
-    @model_validator(mode="after")
-    def _check_cpus(self) -> "DeploymentConfig":
-        if self.inference_cpus is not None and "|" in self.inference_cpus:  # vLLM's per-TP-rank lists
-            if self.num_replicas > 1:
-                raise ConfigProblem(
-                    "inference_cpus", "per-rank lists (`|`) are for one replica; give a plain core list"
-                )
-        elif self.inference_cpus is not None:
-            try:
-                parse_cpu_list(self.inference_cpus)
-            except ValueError as exc:
-                raise ConfigProblem("inference_cpus", str(exc)) from None
-        return self
-
-
-def parse_cpu_list(spec: str) -> list[int]:
-    """`"0-2,5"` → [0, 1, 2, 5] (the form VLLM_CPU_OMP_THREADS_BIND takes for one process)."""
-    cores: list[int] = []
-    for part in spec.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
-            raise ValueError(f'{spec!r} is not a list of cores like "0-3,6"')
-        cores.extend(range(int(first), int(last or first) + 1))
-    if len(set(cores)) != len(cores):
-        raise ValueError(f"{spec!r} names a core twice")
-    return cores
 
 
 # Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and

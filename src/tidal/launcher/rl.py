@@ -37,11 +37,26 @@ def tidal_argv(command: str, config_path: Path) -> list[str]:
     return [sys.executable, "-m", "tidal", command, "@", str(config_path)]
 
 
-def trainer_argv(config_path: Path, num_ranks: int) -> list[str]:
-    if num_ranks == 1:
+def trainer_argv(
+    config_path: Path,
+    num_ranks: int,
+    num_nodes: int = 1,
+    rendezvous: str | None = None,
+    run_id: str = "tidal",
+) -> list[str]:
+    """The trainer's command: `tidal trainer` itself for one rank, else torchrun with `num_ranks` per node;
+    on several nodes every node's torchrun joins the c10d rendezvous at `rendezvous` (host:port on the first
+    trainer node) under `run_id`, and torchrun numbers the ranks."""
+    if num_ranks == 1 and num_nodes == 1:
         return tidal_argv("trainer", config_path)
+    if num_nodes == 1:
+        where = ["--standalone"]
+    else:
+        assert rendezvous is not None, "several trainer nodes need a rendezvous endpoint"
+        where = ["--nnodes", str(num_nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous,
+                 "--rdzv-id", run_id]  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_ranks),
+        sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(num_ranks),
         "-m", "tidal", "trainer", "@", str(config_path),
     ]  # fmt: skip
 
@@ -327,6 +342,10 @@ def dry_run(config: RLConfig) -> str:
 
 
 def main(config: RLConfig) -> int:
+    if config.deployment.type != "local":
+        raise UserError(
+            f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'
+        )  # TODO(issue 13): render and submit the job instead
     start = time.perf_counter()
     code = Launcher(config).run()
     if code == 0:

@@ -2,12 +2,15 @@
 one per inference replica, the orchestrator, the trainer."""
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig
+from tidal.config.deployment import parse_cpu_list
+from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig, is_loopback
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig, parse_cpu_list
+from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig, ZMQTransport
+from tidal.deploy.plan import place
 from tidal.errors import UserError
 from tidal.inference.server import client_url
 
@@ -17,11 +20,17 @@ class RoleConfigs:
     """The per-process configs `tidal rl` writes to <output_dir>/configs/ and starts the processes with."""
 
     replicas: tuple[InferenceConfig, ...]
-    """One `tidal inference` config per replica, on consecutive ports."""
+    """One `tidal inference` config per replica, on consecutive ports on each inference node."""
     orchestrator: OrchestratorConfig
     trainer: RLTrainerConfig
     replica_gpus: tuple[tuple[int, ...], ...] = ()
-    """The GPU ids of each replica (GPU runs; empty on CPU)."""
+    """The GPU ids of each replica on its node (GPU runs; empty on CPU)."""
+    replica_nodes: tuple[int, ...] = (0,)
+    """The node index of each replica (see tidal.deploy.plan)."""
+
+    def node_replicas(self, node: int) -> list[int]:
+        """Indexes (into `replicas`) of the replicas node `node` runs."""
+        return [i for i, n in enumerate(self.replica_nodes) if n == node]
 
     @property
     def inference(self) -> InferenceConfig:
@@ -29,10 +38,20 @@ class RoleConfigs:
         return self.replicas[0]
 
 
-def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
+def split_config(
+    rl: RLConfig, on_gpu: bool, num_cpus: int | None = None, addresses: Sequence[str] | None = None
+) -> RoleConfigs:
     """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top
-    (RLConfig refuses them in the sub-tables, where they would be overwritten)."""
+    (RLConfig refuses them in the sub-tables, where they would be overwritten).
+
+    `addresses`: on a cluster, each node's address by node index (tidal.deploy.plan): replicas then bind
+    every interface (their admin routes need the token), the orchestrator reaches them at their node's
+    address, and trainer ranks reach a zmq transport at the orchestrator node's. None: one machine, loopback.
+    """
     num_cpus = num_cpus or os.cpu_count() or 1
+    placement = place(rl.deployment)
+    if addresses is not None and len(addresses) != placement.num_nodes:
+        raise UserError(f"deployment: {placement.num_nodes} nodes are needed, {len(addresses)} given")
     shared = {
         "output_dir": rl.output_dir,
         "max_steps": rl.max_steps,
@@ -43,16 +62,28 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
     inference = rl.inference.model_copy(
         update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
     )
-    cores = [None] * rl.deployment.num_replicas if on_gpu else _replica_cpus(rl, num_cpus)
-    replicas = tuple(
-        _replica(inference, index, rl.deployment.num_replicas, c) for index, c in enumerate(cores)
-    )
-    urls = [client_url(r.server.host, r.server.port) for r in replicas]
+    if addresses is not None and is_loopback(inference.server.host):
+        inference = inference.model_copy(
+            update={"server": inference.server.model_copy(update={"host": "0.0.0.0"})}
+        )
+    per_node = rl.deployment.num_replicas
+    cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
+    replicas, urls, replica_nodes = [], [], []
+    for node in placement.inference_nodes:
+        for index, core in enumerate(cores):
+            replica = _replica(inference, index, per_node, core)
+            host = replica.server.host if addresses is None else addresses[node]
+            replicas.append(replica)
+            urls.append(client_url(host, replica.server.port))
+            replica_nodes.append(node)
+    transport = rl.transport
+    if addresses is not None and isinstance(transport, ZMQTransport):
+        transport = transport.model_copy(update={"host": addresses[placement.orchestrator_node]})
     orchestrator = rl.orchestrator.model_copy(
         update={
             **shared,
             "max_async_level": rl.max_async_level,
-            "transport": rl.transport,
+            "transport": transport,
             "client": rl.orchestrator.client.model_copy(
                 update={
                     "urls": urls,
@@ -60,7 +91,7 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
                 }
             ),
             "batch": rl.orchestrator.batch.model_copy(
-                update={"num_trainer_ranks": rl.deployment.num_trainer_ranks}
+                update={"num_trainer_ranks": rl.deployment.total_trainer_ranks}
             ),
         }
     )
@@ -68,14 +99,14 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
     trainer = rl.trainer.model_copy(
         update={
             **shared,
-            "transport": rl.transport,
+            "transport": transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
             "publish": _publish_for(rl),
         }
     )
-    gpus = _replica_gpus(rl) if on_gpu else ()
-    return RoleConfigs(replicas, orchestrator, trainer, gpus)
+    gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
+    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes))
 
 
 def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -> InferenceConfig:

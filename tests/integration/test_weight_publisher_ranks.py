@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def _rank(rank: int, port: int, out: str) -> None:
     from tidal.errors import UserError
     from tidal.trainer.parallel import DistInfo
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.publish import FilesystemPublisher
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -25,7 +25,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         with torch.no_grad():
             model[1].weight[0, 0] = float("nan")
     try:
-        WeightPublisher(Path(out)).publish_model(3, model, None, info)
+        FilesystemPublisher(Path(out)).publish(3, model, None, info)
         message = "published"
     except UserError as exc:
         message = str(exc)

@@ -26,7 +26,8 @@ from tidal.trainer.lora import (
 )
 from tidal.trainer.optim import build_optimizer
 from tidal.trainer.parallel import DistInfo, parallelize, shutdown
-from tidal.transport.weights import WeightPublisher, is_adapter_dir, list_published
+from tidal.trainer.publish import FilesystemPublisher
+from tidal.transport.weights import is_adapter_dir, list_published
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -139,9 +140,9 @@ def test_adapter_export_has_peft_names_and_config_and_no_base_weights(tmp_path: 
 def test_publisher_with_an_adapter_config_publishes_adapters_only(tmp_path: Path) -> None:
     model = tiny_lm()
     adapted = apply_lora(model, LORA)
-    publisher = WeightPublisher(tmp_path, keep_last=2, adapter_config=peft_config(LORA, adapted, "tiny"))
+    publisher = FilesystemPublisher(tmp_path, keep_last=2, adapter_config=peft_config(LORA, adapted, "tiny"))
     for step in (1, 2, 3):
-        publisher.publish_model(step, model, build_tokenizer(), CPU)
+        publisher.publish(step, model, build_tokenizer(), CPU)
     published = list_published(tmp_path)
     assert [step for step, _ in published] == [2, 3]
     for _, path in published:
@@ -222,7 +223,7 @@ def test_tidal_rl_turns_on_lora_in_vllm_for_a_lora_trainer() -> None:
 @pytest.mark.parametrize(
     "override,fragments",
     [
-        (["--inference.weights.backend", "nccl"], ["inference.weights.backend", "LoRA", "filesystem"]),
+        (["--trainer.publish.type", "nccl"], ["trainer.publish.type", "LoRA", "filesystem"]),
         (["--trainer.lora.target-modules", '["lm_head"]'], ["trainer.lora.target_modules", "output head"]),
         (["--trainer.lora.dropout", "1.5"], ["trainer.lora.dropout", "less than 1"]),
     ],

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tidal.testing.tiny import build_tokenizer
+from tidal.trainer.publish import FilesystemPublisher
 from tidal.transport.weights import WeightPublisher, check_weights_dir, latest_published, list_published
 
 
@@ -65,7 +66,7 @@ def test_publish_model_writes_the_served_dtype_and_leaves_the_trainer_config_alo
 
     model, tokenizer = small_model()  # fp32 master weights
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    path = WeightPublisher(tmp_path, dtype=torch.bfloat16).publish_model(1, model, tokenizer, info)
+    path = FilesystemPublisher(tmp_path, dtype=torch.bfloat16).publish(1, model, tokenizer, info)
     saved = load_file(str(path / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.bfloat16}
     expected = model.state_dict()["model.embed_tokens.weight"].to(torch.bfloat16)
@@ -95,9 +96,9 @@ def test_non_finite_weights_are_refused_naming_the_tensor_and_step(tmp_path: Pat
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[3, 1] = float("nan")
-    publisher = WeightPublisher(tmp_path)
+    publisher = FilesystemPublisher(tmp_path)
     with pytest.raises(UserError, match=r"step_7: tensor model\.layers\.0\.mlp\.up_proj\.weight has NaN/inf"):
-        publisher.publish_model(7, model, tokenizer, info)
+        publisher.publish(7, model, tokenizer, info)
     state = model.state_dict()
     state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("inf"))
     with pytest.raises(UserError, match=r"step_8: tensor model\.\S+ \(and 1 more\) has NaN/inf"):

@@ -9,6 +9,8 @@ from tidal.config.base import Config, ConfigProblem
 from tidal.config.common import ModelConfig
 
 ADMIN_TOKEN_ENV = "TIDAL_ADMIN_TOKEN"
+TOKEN_HEADER = "x-admin-token"
+"""The HTTP header that carries the admin token (lower case, as ASGI scopes spell headers)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -90,17 +92,47 @@ class CPUConfig(Config):
         )  # `--x 1` is an int
 
 
+class NcclRendezvous(Config):
+    """Where this server's workers join the trainer's NCCL group (`tidal rl` writes it for each replica).
+
+    The group is trainer rank 0 (rank 0) plus every worker of every replica: replica i's workers take ranks
+    `rank_offset` … `rank_offset` + tensor_parallel_size × data_parallel_size − 1. The workers join at the
+    first weight update and receive every later one from the same group."""
+
+    master_address: str
+    """Trainer rank 0's address (trainer.publish.host)."""
+    master_port: int = Field(ge=1, le=65535)
+    """Its rendezvous port (trainer.publish.port)."""
+    rank_offset: int = Field(ge=1)
+    """NCCL rank of this server's first worker."""
+    world_size: int = Field(ge=2)
+    """Trainer rank 0 plus all inference workers of all replicas."""
+
+
 class WeightUpdateConfig(Config):
     """How new weights reach this server."""
 
     backend: Literal["filesystem", "nccl"] = "filesystem"
     """`filesystem`: load HF safetensors from a directory (`/update_weights` with {"path": DIR}).
-    `nccl`: receive a broadcast from trainer rank 0 (GPU only; vLLM's nccl engine)."""
+    `nccl`: receive a broadcast from trainer rank 0 (GPU only; vLLM's nccl engine). `tidal rl` sets it from
+    `trainer.publish.type`."""
+    nccl: NcclRendezvous | None = None
+    """With `nccl`: join the trainer's group from these settings at the first update, and take each
+    update's tensor list from the broadcast itself (`/update_weights` with {"path": "<step announcement>"}).
+    None: the sender initialises the group and names the tensors over HTTP (vLLM's own protocol)."""
     check_finite: bool | Literal["auto"] = "auto"
     """Filesystem updates: read every tensor and refuse one with NaN/inf before loading (about 1 s per GB
     of weights on one CPU core; the headers, names, shapes and dtypes are always checked). `auto`: on for
     `tidal inference`; off under `tidal rl`, whose trainer refuses non-finite weights before it publishes
     them, so the server does not read every published step a second time while generation waits."""
+
+    @model_validator(mode="after")
+    def _check_rendezvous(self) -> "WeightUpdateConfig":
+        if self.nccl is not None and self.backend != "nccl":
+            raise ConfigProblem("nccl", "an NCCL rendezvous needs backend = 'nccl'")
+        if self.backend == "nccl" and self.check_finite is True:
+            raise ConfigProblem("check_finite", "checks weight files; nccl updates have none")
+        return self
 
 
 class InferenceConfig(Config):

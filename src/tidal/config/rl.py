@@ -205,16 +205,45 @@ class OrchestratorConfig(RunConfig):
         return self
 
 
-class PublishConfig(Config):
-    """How the trainer hands new weights to inference."""
+PublishDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class FilesystemPublish(Config):
+    """Weights as files: HF safetensors under <output_dir>/weights/step_<n>/ (with LoRA: a PEFT adapter),
+    loaded by every server from there. Works across nodes when they share the run directory."""
 
     type: Literal["filesystem"] = "filesystem"
-    """`filesystem`: HF safetensors under <output_dir>/weights/step_<n>/ (with LoRA: a PEFT adapter)."""
     keep_last: int = Field(default=3, ge=2)
     """Published steps kept on disk (a server may still be loading the previous one)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: PublishDtype = "auto"
     """Dtype of the published weights. `auto`: the dtype inference serves — model.dtype when set, else the
     checkpoint's own (config.json); fp32 master weights are then cast once here instead of written in fp32."""
+
+
+class NcclPublish(Config):
+    """Weights by NCCL broadcast from trainer rank 0 to every inference worker of every replica (GPUs only,
+    across nodes too). Each step, rank 0 announces `weights/step_<n>/` (a small `nccl.json`, no weights) and
+    broadcasts; the orchestrator tells every server to receive it, as it would to load a filesystem step.
+    The trainer waits in each publish until every server has received the step. Full weights only (no LoRA)."""
+
+    type: Literal["nccl"] = "nccl"
+    keep_last: int = Field(default=3, ge=2)
+    """Step announcements kept on disk (they hold no weights)."""
+    dtype: PublishDtype = "auto"
+    """Dtype the weights are broadcast in (as for `filesystem`): fp32 master weights are cast first, so the
+    broadcast carries what inference serves."""
+    host: str = "127.0.0.1"
+    """Address of trainer rank 0 that inference workers reach for the NCCL rendezvous (`tidal rl` sets it:
+    loopback on one node, the first trainer node's address on a cluster)."""
+    port: int = Field(default=29555, ge=1, le=65535)
+    """TCP port of that rendezvous (rank 0 listens; the workers connect)."""
+    inference_world_size: int = Field(default=1, gt=0)
+    """Inference workers that receive the broadcast, all replicas together (`tidal rl` sets it)."""
+
+
+PublishConfig = Annotated[FilesystemPublish | NcclPublish, Field(discriminator="type")]
+"""How the trainer hands new weights to inference: `filesystem` (default) or `nccl`; under `tidal rl` this is
+the one setting, and every server's `inference.weights` is derived from it."""
 
 
 class RLTrainerConfig(TrainerRunConfig):
@@ -233,7 +262,7 @@ class RLTrainerConfig(TrainerRunConfig):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of the rollouts (logits are divided by it); `tidal rl` copies it from sampling."""
     transport: RolloutTransport = FilesystemTransport()
-    publish: PublishConfig = PublishConfig()
+    publish: PublishConfig = FilesystemPublish()
     ckpt: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig(interval=1)
     wandb: WandbConfig = WandbConfig()
@@ -254,6 +283,10 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
+    ("inference", "weights", "backend"): "trainer.publish.type",
+    ("inference", "weights", "nccl"): "trainer.publish",
+    ("trainer", "publish", "host"): "deployment",
+    ("trainer", "publish", "inference_world_size"): "deployment` and `inference.vllm",
 }
 
 
@@ -292,10 +325,15 @@ class RLConfig(RunConfig):
             raise ConfigProblem(
                 "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"
             )
-        if self.trainer.lora.enabled and self.inference.weights.backend == "nccl":
+        if self.trainer.lora.enabled and self.trainer.publish.type == "nccl":
             raise ConfigProblem(
-                "inference.weights.backend",
+                "trainer.publish.type",
                 "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
+            )
+        if self.trainer.publish.type == "nccl" and self.inference.weights.check_finite is True:
+            raise ConfigProblem(
+                "inference.weights.check_finite",
+                "checks weight files; nccl updates have none (the trainer refuses NaN/inf before it sends)",
             )
         if self.inference.vllm.max_model_len is not None:
             longest = self.orchestrator.batch.seq_len

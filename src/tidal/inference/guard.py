@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.config.inference import ADMIN_TOKEN_ENV, is_loopback
+from tidal.config.inference import ADMIN_TOKEN_ENV, TOKEN_HEADER, is_loopback
 from tidal.transport.weight_checks import WEIGHTS_BROKEN, Reference, load_reference, update_problem
 
 Scope = MutableMapping[str, Any]
@@ -40,7 +40,6 @@ BIND_HOST_ENV = "TIDAL_BIND_HOST"
 WEIGHTS_BACKEND_ENV = "TIDAL_WEIGHTS_BACKEND"
 REFERENCE_WEIGHTS_ENV = "TIDAL_REFERENCE_WEIGHTS"  # the model the server started from (dir or hub id)
 CHECK_FINITE_ENV = "TIDAL_CHECK_FINITE"
-TOKEN_HEADER = "x-admin-token"
 logger = logging.getLogger(__name__)
 
 PUBLIC_ROUTES = frozenset(
@@ -183,7 +182,7 @@ class UpdateChecks:
 
     def problem(self, body: bytes) -> str | None:
         """Why the `/update_weights` request in `body` must not reach the workers, or None."""
-        from tidal.transport.weights import check_weights_dir  # imports the trainer's export module
+        from tidal.transport.weights import check_weights_dir
 
         paths, malformed = _update_paths(body)
         if malformed is not None:

@@ -5,7 +5,8 @@ console script does not), started with:
 - `VLLM_SERVER_DEV_MODE=1`, which mounts vLLM's RL routes (pause/resume, weight transfer, weight version);
 - `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
   and puts them and the admin routes behind a token, and checks weight-update files before they load;
-- `--worker-extension-cls`, which registers the `filesystem` weight-transfer engine in the workers;
+- `--worker-extension-cls`, which registers tidal's weight-transfer engines in the workers (`filesystem`;
+  `nccl` runs as `tidal_nccl`, vLLM's NCCL engine plus the `tidal rl` protocol of tidal.transport.nccl);
 - `--generation-config vllm`, so the model's generation_config cannot change sampling behind RL's back.
 It runs in its own session (process group); stopping kills the whole group, engine processes included.
 """
@@ -32,6 +33,8 @@ from tidal.inference.guard import (
     WEIGHTS_BACKEND_ENV,
 )
 from tidal.launcher.process import INNER_STOP_GRACE, die_with_parent, stop_groups
+from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
+from tidal.transport.nccl import RENDEZVOUS_ENV
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -107,12 +110,19 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
     }
     if token is not None:
         env[ADMIN_TOKEN_ENV] = token
+    if config.weights.nccl is not None:
+        env[RENDEZVOUS_ENV] = config.weights.nccl.model_dump_json()
     if config.vllm.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu.kvcache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu.omp_threads_bind
     return Launch(argv, env, client_url(config.server.host, config.server.port), config.server.log_file)
+
+
+def weight_engine(backend: str) -> str:
+    """The vLLM weight-transfer engine of `inference.weights.backend`."""
+    return NCCL_ENGINE_NAME if backend == "nccl" else backend
 
 
 def _vllm_flags(config: InferenceConfig) -> list[str]:
@@ -126,7 +136,7 @@ def _vllm_flags(config: InferenceConfig) -> list[str]:
         "--logprobs-mode", v.logprobs_mode,
         "--middleware", "tidal.inference.guard.AdminGuard",
         "--worker-extension-cls", "tidal.inference.vllm_ext.TidalWorkerExtension",
-        "--weight-transfer-config", json.dumps({"backend": config.weights.backend}),
+        "--weight-transfer-config", json.dumps({"backend": weight_engine(config.weights.backend)}),
         "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     optional: dict[str, object] = {

@@ -1,4 +1,5 @@
-"""Runs inside vLLM's worker processes: registers tidal's `filesystem` weight-transfer engine.
+"""Runs inside vLLM's worker processes: registers tidal's weight-transfer engines, `filesystem` (here) and
+`tidal_nccl` (tidal.inference.nccl_engine, what `inference.weights.backend = "nccl"` starts vLLM with).
 
 vLLM imports the class named by `--worker-extension-cls` in every worker before it loads the model, so
 importing this module is how the engine reaches the spawned workers without a plugin entry point. The
@@ -25,6 +26,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from tidal.inference.guard import REFERENCE_WEIGHTS_ENV
+from tidal.inference.nccl_engine import TidalNcclEngine
+from tidal.inference.reload import retie_lm_head
+from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.weight_checks import (
     Reference,
     load_or_restore,
@@ -140,33 +144,18 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
         """Abstract in vLLM 0.26's base class; the filesystem 'sender' is the trainer writing a checkpoint."""
-        raise NotImplementedError("publish weights with tidal.transport.weights.WeightPublisher")
-
-
-def retie_lm_head(model: Any, model_config: Any) -> None:
-    """Point a tied lm_head at the reloaded embedding again, and redo its post-load processing.
-
-    vLLM ties by sharing one Parameter (`lm_head.weight = embed_tokens.weight`); the layer-wise reload
-    replaces the embedding's Parameter, so a tied lm_head kept scoring with the old embedding (on CPU also
-    with a packed copy of it). Measured before this: after an update that changed only the embedding,
-    logprobs differed from transformers by up to 5.9 nats; with it, by 1e-6.
-    """
-    hf_config = getattr(model_config, "hf_config", None)
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not getattr(hf_config, "tie_word_embeddings", False) or lm_head is None or embed is None:
-        return
-    if lm_head.weight is not embed.weight:
-        lm_head.weight = embed.weight
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None:
-        quant_method.process_weights_after_loading(lm_head)
+        raise NotImplementedError("publish weights with tidal.trainer.publish (or tidal.transport.weights)")
 
 
 def register() -> None:
     """Idempotent: vLLM may import this module more than once per process."""
-    if FILESYSTEM_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(FILESYSTEM_BACKEND, FilesystemWeightTransferEngine)
+    engines: dict[str, type[WeightTransferEngine[Any, Any]]] = {
+        FILESYSTEM_BACKEND: FilesystemWeightTransferEngine,
+        NCCL_ENGINE_NAME: TidalNcclEngine,
+    }
+    for name, engine in engines.items():
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, engine)
 
 
 class TidalWorkerExtension:

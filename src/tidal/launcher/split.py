@@ -7,9 +7,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config.deployment import parse_cpu_list
-from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig, is_loopback
+from tidal.config.inference import (
+    InferenceConfig,
+    NcclRendezvous,
+    VLLMConfig,
+    WeightUpdateConfig,
+    is_loopback,
+)
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig, ZMQTransport
+from tidal.config.rl import (
+    NcclPublish,
+    OrchestratorConfig,
+    PublishConfig,
+    RLConfig,
+    RLTrainerConfig,
+    ZMQTransport,
+)
 from tidal.deploy.plan import place
 from tidal.errors import UserError
 from tidal.inference.server import client_url
@@ -68,10 +81,15 @@ def split_config(
         )
     per_node = rl.deployment.num_replicas
     cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
-    replicas, urls, replica_nodes = [], [], []
+    trainer_host = "127.0.0.1" if addresses is None else addresses[placement.trainer_nodes[0]]
+    publish = _publish_for(rl, on_gpu, trainer_host, per_node * len(placement.inference_nodes))
+    replicas: list[InferenceConfig] = []
+    urls, replica_nodes = [], []
     for node in placement.inference_nodes:
         for index, core in enumerate(cores):
             replica = _replica(inference, index, per_node, core)
+            if isinstance(publish, NcclPublish):
+                replica = _join_broadcast(replica, publish, len(replicas))
             host = replica.server.host if addresses is None else addresses[node]
             replicas.append(replica)
             urls.append(client_url(host, replica.server.port))
@@ -102,7 +120,7 @@ def split_config(
             "transport": transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
-            "publish": _publish_for(rl),
+            "publish": publish,
         }
     )
     gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
@@ -172,13 +190,37 @@ def _replica_gpus(rl: RLConfig) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(deploy.num_replicas))
 
 
-def _publish_for(rl: RLConfig) -> PublishConfig:
-    """Publish in the dtype inference serves, spelled out (`auto` would mean it too): the trainer's config
-    then shows it beside its fp32 master weights (perf.master_dtype)."""
+def _publish_for(rl: RLConfig, on_gpu: bool, trainer_host: str, num_replicas: int) -> PublishConfig:
+    """`trainer.publish` with what `tidal rl` derives: the dtype inference serves, spelled out (`auto` would
+    mean it too: the trainer's config then shows it beside its fp32 master weights), and for `nccl` where
+    the workers reach trainer rank 0 and how many of them there are."""
     publish = rl.trainer.publish
     if publish.dtype == "auto" and rl.model.dtype != "auto":
         publish = publish.model_copy(update={"dtype": rl.model.dtype})
-    return publish
+    if not isinstance(publish, NcclPublish):
+        return publish
+    if not on_gpu:
+        raise UserError("trainer.publish.type = 'nccl' needs GPUs (NCCL); use 'filesystem' on CPU")
+    workers = num_replicas * _workers_per_replica(rl.inference.vllm)
+    return publish.model_copy(update={"host": trainer_host, "inference_world_size": workers})
+
+
+def _workers_per_replica(vllm: VLLMConfig) -> int:
+    """vLLM worker processes (one per GPU) of one replica: each is a rank of the NCCL group."""
+    return vllm.tensor_parallel_size * vllm.data_parallel_size
+
+
+def _join_broadcast(replica: InferenceConfig, publish: NcclPublish, index: int) -> InferenceConfig:
+    """Replica `index` (over all nodes) receives `nccl` updates in the trainer's one group: rank 0 is the
+    trainer, then each replica's workers in order."""
+    rendezvous = NcclRendezvous(
+        master_address=publish.host,
+        master_port=publish.port,
+        rank_offset=1 + index * _workers_per_replica(replica.vllm),
+        world_size=1 + publish.inference_world_size,
+    )
+    weights = replica.weights.model_copy(update={"backend": "nccl", "nccl": rendezvous})
+    return replica.model_copy(update={"weights": weights})
 
 
 def _vllm_for(rl: RLConfig) -> VLLMConfig:

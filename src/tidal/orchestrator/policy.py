@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from tidal.inference.client import InferenceClient
+from tidal.transport.nccl import is_announcement
 from tidal.transport.weights import adapter_name, is_adapter_dir, latest_published
 
 logger = logging.getLogger(__name__)
@@ -14,6 +15,10 @@ logger = logging.getLogger(__name__)
 class PolicyWatcher:
     """Polls `<output_dir>/weights/` and fans each new step out to every server: full weights are loaded in
     place (pause, load, resume), a LoRA adapter is hot-loaded and becomes the model requests use.
+
+    An NCCL step (`nccl.json`, tidal.transport.nccl) goes the same way, pause, receive, resume, while the
+    trainer broadcasts it: the trainer waits until every server took part, so a server out of rotation
+    would hang both sides, and the watcher stops the run instead.
 
     Consumes: published weight directories. Produces: `version`, the policy every server now serves.
     """
@@ -60,6 +65,9 @@ class PolicyWatcher:
             what = f"LoRA adapter {adapter_name(step)} (step {step})"
             report = await self.client.update_adapter(adapter_name(step), path, step)
         else:
+            if is_announcement(path):
+                what = f"weights of step {step} (NCCL broadcast)"
+                check_all_receive(self.client, step)
             report = await self.client.update_weights(path, step)
         if not report.all_ok:
             failed = "; ".join(f"{s.url}: {s.error}" for s in report.servers if not s.ok)
@@ -80,3 +88,13 @@ class PolicyWatcher:
             async with self._changed:
                 self._failure = exc
                 self._changed.notify_all()
+
+
+def check_all_receive(client: InferenceClient, step: int) -> None:
+    """An NCCL step reaches only servers that receive it together: refuse before any of them starts."""
+    down = [s.url for s in client.servers.values() if not s.healthy]
+    if down:
+        raise RuntimeError(
+            f"NCCL weight update to step {step} needs every inference server, but {', '.join(down)} "
+            "is out of rotation (a broadcast cannot skip a receiver): restart the run with --resume"
+        )

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config.lora import LoraConfig
 from tidal.errors import UserError
-from tidal.trainer.export import finish_staged
+from tidal.trainer.export import full_state_dict
 from tidal.trainer.parallel import DistInfo, barrier
-from tidal.transport.weights import ADAPTER_CONFIG
+from tidal.transport.weights import ADAPTER_CONFIG, finish_staged, save_hf_checkpoint
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -186,8 +186,6 @@ def export_merged(
     target: Path, model: nn.Module, tokenizer: Any, info: DistInfo, dtype: torch.dtype | None = None
 ) -> Path:
     """The adapted model as a plain HF checkpoint (adapters merged into the weights); a collective."""
-    from tidal.trainer.export import full_state_dict, save_hf_checkpoint
-
     state = full_state_dict(model)
     if info.is_main:
         merged = merge_lora(state, lora_scaling(model))

@@ -3,6 +3,7 @@
     wait for batch n → per micro-batch: forward → logprobs / T → loss vs inference logprobs → backward
     → clip → step → publish weights step_{n+1} (policy version n+1) → log → (checkpoint)
 
+Weights go out through `trainer.publish` (tidal.trainer.publish: files under weights/, or an NCCL broadcast).
 With `lora`, only the adapters train and step_{n+1} is a PEFT adapter directory, not the full weights.
 
 Batch n is trained by the policy of version n; the weights it produces are version n + 1. SIGTERM/SIGINT
@@ -29,6 +30,7 @@ from tidal.trainer.parallel import (
     init_distributed,
     shutdown,
 )
+from tidal.trainer.publish import setup_publisher
 from tidal.trainer.session import (
     TrainState,
     any_rank,
@@ -41,7 +43,6 @@ from tidal.trainer.session import (
 )
 from tidal.trainer.signals import StopSignal
 from tidal.transport.rollouts import BatchReceiver, setup_receiver
-from tidal.transport.weights import WeightPublisher, step_dir
 from tidal.types import TrainBatch
 
 
@@ -66,9 +67,9 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
     if t.lora_modules:  # publish adapters only; inference serves the base model plus the adapter
         adapter_config = peft_config(config.lora, t.lora_modules, config.model.name)
     dtype = served_dtype(config.model, config.publish.dtype)
-    publisher = WeightPublisher(out, config.publish.keep_last, dtype, adapter_config)
-    if step > 0 and not step_dir(out, step).exists():
-        publisher.publish_model(step, model, t.tokenizer, info)  # inference must restart from this policy
+    publisher = setup_publisher(config.publish, out, dtype, adapter_config, info)
+    if step > 0:
+        publisher.restore(step, model, t.tokenizer, info)  # inference must restart from this policy
     receiver = setup_receiver(config.transport, out, info.rank)
     stop = StopSignal().install()
     say(f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device}")
@@ -86,7 +87,7 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
             with out_of_memory_as_user_error(step, info):
                 metrics = rl_step(scorer, optimizer, scheduler, batch, info, config)
             publish_start = time.perf_counter()
-            publisher.publish_model(step + 1, model, t.tokenizer, info)
+            publisher.publish(step + 1, model, t.tokenizer, info)
             metrics["time/publish"] = time.perf_counter() - publish_start
             metrics["time/wait_for_data"] = waited
             metrics["time/step"] = time.perf_counter() - wait_start
@@ -100,6 +101,7 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
                 return stop.exit_code
     finally:
         receiver.close()
+        publisher.close()
         if logger:
             logger.close()
     return 0

@@ -1,22 +1,28 @@
-"""Filesystem weight transport: the trainer publishes `<output_dir>/weights/step_<n>/`, inference loads it.
+"""Filesystem weight format: the trainer publishes `<output_dir>/weights/step_<n>/`, inference loads it.
 
-Each step is a complete HF checkpoint written by `save_hf_checkpoint` or, for LoRA runs, a PEFT adapter
-directory (`adapter_config.json` + `adapter_model.safetensors`, never the base weights); both are written
-under a staging name, renamed, then marked `.complete`, so a server told to load a step never sees half of it.
-Inference loads a full checkpoint in place and hot-loads an adapter under `adapter_name(step)`.
+Each step is a complete HF checkpoint (`save_hf_checkpoint`) or, for LoRA runs, a PEFT adapter directory
+(`adapter_config.json` + `adapter_model.safetensors`, never the base weights); both are written under a
+staging name, renamed, then marked `.complete`, so a server told to load a step never sees half of it.
+Inference loads a full checkpoint in place and hot-loads an adapter under `adapter_name(step)`. An NCCL run
+publishes the same directories holding only an announcement (tidal.transport.nccl), so the orchestrator
+finds every step the same way.
+
+This module is the format only: it imports no torch at module level (the orchestrator and the server's
+guard read it) and nothing of the trainer; gathering a sharded model is tidal.trainer.publish's job.
 """
 
+import copy
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from tidal.errors import UserError
-from tidal.trainer.export import COMPLETE_MARKER
 from tidal.transport.weight_checks import non_finite_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ADAPTER_CONFIG = "adapter_config.json"
+COMPLETE_MARKER = ".complete"
 
 
 def step_dir(output_dir: Path, step: int) -> Path:
@@ -65,63 +71,80 @@ def latest_published(output_dir: Path) -> tuple[int, Path] | None:
     return published[-1] if published else None
 
 
-class WeightPublisher:
-    """Writes one HF checkpoint (or LoRA adapter) per published step and prunes old ones (rank 0 writes,
-    all ranks gather)."""
+def prune_published(output_dir: Path, keep_last: int | None) -> None:
+    """Delete all but the newest `keep_last` published steps (None: keep all)."""
+    if keep_last is None:
+        return
+    for _, path in list_published(output_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
 
-    def __init__(
-        self,
-        output_dir: Path,
-        keep_last: int | None = 3,
-        dtype: Any = None,
-        adapter_config: dict[str, Any] | None = None,
-    ):
-        # Two at least: a server may still be loading the previous step while the next one lands.
-        if keep_last is not None and keep_last < 2:
-            raise ValueError(f"keep_last must be at least 2 (or None to keep all), got {keep_last}")
+
+def check_keep_last(keep_last: int | None) -> None:
+    # Two at least: a server may still be loading the previous step while the next one lands.
+    if keep_last is not None and keep_last < 2:
+        raise ValueError(f"keep_last must be at least 2 (or None to keep all), got {keep_last}")
+
+
+class WeightPublisher:
+    """Writes full (unsharded) state dicts as published steps and prunes old ones; one process only.
+
+    Gathering an FSDP-sharded model first, and LoRA adapters, are tidal.trainer.publish's.
+    """
+
+    def __init__(self, output_dir: Path, keep_last: int | None = 3):
+        check_keep_last(keep_last)
         self.output_dir = Path(output_dir)
         self.keep_last = keep_last
-        # `publish_model` writes floating tensors in this torch dtype (None: as the model holds them)
-        self.dtype = dtype
-        # LoRA runs: publish only the adapter, with this adapter_config.json (see tidal.trainer.lora)
-        self.adapter_config = adapter_config
 
     def publish_state_dict(
         self, step: int, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
     ) -> Path:
-        """Write a full (unsharded) state dict as step `step`; call on one process only."""
-        from tidal.trainer.export import save_hf_checkpoint
-
+        """Write `state_dict` as step `step` (floating tensors in torch dtype `dtype` when given)."""
         refuse_non_finite(step, non_finite_tensors(state_dict.items()))
         target = save_hf_checkpoint(step_dir(self.output_dir, step), state_dict, hf_config, tokenizer, dtype)
-        self._prune()
+        prune_published(self.output_dir, self.keep_last)
         return target
 
-    def publish_model(self, step: int, model: Any, tokenizer: Any, info: Any) -> Path:
-        """Gather an (FSDP-sharded) model on every rank and write it on rank 0 in `dtype`; a collective.
 
-        With an adapter config only the trainable LoRA tensors are gathered and written (PEFT format).
-        Every rank checks its own shards for NaN/inf first and all refuse together (before the gather)."""
-        refuse_non_finite(step, _local_non_finite(model, info))
-        if self.adapter_config is not None:
-            from tidal.trainer.lora import export_adapter
+def save_hf_checkpoint(
+    target: Path, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
+) -> Path:
+    """Write a complete HF checkpoint (config, safetensors, tokenizer, generation config) atomically."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
-            target = export_adapter(
-                step_dir(self.output_dir, step), model, self.adapter_config, info, self.dtype
-            )
-        else:
-            from tidal.trainer.export import export_model
+    target = Path(target)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if getattr(hf_config, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue  # tied to embed_tokens; safetensors refuses shared storage and loaders re-tie it
+        tensor = tensor.detach().to("cpu")
+        tensors[name] = (
+            tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        ).contiguous()
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:
+        hf_config = copy.deepcopy(hf_config)  # the trainer's own config keeps describing its master weights
+        hf_config.dtype = dtype
+    hf_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    ).save_pretrained(staging)
+    return finish_staged(staging, target)
 
-            target = export_model(step_dir(self.output_dir, step), model, tokenizer, info, self.dtype)
-        if info.is_main:
-            self._prune()
-        return target
 
-    def _prune(self) -> None:
-        if self.keep_last is None:
-            return
-        for _, path in list_published(self.output_dir)[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+def finish_staged(staging: Path, target: Path) -> Path:
+    """Move a fully written `staging` directory to `target` (replacing it), then mark it complete: a reader
+    that sees the marker never sees a half-written directory."""
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    (target / COMPLETE_MARKER).touch()
+    return target
 
 
 def refuse_non_finite(step: int, bad: list[str]) -> None:
@@ -132,23 +155,3 @@ def refuse_non_finite(step: int, bad: list[str]) -> None:
             f"refusing to publish weights step_{step}: tensor {bad[0]}{more} has NaN/inf values "
             "(training diverged: lower the learning rate or check the loss and grad norm of the steps before)"
         )
-
-
-def _local_non_finite(model: Any, info: Any) -> list[str]:
-    """Non-finite parameters in this rank's shards; on a rank with none, the other ranks' count."""
-    import torch
-
-    named = [(name, _local(param.detach())) for name, param in model.named_parameters()]
-    bad = non_finite_tensors(named)
-    if not info.distributed:
-        return bad
-    count = torch.tensor([len(bad)], dtype=torch.int64, device=info.device)
-    torch.distributed.all_reduce(count)
-    total = int(count.item())
-    return bad or ([f"on another rank ({total} tensor(s))"] if total else [])
-
-
-def _local(tensor: Any) -> Any:
-    """The shard this rank holds of an FSDP (DTensor) parameter, or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor

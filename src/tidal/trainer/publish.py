@@ -1,0 +1,205 @@
+"""How the RL trainer hands each step's weights to inference: one small interface, two backends.
+
+    publisher = setup_publisher(config.publish, output_dir, dtype, adapter_config)
+    publisher.publish(step, model, tokenizer, info)     # every rank: a collective under FSDP
+    publisher.close()
+
+- `filesystem` (FilesystemPublisher): rank 0 writes `weights/step_<n>/` (HF safetensors, or a PEFT adapter
+  with LoRA) and prunes old steps; the orchestrator tells every server to load the directory.
+- `nccl` (NcclPublisher): rank 0 announces `weights/step_<n>/` (no weights), then broadcasts the step to
+  every inference worker of every replica (tidal.transport.nccl); the orchestrator tells the servers to
+  receive it, as it would to load a filesystem step, and `publish` returns once they all have it.
+
+Both publish in the dtype inference serves (fp32 master weights are cast first) and refuse NaN/inf weights
+on every rank before anything leaves the trainer.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from tidal.config.rl import FilesystemPublish, NcclPublish, PublishConfig
+from tidal.trainer.export import export_model
+from tidal.trainer.lora import export_adapter
+from tidal.trainer.parallel import DistInfo, barrier
+from tidal.transport.nccl import BroadcastHeader, NcclBroadcaster, TensorMeta, announce
+from tidal.transport.weight_checks import non_finite_tensors
+from tidal.transport.weights import (
+    WeightPublisher,
+    check_keep_last,
+    prune_published,
+    refuse_non_finite,
+    step_dir,
+)
+
+
+class Publisher(Protocol):
+    """What the trainer needs of a weights backend."""
+
+    def publish(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
+        """Hand `model`'s weights to inference as policy version `step`; every rank calls it. Returns the
+        step's directory under weights/ (what the orchestrator tells inference to load)."""
+        ...
+
+    def restore(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> None:
+        """After a resume at `step`: make sure inference can reach that policy again."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Broadcaster(Protocol):
+    """Trainer rank 0's end of an NCCL group (tidal.transport.nccl.NcclBroadcaster; a fake in tests)."""
+
+    rendezvous: dict[str, Any]
+    """Where the workers join (written into each step's announcement for whoever reads the run dir)."""
+
+    def open(self) -> None: ...
+
+    def send(self, header: BroadcastHeader, tensors: Iterator[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def setup_publisher(
+    config: PublishConfig,
+    output_dir: Path,
+    dtype: torch.dtype | None,
+    adapter_config: dict[str, Any] | None = None,
+    info: DistInfo | None = None,
+) -> Publisher:
+    """The backend `config.type` names. `dtype`: what inference serves (None: as the trainer holds it)."""
+    if isinstance(config, NcclPublish):
+        if adapter_config is not None:  # RLConfig refuses it for `tidal rl`; a bare `tidal trainer` too
+            raise ValueError("LoRA adapters are published through the filesystem; nccl carries full weights")
+        is_sender = info is None or info.is_main
+        broadcaster = (
+            NcclBroadcaster(config.host, config.port, config.inference_world_size + 1) if is_sender else None
+        )
+        return NcclPublisher(output_dir, config.keep_last, dtype, broadcaster)
+    assert isinstance(config, FilesystemPublish)
+    return FilesystemPublisher(output_dir, config.keep_last, dtype, adapter_config)
+
+
+class FilesystemPublisher(WeightPublisher):
+    """Writes one HF checkpoint (or LoRA adapter) per step on rank 0 and prunes old ones (all ranks gather)."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        keep_last: int | None = 3,
+        dtype: torch.dtype | None = None,
+        adapter_config: dict[str, Any] | None = None,
+    ):
+        super().__init__(output_dir, keep_last)
+        # floating tensors are written in this dtype (None: as the model holds them)
+        self.dtype = dtype
+        # LoRA runs: publish only the adapter, with this adapter_config.json (see tidal.trainer.lora)
+        self.adapter_config = adapter_config
+
+    def publish(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
+        """Gather on every rank and write on rank 0; with an adapter config only the trainable LoRA tensors
+        (PEFT format). Every rank checks its own shards for NaN/inf first and all refuse together."""
+        refuse_non_finite(step, local_non_finite(model, info))
+        target = step_dir(self.output_dir, step)
+        if self.adapter_config is not None:
+            export_adapter(target, model, self.adapter_config, info, self.dtype)
+        else:
+            export_model(target, model, tokenizer, info, self.dtype)
+        if info.is_main:
+            prune_published(self.output_dir, self.keep_last)
+        return target
+
+    def restore(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> None:
+        # the step's directory may have been pruned since the checkpoint; servers load it from disk
+        if not step_dir(self.output_dir, step).exists():
+            self.publish(step, model, tokenizer, info)
+
+    def close(self) -> None:
+        pass
+
+
+class NcclPublisher:
+    """Broadcasts each step from rank 0 to every inference worker; every rank takes part in the gathers.
+
+    Order on rank 0: announce step n (the orchestrator then asks the servers to receive it), open the group
+    at the first step (the workers join when their first update starts), broadcast header and tensors,
+    return once the broadcast has left. The other ranks only gather their shards in the same order.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        keep_last: int | None,
+        dtype: torch.dtype | None,
+        broadcaster: Broadcaster | None,
+    ):
+        check_keep_last(keep_last)
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.dtype = dtype
+        self.broadcaster = broadcaster  # None on every rank but 0
+        self._opened = False
+
+    def publish(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
+        refuse_non_finite(step, local_non_finite(model, info))
+        header = BroadcastHeader(step, tuple(served_metadata(model, self.dtype)))
+        tensors = served_tensors(model, self.dtype)
+        if self.broadcaster is None:
+            for _ in tensors:  # the FSDP gathers rank 0 feeds its broadcast from are collectives
+                pass
+        else:
+            announce(self.output_dir, step, header, self.broadcaster.rendezvous)
+            prune_published(self.output_dir, self.keep_last)
+            if not self._opened:
+                self.broadcaster.open()
+                self._opened = True
+            self.broadcaster.send(header, tensors)
+        barrier(info)
+        return step_dir(self.output_dir, step)
+
+    def restore(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> None:
+        # servers start from the base model and keep nothing of an earlier run: send the step again
+        self.publish(step, model, tokenizer, info)
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+
+
+def served_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[TensorMeta]:
+    """Name, dtype and global shape of every parameter as it will be broadcast (no gather)."""
+    for name, param in model.named_parameters():
+        cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+        yield TensorMeta(name, str(cast).removeprefix("torch."), tuple(param.shape))
+
+
+def served_tensors(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter whole and in `dtype`, one at a time; under FSDP each is a collective. The shard is cast
+    before the gather, so an fp32 master is gathered at the size it is sent in."""
+    for name, param in model.named_parameters():
+        value = param.detach()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        full_tensor = getattr(value, "full_tensor", None)
+        yield name, (full_tensor() if callable(full_tensor) else value).contiguous()
+
+
+def local_non_finite(model: torch.nn.Module, info: DistInfo) -> list[str]:
+    """Non-finite parameters in this rank's shards; on a rank with none, the other ranks' count."""
+    named = [(name, _local(param.detach())) for name, param in model.named_parameters()]
+    bad = non_finite_tensors(named)
+    if not info.distributed:
+        return bad
+    count = torch.tensor([len(bad)], dtype=torch.int64, device=info.device)
+    torch.distributed.all_reduce(count)
+    total = int(count.item())
+    return bad or ([f"on another rank ({total} tensor(s))"] if total else [])
+
+
+def _local(tensor: Any) -> Any:
+    """The shard this rank holds of an FSDP (DTensor) parameter, or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

@@ -1,6 +1,8 @@
 """Base class of every config node: unknown keys are errors and attribute docstrings become `--help` text."""
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Discriminator
 
 
 class Config(BaseModel):
@@ -11,6 +13,20 @@ class Config(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
         validate_assignment=True,
+    )
+
+
+def type_or(default: str, *others: str) -> Discriminator:
+    """A union's discriminator that reads `type` and falls back to `default` when it is not written, so
+    `--trainer.publish.keep-last 5` alone keeps the default variant instead of failing to pick one."""
+
+    def tag(value: Any) -> str:
+        found = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return str(found)
+
+    choices = " or ".join(repr(t) for t in (default, *others))
+    return Discriminator(
+        tag, custom_error_type="unknown_type", custom_error_message=f"`type` must be {choices}"
     )
 
 

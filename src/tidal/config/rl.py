@@ -3,9 +3,9 @@
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, Tag, model_validator
 
-from tidal.config.base import Config, ConfigProblem, shadowed_key
+from tidal.config.base import Config, ConfigProblem, shadowed_key, type_or
 from tidal.config.common import (
     CheckpointConfig,
     LogConfig,
@@ -46,7 +46,10 @@ class ZMQTransport(Config):
     """TCP port."""
 
 
-RolloutTransport = Annotated[FilesystemTransport | ZMQTransport, Field(discriminator="type")]
+RolloutTransport = Annotated[
+    Annotated[FilesystemTransport, Tag("filesystem")] | Annotated[ZMQTransport, Tag("zmq")],
+    type_or("filesystem", "zmq"),
+]
 
 
 class SamplingConfig(Config):
@@ -241,7 +244,10 @@ class NcclPublish(Config):
     """Inference workers that receive the broadcast, all replicas together (`tidal rl` sets it)."""
 
 
-PublishConfig = Annotated[FilesystemPublish | NcclPublish, Field(discriminator="type")]
+PublishConfig = Annotated[
+    Annotated[FilesystemPublish, Tag("filesystem")] | Annotated[NcclPublish, Tag("nccl")],
+    type_or("filesystem", "nccl"),
+]
 """How the trainer hands new weights to inference: `filesystem` (default) or `nccl`; under `tidal rl` this is
 the one setting, and every server's `inference.weights` is derived from it."""
 

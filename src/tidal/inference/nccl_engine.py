@@ -57,7 +57,8 @@ class TidalNcclEngine(NCCLWeightTransferEngine):
         self._reloading = True
         info = self.update_info_cls(**fields_of(self.update_info_cls, header.update_info()))
         self.receive_weights(info)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():  # the loads are queued on the stream; the base class syncs the same way
+            torch.cuda.synchronize()
         self._received = path
 
     def finish_weight_update(self) -> None:

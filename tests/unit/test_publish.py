@@ -218,12 +218,17 @@ def engine_on(wire: Wire, monkeypatch: pytest.MonkeyPatch) -> Any:
         engine.model_update_group = "group"
         wire.joined.set()
 
-    def receive(info: Any) -> None:
+    def receive(
+        info: Any,
+    ) -> None:  # vLLM's own NCCL receive, which the engine hands the header's tensor list
         received = wire.items.get(timeout=20)
         assert [name for name, _ in received] == info.names
         engine.weights.update(dict(received))
 
-    engine.init_transfer_engine, engine.receive_weights = join, receive
+    engine.init_transfer_engine = join
+    monkeypatch.setattr(
+        module.NCCLWeightTransferEngine, "receive_weights", lambda self, info, *args, **kwargs: receive(info)
+    )
     return engine
 
 
@@ -396,3 +401,10 @@ def test_nccl_needs_gpus_and_a_rendezvous_needs_the_nccl_backend() -> None:
     rendezvous = {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2}
     with pytest.raises(UserError, match=r"weights.nccl"):
         load_config(InferenceConfig, [], [("weights.nccl", rendezvous)])
+
+
+def test_a_tidal_rl_server_refuses_the_sender_driven_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_on(Wire(), monkeypatch)
+    with pytest.raises(ValueError, match="receives `tidal rl` broadcasts"):
+        engine.update_weights({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]})
+    assert engine.events == [] and engine.model_update_group is None

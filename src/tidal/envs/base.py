@@ -186,8 +186,9 @@ class Environment(ABC):
         Where the caller runs reward workers (the orchestrator and `tidal eval`: `reward_workers`), each
         plain module-level reward function runs in one of those processes, on a copy of the task and the
         episode (what it changes there is lost: return the reward, keep state in `episode.info` during
-        the rollout). `async def` rewards, and the whole `score` of an environment that overrides it
-        (verifiers), run on the event loop: anything slow they do there holds every rollout in flight.
+        the rollout). `async def` rewards, and an override of `score` that does not come here (verifiers
+        scores inside its rollout), run on the event loop: anything slow they do holds every rollout in
+        flight.
         """
         total = 0.0
         for fn, weight in self.rewards:

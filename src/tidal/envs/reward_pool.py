@@ -10,7 +10,9 @@ Workers are spawned (not forked: the orchestrator has tokenizer and HTTP threads
 locks held). A call whose caller is cancelled (the rollout timed out, or the step no longer needs it) kills
 its worker, and a worker that dies (segfault, `os._exit`) fails only the call it was running; either way a
 replacement starts. Workers die with the process that started them (parent-death signal, and EOF on their
-pipe); `close()` kills what is left.
+pipe); `close()` kills what is left. A spawned worker imports the parent's `__main__` module first, so a
+script that runs an orchestrator or an eval itself needs the `if __name__ == "__main__":` guard (the
+`tidal` command has it).
 
 Only functions that pickle by reference are sent: module-level functions, or `functools.partial` of one.
 Anything else (a lambda, a closure, a bound method or a callable object, whose changes to itself would be

@@ -177,6 +177,13 @@ class OrchestratorConfig(RunConfig):
     loop_lag_warn: float = Field(default=0.5, gt=0)
     """Warn, naming the step, when the event loop was held this many seconds at once: every request in
     flight waited that long (logged every step as event_loop/lag_p50_s, _p99_s, _max_s)."""
+    reward_workers: int | None = Field(default=None, ge=0)
+    """Processes that compute rewards, so that a slow reward (math-verify, a rubric, running tests) does not
+    hold the event loop and every request in flight. Plain reward functions defined at module level run
+    there, one call at a time per process, on a copy of the task and episode; a call still running when its
+    rollout times out kills its process (a new one starts). `async def` rewards, and lambdas, closures or
+    bound methods (warned once), run on the event loop. Unset: one per CPU core, at most 4; 0: every
+    reward on the event loop."""
     sampling: SamplingConfig = SamplingConfig()
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()

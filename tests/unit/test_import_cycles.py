@@ -1,5 +1,6 @@
 """The floors rule of DESIGN.md, checked on the source (an AST walk, nothing imported): no import cycle among
-the modules of src/tidal at module level, and no two modules that import each other at all."""
+the modules of src/tidal at module level, and no two modules that import each other at all (imports for
+type checkers only do not count: they never run)."""
 
 import ast
 from pathlib import Path
@@ -26,7 +27,7 @@ def module_names(src: Path) -> dict[str, Path]:
 
 
 def imported(tree: ast.Module, known: set[str], module_level: bool) -> set[str]:
-    """The tidal modules a module imports: at module level only (not under `if TYPE_CHECKING`), or anywhere.
+    """The tidal modules a module imports: at module level only, or anywhere (never under `if TYPE_CHECKING`).
 
     `from a.b import c` counts as importing `a.b`, and `a.b.c` too when that is a module."""
     found: set[str] = set()
@@ -39,7 +40,7 @@ def imported(tree: ast.Module, known: set[str], module_level: bool) -> set[str]:
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
         if module_level and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             return
-        if module_level and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):  # never runs
             for child in node.orelse:
                 visit(child)
             return

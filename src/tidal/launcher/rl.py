@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.errors import UserError
-from tidal.launcher.process import DeathWatch, ManagedProcess, stop_together
+from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.split import RoleConfigs, split_config
 
 POLL_SECONDS = 0.5
@@ -245,33 +245,21 @@ class Launcher:
 
     def _wait_healthy(self, roles: RoleConfigs) -> None:
         """Until every replica answers /health; a replica that exits meanwhile fails the run at once."""
-        import httpx
-
-        waiting = dict(zip(roles.orchestrator.client.urls, self.replicas, strict=True))
-        deadline = time.monotonic() + self.config.startup_timeout
-        while waiting and time.monotonic() < deadline and self.stop_signal is None:
-            for url, replica in list(waiting.items()):
-                if replica.poll() is not None:
-                    raise UserError(self._failure(replica))
-                try:
-                    if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                        del waiting[url]
-                except httpx.HTTPError:
-                    pass
-            if waiting:
-                time.sleep(POLL_SECONDS)
-        if waiting and self.stop_signal is None:
-            url, replica = next(iter(waiting.items()))
+        targets = dict(zip(roles.orchestrator.client.urls, self.replicas, strict=True))
+        try:
+            left = wait_healthy(targets, self.config.startup_timeout, lambda: self.stop_signal is not None)
+        except ProcessEnded as ended:
+            raise UserError(self._failure(ended.child)) from None
+        if left and self.stop_signal is None:
+            url, replica = next(iter(left.items()))
             raise UserError(
                 f"{replica.name} not healthy at {url}/health after {self.config.startup_timeout:.0f} s; "
                 f"see {replica.log_path}"
             )
 
     def _failure(self, child: ManagedProcess) -> str:
-        code = child.poll()
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         tail = child.log_tail(20)
-        return f"{child.name} {how}; last lines of {child.log_path}:\n{tail}"
+        return f"{child.name} {child.ended_how()}; last lines of {child.log_path}:\n{tail}"
 
     def _server_failure(self, replica: ManagedProcess, pid: int) -> str:
         tail = replica.log_tail(20)
@@ -329,7 +317,12 @@ def _on_gpu() -> bool:
 
 
 def dry_run(config: RLConfig) -> str:
-    """The resolved config of every process `tidal rl` would start, as the TOML files it would write."""
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
+    on Kubernetes, the manifests it writes (tidal.deploy.kubernetes), listed."""
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.dry_run(config)
     roles = split_config(config, _on_gpu())
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
@@ -342,6 +335,10 @@ def dry_run(config: RLConfig) -> str:
 
 
 def main(config: RLConfig) -> int:
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.launch(config)
     if config.deployment.type != "local":
         raise UserError(
             f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'

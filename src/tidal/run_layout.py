@@ -2,7 +2,10 @@
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from tidal.trainer import manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -33,9 +36,24 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     )
 
 
-def latest_step(root: Path) -> int | None:
-    found = step_dirs(root)
-    return found[-1][0] if found else None
+def trainer_resume_step(output_dir: Path) -> int:
+    """The step a resumed trainer continues from: its newest complete checkpoint (0 without one). Once
+    `prepare_resume` ran (`tidal rl --resume` does, before starting anyone) that checkpoint is verified."""
+    return manifest.latest_complete_step(trainer_checkpoints_dir(output_dir)) or 0
+
+
+def oldest_trainer_checkpoint_step(output_dir: Path) -> int:
+    """The oldest trainer checkpoint still on disk (0 without one): a resume may fall back as far as it when
+    the newer ones turn out damaged, so what it needs must be kept from there on."""
+    found = manifest.checkpoint_dirs(trainer_checkpoints_dir(output_dir))
+    return found[0][0] if found else 0
+
+
+def prepare_resume(output_dir: Path, report: Callable[[str], None]) -> int:
+    """Before any process of a resumed run starts: verify the trainer checkpoint it will use (damaged newer
+    ones reported and moved aside, a UserError when none is usable), then `discard_after_checkpoint`."""
+    manifest.resume_checkpoint(trainer_checkpoints_dir(output_dir), report)
+    return discard_after_checkpoint(output_dir)
 
 
 def weights_dir(output_dir: Path) -> Path:
@@ -50,7 +68,7 @@ def discard_after_checkpoint(output_dir: Path) -> int:
     trainer and orchestrator start: a resumed trainer that found an old batch would train it at once and
     publish weights that the orchestrator's own clean-up then deleted, and both would wait for ever.
     """
-    step = latest_step(trainer_checkpoints_dir(output_dir)) or 0
+    step = trainer_resume_step(output_dir)
     stale = [p for n, p in step_dirs(rollouts_dir(output_dir)) if n >= step]
     stale += [p for n, p in step_dirs(weights_dir(output_dir)) if n > step]
     for path in stale:

@@ -147,8 +147,9 @@ class Launcher:
     def run(self) -> int:
         self._check_output_dir()
         if self.config.resume:
-            # before any child starts: trainer and orchestrator must not race over a killed run's leftovers
-            run_layout.discard_after_checkpoint(self.out)
+            # before any child starts: the checkpoint is verified (not found broken once vLLM is up), and
+            # trainer and orchestrator must not race over a killed run's leftovers
+            run_layout.prepare_resume(self.out, lambda line: print(f"tidal rl: {line}", flush=True))
         on_gpu = _on_gpu()
         roles = split_config(self.config, on_gpu)
         paths = self._write_configs(roles)

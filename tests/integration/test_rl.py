@@ -231,6 +231,23 @@ def test_rl_refuses_a_port_another_server_listens_on(tmp_path):
     assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
 
 
+def test_rl_resume_with_only_damaged_checkpoints_is_one_line_before_anything_starts(tmp_path):
+    """Issue 14's probe: a truncated checkpoint made `--resume` die after vLLM had started. Now the check runs
+    first: the damaged newest checkpoint is named in one line and, nothing else being usable, the run stops."""
+    checkpoints = run_layout.trainer_checkpoints_dir(tmp_path)
+    (checkpoints / "step_2" / "model_optim").mkdir(parents=True)
+    (checkpoints / "step_2" / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 64)
+    manifest.write_manifest(checkpoints / "step_2", 2)
+    (checkpoints / "step_2" / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 10)
+    result = run_tidal(*rl_args(tmp_path, 0, "--resume"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "tidal rl: --resume: checkpoint step_2 is unusable: model_optim/__0_0.distcp is 10 bytes" in (
+        result.stdout
+    )
+    assert len(result.stderr.strip().splitlines()) == 1 and "none of the 1 checkpoint(s)" in result.stderr
+    assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
+
+
 VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
 
 

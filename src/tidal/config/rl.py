@@ -20,6 +20,7 @@ from tidal.config.deployment import DeploymentConfig
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
+from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.perf import PerfConfig
@@ -275,6 +276,8 @@ class RLConfig(RunConfig):
     """Off-policy bound: rollouts from version v train step n only if n − v ≤ this."""
     model: ModelConfig = ModelConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    """Manifests of a Kubernetes run (deployment.type = "kubernetes" only)."""
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: RLTrainerConfig = RLTrainerConfig()
@@ -288,6 +291,17 @@ class RLConfig(RunConfig):
         if shadowed is not None:
             key, top = shadowed
             raise ConfigProblem(key, f"`tidal rl` sets this from `{top}`; set that instead")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kubernetes(self) -> "RLConfig":
+        if self.deployment.type == "kubernetes":
+            check_run(self)
+        elif "kubernetes" in self.model_fields_set:
+            raise ConfigProblem(
+                "kubernetes",
+                f'this table is for deployment.type = "kubernetes" (not {self.deployment.type!r})',
+            )
         return self
 
     @model_validator(mode="after")

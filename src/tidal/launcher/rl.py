@@ -318,7 +318,12 @@ def _on_gpu() -> bool:
 
 
 def dry_run(config: RLConfig) -> str:
-    """The resolved config of every process `tidal rl` would start, as the TOML files it would write."""
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
+    on Kubernetes, the manifests it writes (tidal.deploy.kubernetes), listed."""
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.dry_run(config)
     roles = split_config(config, _on_gpu())
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
@@ -331,6 +336,10 @@ def dry_run(config: RLConfig) -> str:
 
 
 def main(config: RLConfig) -> int:
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.launch(config)
     if config.deployment.type != "local":
         raise UserError(
             f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'

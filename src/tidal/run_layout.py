@@ -56,3 +56,24 @@ def discard_after_checkpoint(output_dir: Path) -> int:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return step
+
+
+def node_done_marker(output_dir: Path, node: int) -> Path:
+    """Written by a cluster node once its trainer / orchestrator finished the run (tidal.launcher.rl)."""
+    return Path(output_dir) / "nodes" / f"node_{node}.done"
+
+
+def mark_node_done(output_dir: Path, node: int, run_id: str) -> None:
+    path = node_done_marker(output_dir, node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id)
+    tmp.rename(path)
+
+
+def node_done(output_dir: Path, node: int, run_id: str) -> bool:
+    """Whether node `node` finished run `run_id` (a marker an earlier run left holds another id)."""
+    try:
+        return node_done_marker(output_dir, node).read_text() == run_id
+    except OSError:
+        return False

@@ -2,6 +2,7 @@
 reverse_text run submitted by `tidal rl` — inference on n1, a 2-rank trainer and the orchestrator on n2,
 weights and rollouts through the output dir — to the end, after `scancel`, and after `scontrol requeue`."""
 
+import json
 import math
 import re
 import time
@@ -74,7 +75,15 @@ def wait_ended(slurm: LocalSlurm, out: Path, job: str) -> str:
 
 
 def trainer_steps(out: Path) -> list[int]:
-    return [m["step"] for m in read_metrics(run_layout.trainer_dir(out) / "metrics.jsonl")]
+    """The steps in the trainer's metrics (read while it writes: a missing file or partial line is skipped)."""
+    path = run_layout.trainer_dir(out) / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except json.JSONDecodeError:
+            continue
+    return steps
 
 
 def job_processes(job: str) -> dict[int, tuple[float, str]]:

@@ -234,6 +234,7 @@ def _schema_for(path: Path) -> str:
     for prefix, schema in [
         ("rl", "tidal.config.rl:RLConfig"),
         ("async_overlap", "tidal.config.rl:RLConfig"),
+        ("slurm", "tidal.config.rl:RLConfig"),  # overlays on an rl config; each also validates alone
         ("sft", "tidal.config.sft:SFTConfig"),
         ("eval", "tidal.config.eval:EvalConfig"),
         ("infer", "tidal.config.inference:InferenceConfig"),

@@ -186,11 +186,16 @@ def test_explicit_flags_win_over_slurm_and_are_checked():
 
 
 def test_done_markers_of_an_earlier_run_do_not_count(tmp_path):
-    assert not run_layout.node_done(tmp_path, 1, "slurm-5-1")
-    run_layout.mark_node_done(tmp_path, 1, "slurm-5-0")
-    assert not run_layout.node_done(tmp_path, 1, "slurm-5-1")
-    run_layout.mark_node_done(tmp_path, 1, "slurm-5-1")
-    assert run_layout.node_done(tmp_path, 1, "slurm-5-1")
+    started = run_layout.mark_node(tmp_path, 0, "started", "slurm-5-1")
+    assert not run_layout.node_done(tmp_path, 1, "slurm-5-1", started)
+    run_layout.mark_node(tmp_path, 1, "done", "slurm-5-0")  # the run before the requeue
+    assert not run_layout.node_done(tmp_path, 1, "slurm-5-1", started)
+    run_layout.mark_node(tmp_path, 1, "done", "slurm-5-1")
+    assert run_layout.node_done(tmp_path, 1, "slurm-5-1", started)
+    # same run id (pods restarted with --resume), but the marker predates this node's start
+    old = run_layout.node_marker(tmp_path, 1, "done")
+    os.utime(old, (started - 60, started - 60))
+    assert not run_layout.node_done(tmp_path, 1, "slurm-5-1", started)
 
 
 def test_trainer_nodes_pass_their_own_address_and_which_hosts_the_rendezvous():

@@ -181,10 +181,14 @@ class Launcher:
         """The vLLM servers' pids, each with the `tidal inference` child that started it."""
         self.deaths = DeathWatch()
         self.stop_signal: int | None = None
+        self.started = 0.0
+        """When this node started the run, as the output dir's storage stamps it (cluster runs)."""
 
     def run(self) -> int:
         if ORCHESTRATOR in self.here:
             self._check_output_dir()
+        if self.node is not None:
+            self.started = run_layout.mark_node(self.out, self.index, "started", self.node.run_id)
         if self.config.resume and self._hosts_trainer_rendezvous():
             # before any trainer starts (the other trainer nodes' wait for this one's rendezvous): trainer and
             # orchestrator must not race over a killed run's leftovers
@@ -277,7 +281,7 @@ class Launcher:
                 if self.node is None:
                     return 0
                 if main and not marked:
-                    run_layout.mark_node_done(self.out, self.index, self.node.run_id)
+                    run_layout.mark_node(self.out, self.index, "done", self.node.run_id)
                     marked = True
                 if not self.replicas or self._main_nodes_done():
                     return 0
@@ -321,7 +325,7 @@ class Launcher:
         """Whether every node with the trainer or the orchestrator has finished this run."""
         assert self.node is not None
         nodes = {*self.placement.trainer_nodes, self.placement.orchestrator_node}
-        return all(run_layout.node_done(self.out, n, self.node.run_id) for n in nodes)
+        return all(run_layout.node_done(self.out, n, self.node.run_id, self.started) for n in nodes)
 
     def _first_failure(self) -> str | None:
         """What to blame, if anything failed: of the children that exited non-zero, or an inference child

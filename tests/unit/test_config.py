@@ -235,6 +235,7 @@ def _schema_for(path: Path) -> str:
         ("rl", "tidal.config.rl:RLConfig"),
         ("async_overlap", "tidal.config.rl:RLConfig"),
         ("slurm", "tidal.config.rl:RLConfig"),  # overlays on an rl config; each also validates alone
+        ("k8s_", "tidal.config.rl:RLConfig"),  # overlays on a run config (examples/cluster/)
         ("sft", "tidal.config.sft:SFTConfig"),
         ("eval", "tidal.config.eval:EvalConfig"),
         ("infer", "tidal.config.inference:InferenceConfig"),

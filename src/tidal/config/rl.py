@@ -20,6 +20,7 @@ from tidal.config.deployment import DeploymentConfig
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
+from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.perf import PerfConfig
@@ -177,6 +178,13 @@ class OrchestratorConfig(RunConfig):
     loop_lag_warn: float = Field(default=0.5, gt=0)
     """Warn, naming the step, when the event loop was held this many seconds at once: every request in
     flight waited that long (logged every step as event_loop/lag_p50_s, _p99_s, _max_s)."""
+    reward_workers: int | None = Field(default=None, ge=0)
+    """Processes that compute rewards, so that a slow reward (math-verify, a rubric, running tests) does not
+    hold the event loop and every request in flight. Plain reward functions defined at module level run
+    there, one call at a time per process, on a copy of the task and episode; a call still running when its
+    rollout times out kills its process (a new one starts). `async def` rewards, and lambdas, closures or
+    bound methods (warned once), run on the event loop. Unset: one per CPU core, at most 4; 0: every
+    reward on the event loop."""
     sampling: SamplingConfig = SamplingConfig()
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
@@ -269,6 +277,8 @@ class RLConfig(RunConfig):
     """Off-policy bound: rollouts from version v train step n only if n − v ≤ this."""
     model: ModelConfig = ModelConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    """Manifests of a Kubernetes run (deployment.type = "kubernetes" only)."""
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: RLTrainerConfig = RLTrainerConfig()
@@ -293,6 +303,17 @@ class RLConfig(RunConfig):
         if shadowed is not None:
             key, top = shadowed
             raise ConfigProblem(key, f"`tidal rl` sets this from `{top}`; set that instead")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kubernetes(self) -> "RLConfig":
+        if self.deployment.type == "kubernetes":
+            check_run(self)
+        elif "kubernetes" in self.model_fields_set:
+            raise ConfigProblem(
+                "kubernetes",
+                f'this table is for deployment.type = "kubernetes" (not {self.deployment.type!r})',
+            )
         return self
 
     @model_validator(mode="after")

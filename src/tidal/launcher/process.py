@@ -1,4 +1,8 @@
-"""A supervised child process: own process group, output to a log file, dies with its parent, stops fully."""
+"""A supervised child process: own process group, output to a log file, dies with its parent, stops fully.
+
+`ManagedProcess` is the one wrapper every supervisor uses (`tidal rl`'s launcher, the per-node agent,
+`tidal inference` around vLLM), and `wait_healthy` the one synchronous health wait.
+"""
 
 import contextlib
 import ctypes
@@ -7,7 +11,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -169,12 +173,15 @@ class DeathWatch:
 
 
 class ManagedProcess:
-    """One named child in its own session, its stdout+stderr appended to `log_path`."""
+    """One named child in its own session, its stdout+stderr appended to `log_path` (None: this process's
+    own stdout and stderr)."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None
+    ):
         self.name = name
         self.argv = list(argv)
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path) if log_path is not None else None
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self.groups: list[int] = []
@@ -184,13 +191,14 @@ class ManagedProcess:
         """How long its stop took, from the SIGTERM until none of its groups was left (None: not stopped)."""
 
     def start(self) -> "ManagedProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - open as long as the child runs
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - open as long as the child runs
         self.process = subprocess.Popen(
             self.argv,
             env={**os.environ, **self.env},
             stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if self._log is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=die_with_parent,
@@ -216,6 +224,16 @@ class ManagedProcess:
     def poll(self) -> int | None:
         return self.process.poll() if self.process else None
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ended_how(self) -> str:
+        """`exited with code 1` / `was killed by signal 9` (after it ended)."""
+        code = self.poll()
+        return (
+            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        )
+
     def stop(self, grace: float = STOP_GRACE) -> int | None:
         """SIGTERM its groups at once, SIGKILL after `grace` s, and wait until no process of them is left."""
         stop_together([self], grace)
@@ -230,6 +248,8 @@ class ManagedProcess:
             self._log = None
 
     def log_tail(self, num_lines: int = 20) -> str:
+        if self.log_path is None:
+            return ""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
@@ -247,3 +267,39 @@ def stop_together(children: Sequence[ManagedProcess], grace: float = STOP_GRACE)
         terminate_groups(child.groups)
     for child in running:
         child._finish(started + grace, started)
+
+
+def wait_healthy(
+    targets: Mapping[str, ManagedProcess | None],
+    timeout: float,
+    should_stop: Callable[[], bool] = lambda: False,
+    poll: float = 0.5,
+) -> dict[str, ManagedProcess | None]:
+    """Poll `<url>/health` of every target until each answered 200 once; returns the ones that did not
+    (empty: all healthy) when `timeout` s pass or `should_stop()` says so. A target's process that ends
+    meanwhile raises `ProcessEnded` at once: waiting for it would only run out the clock. A target
+    without a process (None) runs elsewhere (another node of a cluster run): only its URL is polled."""
+    import httpx
+
+    waiting = dict(targets)
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline and not should_stop():
+        for url, child in list(waiting.items()):
+            if child is not None and not child.alive():
+                raise ProcessEnded(child)
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    del waiting[url]
+            except httpx.HTTPError:
+                pass
+        if waiting:
+            time.sleep(poll)
+    return waiting
+
+
+class ProcessEnded(Exception):
+    """A supervised child ended while it was waited for."""
+
+    def __init__(self, child: ManagedProcess):
+        super().__init__(f"{child.name} {child.ended_how()}")
+        self.child = child

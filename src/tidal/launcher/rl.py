@@ -23,7 +23,7 @@ from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import UserError
-from tidal.launcher.process import DeathWatch, ManagedProcess, stop_together
+from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.split import RoleConfigs, split_config
 
 POLL_SECONDS = 0.5
@@ -353,32 +353,19 @@ class Launcher:
     def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
         """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
         node's) that exits meanwhile fails the run at once."""
-        import httpx
-
-        waiting = dict(waiting)
-        deadline = time.monotonic() + self.config.startup_timeout
-        while waiting and time.monotonic() < deadline and self.stop_signal is None:
-            for url, replica in list(waiting.items()):
-                if replica is not None and replica.poll() is not None:
-                    raise UserError(self._failure(replica))
-                try:
-                    if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                        del waiting[url]
-                except httpx.HTTPError:
-                    pass
-            if waiting:
-                time.sleep(POLL_SECONDS)
-        if waiting and self.stop_signal is None:
-            url, replica = next(iter(waiting.items()))
+        try:
+            left = wait_healthy(waiting, self.config.startup_timeout, lambda: self.stop_signal is not None)
+        except ProcessEnded as ended:
+            raise UserError(self._failure(ended.child)) from None
+        if left and self.stop_signal is None:
+            url, replica = next(iter(left.items()))
             what = f"{replica.name} not healthy" if replica is not None else "inference replica not healthy"
             where = f"; see {replica.log_path}" if replica is not None else " (it runs on another node)"
             raise UserError(f"{what} at {url}/health after {self.config.startup_timeout:.0f} s{where}")
 
     def _failure(self, child: ManagedProcess) -> str:
-        code = child.poll()
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         tail = child.log_tail(20)
-        return f"{child.name} {how}; last lines of {child.log_path}:\n{tail}"
+        return f"{child.name} {child.ended_how()}; last lines of {child.log_path}:\n{tail}"
 
     def _server_failure(self, replica: ManagedProcess, pid: int) -> str:
         tail = replica.log_tail(20)
@@ -439,12 +426,17 @@ def _on_gpu() -> bool:
 
 
 def dry_run(config: RLConfig) -> str:
-    """The resolved config of every process `tidal rl` would start, as the TOML files it would write; with
-    `deployment.type = "slurm"`, the batch script and the run config it would submit."""
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
+    on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes
+    (tidal.deploy.kubernetes), listed."""
     if config.deployment.type == "slurm":
         from tidal.deploy import slurm
 
         return slurm.dry_run(config)
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.dry_run(config)
     roles = split_config(config, _on_gpu())
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
@@ -461,6 +453,10 @@ def main(config: RLConfig) -> int:
         from tidal.deploy import slurm
 
         return slurm.submit(config)
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.launch(config)
     if config.deployment.type != "local":
         raise UserError(
             f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'

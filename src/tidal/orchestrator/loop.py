@@ -21,6 +21,7 @@ from typing import Any
 from tidal import run_layout
 from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Environment, Task
+from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
@@ -94,7 +95,7 @@ class Orchestrator:
             timeout=cfg.client.timeout,
             pause_mode=cfg.client.weight_update_pause,
         )
-        async with client:
+        async with client, reward_workers(cfg.reward_workers):
             await client.wait_healthy(timeout=cfg.client.timeout)
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:

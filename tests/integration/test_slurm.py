@@ -41,9 +41,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
         cluster.stop()
 
 
-def submit(slurm: LocalSlurm, out: Path, steps: int) -> str:
+def submit(slurm: LocalSlurm, out: Path, steps: int, *extra: str) -> str:
     result = run_tidal(
-        "rl", "@", RUN, "@", OVERLAY, "--output-dir", str(out), "--max-steps", str(steps),
+        "rl", "@", RUN, "@", OVERLAY, "--output-dir", str(out), "--max-steps", str(steps), *extra,
         env={"SLURM_CONF": str(slurm.conf)}, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -173,3 +173,24 @@ def test_requeued_job_resumes_from_its_checkpoint_and_trains_every_step_once(slu
         r"resumed from \S+step_(\d+) at step", (out / "logs" / "trainer_node1.log").read_text()
     )
     assert resumed is not None and int(resumed.group(1)) >= trained, log[-4000:]
+
+
+def test_a_failing_trainer_fails_the_job_naming_role_and_node_and_stops_the_other_node(slurm, tmp_path):
+    """With the orchestrator on the inference node, n2 starts its trainer at once; a trainer metrics file
+    left in the output dir makes it refuse to start (no --resume): n2 must end the job with one line
+    naming the trainer and itself, and srun must stop n1's starting vLLM with it."""
+    out = tmp_path / "run"
+    (out / "trainer").mkdir(parents=True)
+    (out / "trainer" / "metrics.jsonl").write_text('{"step": 0}\n')
+    job = submit(slurm, out, 3, "--deployment.orchestrator-node", "inference")
+    wait_for(lambda: bool(job_processes(job)) or slurm.job_state(job) in ENDED, "start", out, job)
+    processes = job_processes(job)
+    state = wait_ended(slurm, out, job)
+    log = job_log(out, job)
+    assert state == "FAILED", log[-4000:]
+    assert re.search(r"^tidal node: error: node 1 \(n2\): trainer exited with code 1; last lines of \S+/logs/"
+                     r"trainer_node1.log", log, re.MULTILINE), log  # fmt: skip
+    deadline = time.monotonic() + 60
+    while still_running(processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not still_running(processes)

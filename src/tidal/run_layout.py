@@ -74,3 +74,29 @@ def discard_after_checkpoint(output_dir: Path) -> int:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return step
+
+
+def node_marker(output_dir: Path, node: int, what: str) -> Path:
+    """`nodes/node_<K>.started` / `.done`: a cluster node's start and end of the run (tidal.launcher.rl)."""
+    return Path(output_dir) / "nodes" / f"node_{node}.{what}"
+
+
+def mark_node(output_dir: Path, node: int, what: str, run_id: str) -> float:
+    """Write a node's marker (atomically); returns its modification time as the shared storage keeps it."""
+    path = node_marker(output_dir, node, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id)
+    tmp.rename(path)
+    return path.stat().st_mtime
+
+
+def node_done(output_dir: Path, node: int, run_id: str, since: float) -> bool:
+    """Whether node `node` finished run `run_id`: its done marker names the run and is not older than
+    `since` (the asking node's own start marker, stamped by the same storage). An earlier run's marker
+    fails one or the other, even where every restart has the same run id."""
+    path = node_marker(output_dir, node, "done")
+    try:
+        return path.read_text() == run_id and path.stat().st_mtime >= since
+    except OSError:
+        return False

@@ -35,6 +35,11 @@ COMMANDS: dict[str, Command] = {
         "Asynchronous RL: starts vLLM inference, the orchestrator and the trainer from one config.",
         dry_run="tidal.launcher.rl:dry_run",
     ),
+    "node": Command(
+        "tidal.config.node:NodeConfig",
+        "tidal.deploy.node:main",
+        "One node's share of a cluster `tidal rl` (the Slurm job starts it on every node).",
+    ),
     "sft": Command(
         "tidal.config.sft:SFTConfig",
         "tidal.trainer.sft:main",

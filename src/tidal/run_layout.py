@@ -2,7 +2,10 @@
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from tidal.trainer import manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -33,9 +36,24 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     )
 
 
-def latest_step(root: Path) -> int | None:
-    found = step_dirs(root)
-    return found[-1][0] if found else None
+def trainer_resume_step(output_dir: Path) -> int:
+    """The step a resumed trainer continues from: its newest complete checkpoint (0 without one). Once
+    `prepare_resume` ran (`tidal rl --resume` does, before starting anyone) that checkpoint is verified."""
+    return manifest.latest_complete_step(trainer_checkpoints_dir(output_dir)) or 0
+
+
+def oldest_trainer_checkpoint_step(output_dir: Path) -> int:
+    """The oldest trainer checkpoint still on disk (0 without one): a resume may fall back as far as it when
+    the newer ones turn out damaged, so what it needs must be kept from there on."""
+    found = manifest.checkpoint_dirs(trainer_checkpoints_dir(output_dir))
+    return found[0][0] if found else 0
+
+
+def prepare_resume(output_dir: Path, report: Callable[[str], None]) -> int:
+    """Before any process of a resumed run starts: verify the trainer checkpoint it will use (damaged newer
+    ones reported and moved aside, a UserError when none is usable), then `discard_after_checkpoint`."""
+    manifest.resume_checkpoint(trainer_checkpoints_dir(output_dir), report)
+    return discard_after_checkpoint(output_dir)
 
 
 def weights_dir(output_dir: Path) -> Path:
@@ -50,9 +68,35 @@ def discard_after_checkpoint(output_dir: Path) -> int:
     trainer and orchestrator start: a resumed trainer that found an old batch would train it at once and
     publish weights that the orchestrator's own clean-up then deleted, and both would wait for ever.
     """
-    step = latest_step(trainer_checkpoints_dir(output_dir)) or 0
+    step = trainer_resume_step(output_dir)
     stale = [p for n, p in step_dirs(rollouts_dir(output_dir)) if n >= step]
     stale += [p for n, p in step_dirs(weights_dir(output_dir)) if n > step]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return step
+
+
+def node_marker(output_dir: Path, node: int, what: str) -> Path:
+    """`nodes/node_<K>.started` / `.done`: a cluster node's start and end of the run (tidal.launcher.rl)."""
+    return Path(output_dir) / "nodes" / f"node_{node}.{what}"
+
+
+def mark_node(output_dir: Path, node: int, what: str, run_id: str) -> float:
+    """Write a node's marker (atomically); returns its modification time as the shared storage keeps it."""
+    path = node_marker(output_dir, node, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id)
+    tmp.rename(path)
+    return path.stat().st_mtime
+
+
+def node_done(output_dir: Path, node: int, run_id: str, since: float) -> bool:
+    """Whether node `node` finished run `run_id`: its done marker names the run and is not older than
+    `since` (the asking node's own start marker, stamped by the same storage). An earlier run's marker
+    fails one or the other, even where every restart has the same run id."""
+    path = node_marker(output_dir, node, "done")
+    try:
+        return path.read_text() == run_id and path.stat().st_mtime >= since
+    except OSError:
+        return False

@@ -19,6 +19,7 @@ from tidal.launcher.process import INNER_STOP_GRACE
 from tidal.monitor.metrics import read_metrics
 from tidal.orchestrator.batching import make_train_batches
 from tidal.testing import TINY_MODEL_NAME
+from tidal.trainer import ckpt, manifest
 from tidal.transport.rollouts import FilesystemSender
 from tidal.types import TrainBatch, TrainSample
 
@@ -230,6 +231,23 @@ def test_rl_refuses_a_port_another_server_listens_on(tmp_path):
     assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
 
 
+def test_rl_resume_with_only_damaged_checkpoints_is_one_line_before_anything_starts(tmp_path):
+    """Issue 14's probe: a truncated checkpoint made `--resume` die after vLLM had started. Now the check runs
+    first: the damaged newest checkpoint is named in one line and, nothing else being usable, the run stops."""
+    checkpoints = run_layout.trainer_checkpoints_dir(tmp_path)
+    (checkpoints / "step_2" / "model_optim").mkdir(parents=True)
+    (checkpoints / "step_2" / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 64)
+    manifest.write_manifest(checkpoints / "step_2", 2)
+    (checkpoints / "step_2" / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 10)
+    result = run_tidal(*rl_args(tmp_path, 0, "--resume"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "tidal rl: --resume: checkpoint step_2 is unusable: model_optim/__0_0.distcp is 10 bytes" in (
+        result.stdout
+    )
+    assert len(result.stderr.strip().splitlines()) == 1 and "none of the 1 checkpoint(s)" in result.stderr
+    assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
+
+
 VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
 
 
@@ -286,10 +304,10 @@ def trainer_batches(step: int, num_ranks: int) -> list[TrainBatch]:
     return make_train_batches(step, samples, num_ranks, seq_len=64, micro_batch_size=1, pad_id=0)
 
 
-def trainer_args(out, max_steps: int, *extra: str) -> list[str]:
+def trainer_args(out, max_steps: int, *extra: str, interval: int = 2) -> list[str]:
     return [
         "trainer", "--output-dir", str(out), "--model.name", TINY_MODEL_NAME, "--model.dtype", "float32",
-        "--max-steps", str(max_steps), "--ckpt.interval", "2", "--num-threads", "1", *extra,
+        "--max-steps", str(max_steps), "--ckpt.interval", str(interval), "--num-threads", "1", *extra,
     ]  # fmt: skip
 
 
@@ -323,6 +341,44 @@ def test_sigterm_while_the_trainer_waits_for_a_batch_checkpoints_and_resume_logs
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"resumed from {checkpoints / 'step_3'}" in result.stdout
     assert [m["step"] for m in metrics(out, "trainer")] == [0, 1, 2, 3]
+
+
+def test_sigkill_while_the_trainer_writes_a_checkpoint_resumes_from_the_previous_complete_one(tmp_path):
+    """The trainer is SIGKILLed inside the write of checkpoint 4 (ckpt's test hook holds it there, after the
+    model/optimizer files), and checkpoint 3 is then truncated as a probe of issue 14 did: `--resume`
+    reports step_3 in one line before loading anything, resumes from step_2, and logs each step once."""
+    out = tmp_path / "trainer"
+    sender = FilesystemSender(out, FilesystemTransport(keep_last=None))
+    for step in range(4):
+        sender.send(step, trainer_batches(step, 1))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *trainer_args(out, 4, interval=1)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, ckpt.PAUSE_ENV: "4:120"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("checkpoint step_4: pausing"):
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    output = "".join(seen) + proc.stdout.read()
+    assert proc.returncode == -signal.SIGKILL, output
+    checkpoints = run_layout.trainer_checkpoints_dir(out)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3", "step_4.tmp"]
+    assert [m["step"] for m in metrics(out, "trainer")] == [0, 1, 2, 3]
+    distcp = checkpoints / "step_3" / "model_optim" / "__0_0.distcp"
+    distcp.write_bytes(distcp.read_bytes()[:100])
+
+    result = run_tidal(*trainer_args(out, 4, "--resume", interval=1), timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    reported = [line for line in result.stdout.splitlines() if "unusable" in line]
+    assert len(reported) == 1 and "step_3" in reported[0] and "__0_0.distcp is 100 bytes" in reported[0]
+    assert f"resumed from {checkpoints / 'step_2'} at step 2" in result.stdout
+    assert [m["step"] for m in metrics(out, "trainer")] == [0, 1, 2, 3]
+    assert manifest.manifest_problem(checkpoints / "step_4") is None  # the redone run's own, complete
 
 
 def test_trainer_metrics_on_two_ranks_cover_both_ranks_and_a_world_size_mismatch_is_one_line(tmp_path):

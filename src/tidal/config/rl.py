@@ -24,6 +24,7 @@ from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.perf import PerfConfig
+from tidal.config.slurm import SlurmConfig
 
 
 class FilesystemTransport(Config):
@@ -323,6 +324,17 @@ class RLConfig(RunConfig):
     transport: RolloutTransport = FilesystemTransport()
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for inference to become healthy."""
+    slurm: SlurmConfig = SlurmConfig()
+    """The batch job of `deployment.type = "slurm"` (partition, account, time, setup commands, …)."""
+
+    @model_validator(mode="after")
+    def _check_slurm(self) -> "RLConfig":
+        if "slurm" in self.model_fields_set and self.deployment.type != "slurm":
+            raise ConfigProblem(
+                "slurm",
+                f'[slurm] is only used with deployment.type = "slurm" (it is {self.deployment.type!r})',
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_keys_set_from_the_top(self) -> "RLConfig":

@@ -11,7 +11,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -270,21 +270,22 @@ def stop_together(children: Sequence[ManagedProcess], grace: float = STOP_GRACE)
 
 
 def wait_healthy(
-    targets: dict[str, ManagedProcess],
+    targets: Mapping[str, ManagedProcess | None],
     timeout: float,
     should_stop: Callable[[], bool] = lambda: False,
     poll: float = 0.5,
-) -> dict[str, ManagedProcess]:
+) -> dict[str, ManagedProcess | None]:
     """Poll `<url>/health` of every target until each answered 200 once; returns the ones that did not
     (empty: all healthy) when `timeout` s pass or `should_stop()` says so. A target's process that ends
-    meanwhile raises `ProcessEnded` at once: waiting for it would only run out the clock."""
+    meanwhile raises `ProcessEnded` at once: waiting for it would only run out the clock. A target
+    without a process (None) runs elsewhere (another node of a cluster run): only its URL is polled."""
     import httpx
 
     waiting = dict(targets)
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline and not should_stop():
         for url, child in list(waiting.items()):
-            if not child.alive():
+            if child is not None and not child.alive():
                 raise ProcessEnded(child)
             try:
                 if httpx.get(url + "/health", timeout=2.0).status_code == 200:

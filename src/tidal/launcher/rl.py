@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 
 from tidal import run_layout
 from tidal.config.rl import RLConfig
+from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import UserError
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.split import RoleConfigs, split_config
@@ -43,10 +45,14 @@ def trainer_argv(
     num_nodes: int = 1,
     rendezvous: str | None = None,
     run_id: str = "tidal",
+    local_addr: str | None = None,
+    is_host: bool | None = None,
 ) -> list[str]:
     """The trainer's command: `tidal trainer` itself for one rank, else torchrun with `num_ranks` per node;
     on several nodes every node's torchrun joins the c10d rendezvous at `rendezvous` (host:port on the first
-    trainer node) under `run_id`, and torchrun numbers the ranks."""
+    trainer node) under `run_id`, and torchrun numbers the ranks. `local_addr`: the address the other nodes
+    reach this one at (else torchrun uses the host name, which may not resolve there); `is_host`: whether
+    this node hosts the rendezvous store (else torchrun guesses from the host name)."""
     if num_ranks == 1 and num_nodes == 1:
         return tidal_argv("trainer", config_path)
     if num_nodes == 1:
@@ -55,6 +61,10 @@ def trainer_argv(
         assert rendezvous is not None, "several trainer nodes need a rendezvous endpoint"
         where = ["--nnodes", str(num_nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous,
                  "--rdzv-id", run_id]  # fmt: skip
+        if local_addr is not None:
+            where += ["--local-addr", local_addr]
+        if is_host is not None:
+            where += ["--rdzv-conf", f"is_host={int(is_host)}"]
     return [
         sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(num_ranks),
         "-m", "tidal", "trainer", "@", str(config_path),
@@ -130,62 +140,114 @@ def _parse(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-class Launcher:
-    """Owns the three children; `run()` returns the exit code of `tidal rl`."""
+@dataclass(frozen=True)
+class ClusterNode:
+    """The node a `Launcher` runs in a cluster run (`tidal node`): its index (tidal.deploy.plan), every
+    node's address by index, its name for messages, and the run's id (torchrun's rendezvous id; the
+    done markers of one run are told from an earlier one's by it)."""
 
-    def __init__(self, config: RLConfig):
+    index: int
+    addresses: tuple[str, ...]
+    name: str
+    run_id: str
+
+    @property
+    def label(self) -> str:
+        return f"node {self.index} ({self.name})"
+
+
+class Launcher:
+    """Owns the children; `run()` returns the exit code of `tidal rl` (or of `tidal node`).
+
+    Without `node` it runs every role on this machine. With `node` it runs that node's roles of a cluster
+    run: its inference replicas, its trainer node's torchrun, the orchestrator if placed there; logs and
+    configs are then named `<name>_node<K>`. A node with the trainer or the orchestrator ends when they
+    have; a node with replicas ends when every such node has marked itself done in the output dir."""
+
+    def __init__(self, config: RLConfig, node: ClusterNode | None = None):
         self.config = config
+        self.node = node
         self.out = config.output_dir
+        self.placement = place(config.deployment)
+        self.index = node.index if node is not None else 0
+        self.here = self.placement.roles(self.index)
+        self.prefix = "tidal rl" if node is None else f"tidal {node.label}"
+        self.suffix = "" if node is None else f"_node{self.index}"
         self.children: list[ManagedProcess] = []
         self.replicas: list[ManagedProcess] = []
         """The `tidal inference` children, one per replica (also in `children`)."""
+        self.trainer: ManagedProcess | None = None
         self.servers: dict[int, ManagedProcess] = {}
         """The vLLM servers' pids, each with the `tidal inference` child that started it."""
         self.deaths = DeathWatch()
         self.stop_signal: int | None = None
+        self.started = 0.0
+        """When this node started the run, as the output dir's storage stamps it (cluster runs)."""
 
     def run(self) -> int:
-        self._check_output_dir()
-        if self.config.resume:
-            # before any child starts: trainer and orchestrator must not race over a killed run's leftovers
-            run_layout.discard_after_checkpoint(self.out)
+        if ORCHESTRATOR in self.here:
+            self._check_output_dir()
+        if self.node is not None:
+            self.started = run_layout.mark_node(self.out, self.index, "started", self.node.run_id)
+        if self.config.resume and self._hosts_trainer_rendezvous():
+            # before any trainer starts (the other trainer nodes wait for this one's rendezvous): the
+            # checkpoint is verified (not found broken once vLLM is up), and trainer and orchestrator must
+            # not race over a killed run's leftovers
+            run_layout.prepare_resume(self.out, lambda line: print(f"tidal rl: {line}", flush=True))
         on_gpu = _on_gpu()
-        roles = split_config(self.config, on_gpu)
-        paths = self._write_configs(roles)
-        env = self._device_env(roles, on_gpu)
+        addresses = self.node.addresses if self.node is not None else None
+        roles = split_config(self.config, on_gpu, addresses=addresses)
+        local = roles.node_replicas(self.index)
+        paths = self._write_configs(roles, local)
+        env = self._device_env(roles, on_gpu, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return self._supervise(roles, paths, env)
+            return self._supervise(roles, local, paths, env)
         finally:
             self._stop_all()
             self.deaths.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _hosts_trainer_rendezvous(self) -> bool:
+        return TRAINER in self.here and self.placement.trainer_node_rank(self.index) == 0
+
     def _stop_all(self) -> None:
         """Orchestrator and trainer side by side, then inference (the orchestrator must not see it vanish
         first and blame it); prints how long each took, once."""
         if all(c.stop_seconds is not None for c in self.children):
             return
+        if self.trainer is not None:
+            self.trainer.adopt_descendants()  # torchrun's workers run in sessions of their own
         stop_together([c for c in self.children if c not in self.replicas])
         stop_together(self.replicas)
         took = ", ".join(f"{c.name} {c.stop_seconds:.1f} s" for c in self.children)
-        print(f"tidal rl: stopped {took}", flush=True)
+        print(f"{self.prefix}: stopped {took}", flush=True)
 
-    def _supervise(self, roles: RoleConfigs, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> int:
+    def _supervise(
+        self, roles: RoleConfigs, local: list[int], paths: dict[str, Path], env: dict[str, dict[str, str]]
+    ) -> int:
         from tidal.inference.server import check_port_free
 
         # before starting anything: a server already on that port would pass the health wait below
-        for server in roles.replicas:
-            check_port_free(server.server.host, server.server.port)
+        for index in local:
+            check_port_free(roles.replicas[index].server.host, roles.replicas[index].server.port)
         logs = self.out / "logs"
-        for index in range(len(roles.replicas)):
+        urls = roles.orchestrator.client.urls
+        waiting: dict[str, ManagedProcess | None] = {}
+        for index in local:
             name = replica_name(index, len(roles.replicas))
             child = self._start(name, tidal_argv("inference", paths[name]), logs, env[name])
             self.replicas.append(child)
-        what = f"{len(roles.replicas)} inference replicas" if len(roles.replicas) > 1 else "inference"
-        print(f"tidal rl: starting {what} ({roles.inference.model.name}); logs in {logs}/", flush=True)
-        self._wait_healthy(roles)
+            waiting[urls[index]] = child
+        if ORCHESTRATOR in self.here:  # the other nodes' replicas too: the orchestrator needs every one
+            waiting.update({url: None for url in urls if url not in waiting})
+        if local:
+            what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
+            print(
+                f"{self.prefix}: starting {what} ({roles.inference.model.name}); logs in {logs}/", flush=True
+            )
+        self._wait_healthy(waiting)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
         # each vLLM server runs in its own session under `tidal inference`: watch it die ourselves (the
@@ -194,31 +256,77 @@ class Launcher:
             for pid in replica.adopt_descendants():
                 self.servers[pid] = replica
                 self.deaths.watch(pid)
-        self._start(
-            "trainer",
-            trainer_argv(paths["trainer"], self.config.deployment.num_trainer_ranks),
-            logs,
-            env["trainer"],
-        )
-        self._start(
-            "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"]
-        )
-        are = "are" if len(roles.replicas) > 1 else "is"
-        print(f"tidal rl: {what} {are} up; trainer and orchestrator started", flush=True)
-        reporter = StepReporter(self.out, self.config.max_steps)
+        if TRAINER in self.here:
+            self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), logs, env["trainer"])
+        if ORCHESTRATOR in self.here:
+            self._start(
+                "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"]
+            )
+        self._say_started(len(urls), local)
+        reporter = StepReporter(self.out, self.config.max_steps) if ORCHESTRATOR in self.here else None
+        main = [c for c in self.children if c not in self.replicas]
+        marked = False
         while True:
-            reporter.poll()
+            if reporter is not None:
+                reporter.poll()
             if self.stop_signal is not None:
-                print(f"tidal rl: signal {self.stop_signal}: stopping every process", file=sys.stderr)
+                print(f"{self.prefix}: signal {self.stop_signal}: stopping every process", file=sys.stderr)
                 return 128 + self.stop_signal
             failure = self._first_failure()
             if failure is not None:
                 self._stop_all()  # first: the culprit's log then ends with what it said while stopping
-                raise UserError(failure)
-            if all(c.poll() == 0 for c in self.children if c not in self.replicas):
-                reporter.poll()
-                return 0
+                raise UserError(failure if self.node is None else f"{self.node.label}: {failure}")
+            if all(c.poll() == 0 for c in main):
+                if reporter is not None:
+                    reporter.poll()
+                if self.node is None:
+                    return 0
+                if main and not marked:
+                    run_layout.mark_node(self.out, self.index, "done", self.node.run_id)
+                    marked = True
+                if not self.replicas or self._main_nodes_done():
+                    return 0
+            if self.trainer is not None and self.trainer.poll() is None:
+                self.trainer.adopt_descendants()
             self.deaths.wait(POLL_SECONDS)
+
+    def _trainer_argv(self, config_path: Path) -> list[str]:
+        deploy, node = self.config.deployment, self.node
+        if node is None:
+            return trainer_argv(config_path, deploy.num_trainer_ranks)
+        first = self.placement.trainer_nodes[0]
+        return trainer_argv(
+            config_path,
+            deploy.num_trainer_ranks,
+            num_nodes=len(self.placement.trainer_nodes),
+            rendezvous=f"{node.addresses[first]}:{deploy.rendezvous_port}",
+            run_id=node.run_id,
+            local_addr=node.addresses[self.index],
+            is_host=self.index == first,
+        )
+
+    def _say_started(self, num_replicas: int, local: list[int]) -> None:
+        started = [role for role in (TRAINER, ORCHESTRATOR) if role in self.here]
+        if self.node is None:
+            are = "are" if len(local) > 1 else "is"
+            what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
+            print(f"{self.prefix}: {what} {are} up; trainer and orchestrator started", flush=True)
+        elif started:
+            print(
+                f"{self.prefix}: {' and '.join(started)} started"
+                + (f" ({num_replicas} inference replicas up)" if ORCHESTRATOR in self.here else ""),
+                flush=True,
+            )
+        else:
+            print(
+                f"{self.prefix}: {len(local)} inference replica(s) up; serving until the run ends", flush=True
+            )
+
+    def _main_nodes_done(self) -> bool:
+        """Whether every node with the trainer or the orchestrator has finished this run."""
+        assert self.node is not None
+        nodes = {*self.placement.trainer_nodes, self.placement.orchestrator_node}
+        return all(run_layout.node_done(self.out, n, self.node.run_id, self.started) for n in nodes)
 
     def _first_failure(self) -> str | None:
         """What to blame, if anything failed: of the children that exited non-zero, or an inference child
@@ -237,25 +345,24 @@ class Launcher:
         return self.deaths.ended.get(pid, float("inf")) if pid is not None else float("inf")
 
     def _start(self, name: str, argv: list[str], logs: Path, env: dict[str, str]) -> ManagedProcess:
-        child = ManagedProcess(name, argv, logs / f"{name}.log", env).start()
+        child = ManagedProcess(name, argv, logs / f"{name}{self.suffix}.log", env).start()
         self.children.append(child)
         if child.pid is not None:
             self.deaths.watch(child.pid)
         return child
 
-    def _wait_healthy(self, roles: RoleConfigs) -> None:
-        """Until every replica answers /health; a replica that exits meanwhile fails the run at once."""
-        targets = dict(zip(roles.orchestrator.client.urls, self.replicas, strict=True))
+    def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
+        """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
+        node's) that exits meanwhile fails the run at once."""
         try:
-            left = wait_healthy(targets, self.config.startup_timeout, lambda: self.stop_signal is not None)
+            left = wait_healthy(waiting, self.config.startup_timeout, lambda: self.stop_signal is not None)
         except ProcessEnded as ended:
             raise UserError(self._failure(ended.child)) from None
         if left and self.stop_signal is None:
             url, replica = next(iter(left.items()))
-            raise UserError(
-                f"{replica.name} not healthy at {url}/health after {self.config.startup_timeout:.0f} s; "
-                f"see {replica.log_path}"
-            )
+            what = f"{replica.name} not healthy" if replica is not None else "inference replica not healthy"
+            where = f"; see {replica.log_path}" if replica is not None else " (it runs on another node)"
+            raise UserError(f"{what} at {url}/health after {self.config.startup_timeout:.0f} s{where}")
 
     def _failure(self, child: ManagedProcess) -> str:
         tail = child.log_tail(20)
@@ -275,29 +382,32 @@ class Launcher:
                 f"output_dir {self.out} already holds a run; pass --resume or choose another --output-dir"
             )
 
-    def _write_configs(self, roles: RoleConfigs) -> dict[str, Path]:
+    def _write_configs(self, roles: RoleConfigs, local: list[int]) -> dict[str, Path]:
         configs = self.out / "configs"
-        paths = {
-            "orchestrator": write_config(roles.orchestrator, configs / "orchestrator.toml"),
-            "trainer": write_config(roles.trainer, configs / "trainer.toml"),
-        }
-        for index, replica in enumerate(roles.replicas):
+        paths = {}
+        if ORCHESTRATOR in self.here:
+            paths["orchestrator"] = write_config(
+                roles.orchestrator, configs / f"orchestrator{self.suffix}.toml"
+            )
+        if TRAINER in self.here:
+            paths["trainer"] = write_config(roles.trainer, configs / f"trainer{self.suffix}.toml")
+        for index in local:
             name = replica_name(index, len(roles.replicas))
-            paths[name] = write_config(replica, configs / f"{name}.toml")
+            paths[name] = write_config(roles.replicas[index], configs / f"{name}{self.suffix}.toml")
         return paths
 
-    def _device_env(self, roles: RoleConfigs, on_gpu: bool) -> dict[str, dict[str, str]]:
+    def _device_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
         base = {"PYTHONUNBUFFERED": "1"}
-        names = [replica_name(i, len(roles.replicas)) for i in range(len(roles.replicas))]
+        names = {index: replica_name(index, len(roles.replicas)) for index in local}
         if not on_gpu:
             cpu = {"trainer": {**base, "CUDA_VISIBLE_DEVICES": ""}, "orchestrator": base}
-            return {**cpu, **{name: base for name in names}}
+            return {**cpu, **{name: base for name in names.values()}}
         env = {
             "trainer": {**base, "CUDA_VISIBLE_DEVICES": _devices(self.config.deployment.trainer_gpus)},
             "orchestrator": {**base, "CUDA_VISIBLE_DEVICES": ""},
         }
-        for name, gpus in zip(names, roles.replica_gpus, strict=True):
-            env[name] = {**base, "CUDA_VISIBLE_DEVICES": _devices(gpus)}
+        for index, name in names.items():
+            env[name] = {**base, "CUDA_VISIBLE_DEVICES": _devices(roles.replica_gpus[index])}
         return env
 
 
@@ -318,7 +428,12 @@ def _on_gpu() -> bool:
 
 def dry_run(config: RLConfig) -> str:
     """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
-    on Kubernetes, the manifests it writes (tidal.deploy.kubernetes), listed."""
+    on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes
+    (tidal.deploy.kubernetes), listed."""
+    if config.deployment.type == "slurm":
+        from tidal.deploy import slurm
+
+        return slurm.dry_run(config)
     if config.deployment.type == "kubernetes":
         from tidal.deploy import kubernetes
 
@@ -335,6 +450,10 @@ def dry_run(config: RLConfig) -> str:
 
 
 def main(config: RLConfig) -> int:
+    if config.deployment.type == "slurm":
+        from tidal.deploy import slurm
+
+        return slurm.submit(config)
     if config.deployment.type == "kubernetes":
         from tidal.deploy import kubernetes
 

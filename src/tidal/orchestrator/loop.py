@@ -343,15 +343,16 @@ class Orchestrator:
         self._prune_states()
 
     def _prune_states(self) -> None:
-        """Keep the states a resumed trainer may need: from its latest checkpoint on."""
-        trainer_step = run_layout.latest_step(run_layout.trainer_checkpoints_dir(self.out)) or 0
+        """Keep the states a resumed trainer may need: from its oldest checkpoint on (a damaged newer one
+        makes the resume fall back)."""
+        trainer_step = run_layout.oldest_trainer_checkpoint_step(self.out)
         for found in self.state_dir.glob("step_*.json"):
             if int(found.stem.split("_")[1]) < trainer_step:
                 found.unlink(missing_ok=True)
 
     def _restore(self, sender: Any) -> None:
         """Continue from the trainer's latest checkpoint: the batches after it are produced again."""
-        step = run_layout.latest_step(run_layout.trainer_checkpoints_dir(self.out)) or 0
+        step = run_layout.trainer_resume_step(self.out)  # the one `tidal rl` verified: the trainer's too
         path = self.state_dir / f"step_{step}.json"
         if step > 0 and not path.exists():
             raise UserError(f"--resume: trainer checkpoint is at step {step} but {path} is missing")

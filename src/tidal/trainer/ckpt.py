@@ -1,10 +1,23 @@
 """Training-state checkpoints: sharded model + optimizer via torch.distributed.checkpoint, plus per-rank
-scheduler, data position and RNG. Written to `step_<n>.tmp/` and renamed, so a crash mid-save never leaves a
-checkpoint that looks complete."""
+scheduler, data position and RNG as plain JSON.
 
+Written to `step_<n>.tmp/`, then rank 0 (after every rank finished) writes the manifest of every file's
+size and sha256 (tidal.trainer.manifest) and renames the directory to `step_<n>/`: a crash mid-save leaves
+only the staging directory, which nothing reads, and a checkpoint damaged later fails its manifest.
+
+The per-rank state is JSON so that loading a checkpoint never runs code (a pickle would).
+
+Test hook: with `TIDAL_TEST_CHECKPOINT_PAUSE=<step>:<seconds>` in the environment, saving checkpoint
+`<step>` sleeps that long after the model/optimizer files are written (before the trainer state and the
+manifest), and says so on stdout: tests kill a trainer at exactly that moment. Unset, it does nothing.
+"""
+
+import base64
+import json
+import os
 import random
-import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,9 +27,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from tidal.errors import UserError
+from tidal.trainer import manifest
 from tidal.trainer.parallel import DistInfo, barrier
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+PAUSE_ENV = "TIDAL_TEST_CHECKPOINT_PAUSE"
 # Frozen parameters (a LoRA run's base model) are not saved: resuming rebuilds them from the model the run
 # names, so a LoRA checkpoint holds the adapters and their optimizer state, not a copy of the base.
 _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -28,18 +43,39 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def rng_state(info: DistInfo) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's RNG states as JSON-able data (byte states base64, numpy's key as a list)."""
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": [kind, [int(k) for k in key], int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss_next],
+    }
     if info.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(info.device)
+        state["cuda"] = _b64(torch.cuda.get_rng_state(info.device))
     return state
 
 
 def set_rng_state(state: dict[str, Any], info: DistInfo) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    torch.set_rng_state(_from_b64(state["torch"]))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and info.device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], info.device)
+        torch.cuda.set_rng_state(_from_b64(state["cuda"]), info.device)
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def state_file(path: Path, rank: int) -> Path:
+    return path / f"trainer_state_rank{rank}.json"
 
 
 def save_checkpoint(
@@ -51,7 +87,9 @@ def save_checkpoint(
     info: DistInfo,
     keep_last: int,
 ) -> Path:
-    """Save everything needed to continue after `step` completed steps; returns the checkpoint dir."""
+    """Save everything needed to continue after `step` completed steps; returns the checkpoint dir.
+
+    `extra` must be JSON-able (scheduler state, data position): it is stored as plain data."""
     final = root / f"step_{step}"
     staging = root / f"step_{step}.tmp"
     if info.is_main:
@@ -60,27 +98,38 @@ def save_checkpoint(
     barrier(info)
     model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / "model_optim"))
-    torch.save({**extra, "step": step, "rng": rng_state(info)}, staging / f"trainer_state_rank{info.rank}.pt")
-    barrier(info)
+    _pause_for_tests(step, info)
+    trainer_state = {**extra, "step": step, "rng": rng_state(info)}
+    state_file(staging, info.rank).write_text(json.dumps(trainer_state))
+    barrier(info)  # every rank's files are written: only now can the manifest list them all
     if info.is_main:
+        manifest.write_manifest(staging, step)
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
-        _prune(root, keep_last)
+        _prune(root, step, keep_last)
     barrier(info)
     return final
 
 
+def _pause_for_tests(step: int, info: DistInfo) -> None:
+    """The documented test hook (module docstring): a no-op unless PAUSE_ENV names this step."""
+    wanted, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    if wanted.strip() == str(step) and info.is_main:
+        print(f"checkpoint step_{step}: pausing {seconds} s inside the write ({PAUSE_ENV})", flush=True)
+        time.sleep(float(seconds))
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    steps = [
-        (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    ]
-    return max(steps)[1] if steps else None
+    """The newest complete checkpoint (manifest present, sizes match; no data read)."""
+    found = manifest.complete_checkpoints(root)
+    return found[-1][1] if found else None
 
 
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG; return the rest of the saved state (step, data, ...)."""
+    extra = load_trainer_state(path, info.rank)  # first: an old or foreign file fails before the big load
     model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     dcp.load(
         {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "model_optim")
@@ -88,9 +137,28 @@ def load_checkpoint(
     set_state_dict(
         model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_LOAD_TRAINABLE
     )
-    extra = torch.load(path / f"trainer_state_rank{info.rank}.pt", weights_only=False)
     set_rng_state(extra.pop("rng"), info)
     return extra
+
+
+def load_trainer_state(path: Path, rank: int) -> dict[str, Any]:
+    """This rank's trainer state as plain data; a pickled state of an older tidal is refused, not loaded
+    (unpickling runs whatever code the file names)."""
+    target = state_file(path, rank)
+    if not target.exists():
+        if (path / f"trainer_state_rank{rank}.pt").exists():
+            raise UserError(
+                f"--resume: {path} was written by a tidal before plain-data checkpoints "
+                f"(trainer_state_rank{rank}.pt is a pickle, which is not loaded); start a new --output-dir"
+            )
+        raise UserError(f"--resume: {target} is missing (checkpoint written for fewer trainer ranks?)")
+    try:
+        state = json.loads(target.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume: {target} is unreadable ({type(error).__name__})") from None
+    if not isinstance(state, dict) or not {"step", "rng"} <= state.keys():
+        raise UserError(f"--resume: {target} is not a tidal trainer state (no step / rng)")
+    return state
 
 
 def _trainable_state_dicts(
@@ -104,9 +172,13 @@ def _trainable_state_dicts(
     return model_sd, optim_sd
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(
-        (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    )
-    for _, path in steps[:-keep_last]:
+def _prune(root: Path, saved: int, keep_last: int) -> None:
+    """Keep `keep_last` complete checkpoints (never the one just written); drop older broken ones and the
+    staging directories of earlier saves a kill interrupted."""
+    found = manifest.checkpoint_dirs(root)
+    status = [(step, manifest.manifest_problem(path, check_hashes=False) is None) for step, path in found]
+    paths = dict(found)
+    doomed = [paths[step] for step in manifest.prune_plan(status, saved, keep_last)]
+    doomed += [p for p in root.glob("step_*.tmp") if p.is_dir() and p.name != f"step_{saved}.tmp"]
+    for path in doomed:
         shutil.rmtree(path, ignore_errors=True)

@@ -13,7 +13,7 @@ from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.inference.tokenizer import load_tokenizer
 from tidal.monitor.metrics import MetricsLogger
-from tidal.trainer import ckpt
+from tidal.trainer import ckpt, manifest
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import apply_lora
 from tidal.trainer.model import load_model, quiet_transformers
@@ -51,6 +51,9 @@ def open_trainer(
     quiet_transformers()
     torch.manual_seed(config.seed)
     check_output_dir(metrics_path, ckpt_root, config.resume)
+    say = make_printer(info)
+    if config.resume:  # before the model loads: a damaged checkpoint must not cost a minute of setup first
+        verify_resume_checkpoint(ckpt_root, info, say)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, config.perf.master_dtype)
     # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
@@ -62,7 +65,6 @@ def open_trainer(
     logger = None
     if info.is_main:
         logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json"))
-    say = make_printer(info)
     if lora_modules:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         say(
@@ -86,11 +88,25 @@ def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
     """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
     if resume:
         return
-    if ckpt.latest_checkpoint(ckpt_root) is not None or metrics_path.exists():
+    if manifest.checkpoint_dirs(ckpt_root) or metrics_path.exists():
         out = metrics_path.parent
         raise UserError(
             f"{out} already holds a run; pass --resume to continue it or choose another --output-dir"
         )
+
+
+def verify_resume_checkpoint(ckpt_root: Path, info: DistInfo, say: Say) -> None:
+    """Rank 0 checks the checkpoint a resume will use, every byte against its manifest, and moves newer
+    damaged ones aside (one line each, see manifest.resume_checkpoint); the other ranks then pick the same.
+    A UserError on every rank when checkpoints exist and none is usable."""
+    error = None
+    if info.is_main:
+        try:
+            manifest.resume_checkpoint(ckpt_root, say)
+        except UserError as found:
+            error = found
+    if any_rank(error is not None, info):  # also the barrier before the other ranks look
+        raise error or UserError(f"--resume: no usable checkpoint in {ckpt_root} (see rank 0)")
 
 
 def make_printer(info: DistInfo) -> Say:
@@ -118,6 +134,7 @@ def maybe_resume(
     first_record_step: int,
 ) -> tuple[int, dict[str, Any]]:
     """Restore the latest checkpoint when asked to; returns (completed steps, saved data state).
+    `verify_resume_checkpoint` ran first, so the newest complete checkpoint is one whose files all match.
 
     The metrics records of the steps the run will redo are dropped: after n completed steps the records
     kept are the first n, numbered from `first_record_step` (SFT numbers a record by the steps completed

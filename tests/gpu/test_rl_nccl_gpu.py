@@ -12,7 +12,6 @@ bundle on PYTHONPATH. NCCL cannot pair two ranks on one GPU: one replica needs 2
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.integration.conftest import free_port
+from tidal.monitor.metrics import read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -28,16 +29,6 @@ STEPS = 4
 # fp32 on both sides: kernels still differ (vLLM's attention and fused norms), so not zero (the CPU run of
 # the same loop, tests/integration/test_rl.py, bounds it at the same value)
 MISMATCH_KL_BOUND = 1e-3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_nccl_rl(out: Path, inference_gpus: list[int]) -> subprocess.CompletedProcess:
@@ -61,8 +52,8 @@ def run_nccl_rl(out: Path, inference_gpus: list[int]) -> subprocess.CompletedPro
 
 def check_followed_the_trainer(out: Path, result: subprocess.CompletedProcess, replicas: int) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    trainer = read_jsonl(out / "trainer" / "metrics.jsonl")
-    orchestrator = read_jsonl(out / "orchestrator" / "metrics.jsonl")
+    trainer = read_metrics(out / "trainer" / "metrics.jsonl")
+    orchestrator = read_metrics(out / "orchestrator" / "metrics.jsonl")
     assert [r["step"] for r in trainer] == list(range(STEPS))
     kls = [r["mismatch_kl/mean"] for r in trainer]
     print(f"\nMEASURED mismatch_kl per step (NCCL publishing, {replicas} replica(s), fp32, tiny): {kls}")

@@ -11,20 +11,11 @@ import pytest
 import torch
 
 from tests.unit.models import tiny_lm
+from tests.unit.test_trainer_resume import CPU, _state  # one tiny train state for both files
 from tidal import run_layout
 from tidal.errors import UserError
 from tidal.trainer import ckpt, manifest
-from tidal.trainer.parallel import DistInfo
 from tidal.trainer.session import TrainState, maybe_resume, verify_resume_checkpoint
-
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-
-
-def _state() -> TrainState:
-    model = tiny_lm(layers=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return TrainState(model, optimizer, scheduler, dict)
 
 
 def _save(root: Path, steps: list[int], keep_last: int = 5) -> TrainState:

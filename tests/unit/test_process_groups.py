@@ -19,10 +19,11 @@ from tidal.launcher.process import (
     ManagedProcess,
     ProcInfo,
     descendants,
+    finish_groups,
     group_alive,
     process_table,
-    stop_groups,
     stop_together,
+    terminate_groups,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
@@ -48,7 +49,8 @@ def test_a_group_whose_leader_was_killed_is_stopped_at_once():
     leader.wait()
     assert group_alive(pgid)  # the worker runs on
     start = time.monotonic()
-    code = stop_groups(leader, [pgid], grace=10.0)
+    terminate_groups([pgid])
+    code = finish_groups(leader, [pgid], deadline=start + 10.0)
     assert time.monotonic() - start < 2.0
     assert code == -signal.SIGKILL
     assert not group_alive(pgid)

@@ -102,15 +102,9 @@ def wait_groups_gone(pgids: Collection[int], deadline: float) -> bool:
     return True
 
 
-def stop_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], grace: float) -> int:
-    """SIGTERM every process of `pgids` at once, whether or not a group's leader still runs (vLLM's engine
-    and workers outlive a killed API server), SIGKILL what is left after `grace` s; `process` is reaped."""
-    deadline = time.monotonic() + grace
-    terminate_groups(pgids)
-    return finish_groups(process, pgids, deadline)
-
-
 def terminate_groups(pgids: Collection[int]) -> None:
+    """SIGTERM every process of `pgids` at once, whether or not a group's leader still runs (vLLM's engine
+    and workers outlive a killed API server); `finish_groups` then waits and SIGKILLs what is left."""
     for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
 

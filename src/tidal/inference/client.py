@@ -17,6 +17,7 @@
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 
 from tidal.inference.guard import TOKEN_HEADER
 from tidal.inference.types import (
@@ -44,6 +45,10 @@ PauseMode = Literal["wait", "keep", "abort"]
 # A proxy or a server that is starting/stopping; worth trying elsewhere.
 TRANSIENT_STATUS = frozenset({502, 503, 504})
 MAX_SESSIONS = 65_536
+# Connection refused or reset, a server that hung up mid-answer, a truncated body: the server is gone.
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
+# What any request to a server may raise besides the client's own errors (a timeout is not a dead server).
+HTTP_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 
 
 class InferenceError(Exception):
@@ -112,7 +117,6 @@ class InferenceClient:
         backoff: float = 0.5,
         health_interval: float = 2.0,
         pause_mode: PauseMode = "wait",
-        transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
@@ -123,11 +127,9 @@ class InferenceClient:
         self.health_interval = health_interval
         self.pause_mode = pause_mode
         self._admin_headers = {TOKEN_HEADER: admin_token} if admin_token else {}
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            transport=transport,  # tests pass an httpx.MockTransport to exercise retries without servers
-        )
+        # Like a read timeout: seconds without a byte from the server (vLLM answers a completion at its end).
+        self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=timeout)
+        self._http: aiohttp.ClientSession | None = None  # made in the loop that first sends
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._latest_weights: tuple[int, str] | None = None
         # One fan-out or catch-up at a time: a server re-admitted during a fan-out that skipped it would
@@ -154,7 +156,36 @@ class InferenceClient:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            # aiohttp, not httpx: httpx's pool scans every connection for every request, which held the
+            # event loop once thousands of requests were in flight (benchmarks/orchestrator_scale.py).
+            # Keep-alive connections without a cap, like the servers' own request queues. No proxies from
+            # the environment: these are the run's own servers.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0)
+            self._http = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._http
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> "Reply":
+        """One HTTP exchange, the whole answer read; raises TRANSPORT_ERRORS or TimeoutError."""
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        all_headers = {"content-type": "application/json", **(headers or {})} if data is not None else headers
+        per_request = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+        async with self._session().request(
+            method, url, data=data, headers=all_headers, timeout=per_request
+        ) as response:
+            return Reply(response.status, await response.read())
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -275,18 +306,18 @@ class InferenceClient:
             version = server.version
             server.in_flight += 1
             try:
-                response = await self._http.request(method, server.url + path, json=body)
-            except httpx.TimeoutException as exc:
+                response = await self._request(method, server.url + path, body)
+            except TimeoutError as exc:
                 failure = f"{server.url}{path} timed out ({type(exc).__name__})"
                 continue
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 failure = f"{server.url}{path}: {type(exc).__name__}: {exc}"
                 self.mark_down(server, failure)
                 continue
             finally:
                 server.in_flight -= 1
-            if response.status_code in TRANSIENT_STATUS:
-                failure = f"{server.url}{path} answered {response.status_code}"
+            if response.status in TRANSIENT_STATUS:
+                failure = f"{server.url}{path} answered {response.status}"
                 continue
             return server.url, version, _json_or_raise(response, server.url)
         if "healthy" in failure:
@@ -324,8 +355,8 @@ class InferenceClient:
 
     async def _probe(self, server: ServerState) -> None:
         try:
-            ok = (await self._http.get(server.url + "/health", timeout=5.0)).status_code == 200
-        except httpx.HTTPError:
+            ok = (await self._request("GET", server.url + "/health", timeout=5.0)).status == 200
+        except HTTP_ERRORS:
             ok = False
         if not ok:
             self.mark_down(server, "health check failed")
@@ -351,7 +382,7 @@ class InferenceClient:
             loras = {**self._loras, **{name: path for name, (_, path) in self._policy_adapters.items()}}
             for name, path in loras.items():
                 await self._load_adapter(server, name, path)
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             logger.warning(
                 "inference server %s is up but could not be brought up to date: %s", server.url, exc
             )
@@ -391,7 +422,7 @@ class InferenceClient:
                 await self.resume(server)
             reported = await self._read_version(server)
             server.version = version if reported is None else reported
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
         ok = server.version == version
@@ -406,7 +437,7 @@ class InferenceClient:
         except BaseException:
             # Close the worker's update session (filesystem engine: nothing was loaded yet) so the next
             # update can start; the version stays the old one.
-            with contextlib.suppress(InferenceError, httpx.HTTPError):
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
                 await self._admin(server, "/finish_weight_update")
             raise
         await self._admin(server, "/finish_weight_update", {"weight_version": str(version)})
@@ -423,7 +454,7 @@ class InferenceClient:
         `/weight_info`; None if the server cannot be reached)."""
 
         async def one(server: ServerState) -> int | None:
-            with contextlib.suppress(InferenceError, httpx.HTTPError):
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
                 reported = await self._read_version(server)
                 return server.version if reported is None else reported
             return None
@@ -464,7 +495,7 @@ class InferenceClient:
         start = time.perf_counter()
         try:
             await self._load_adapter(server, name, path)
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             seconds = time.perf_counter() - start
             error = str(exc)
             if isinstance(exc, RequestRejected) and exc.status == 404:  # vLLM mounts the route only with LoRA
@@ -489,7 +520,7 @@ class InferenceClient:
                     continue  # a returning server loads only the adapters still listed
                 try:
                     await self._admin(server, "/v1/unload_lora_adapter", {"lora_name": name})
-                except (InferenceError, httpx.HTTPError) as exc:  # a stale adapter costs memory, not results
+                except (InferenceError, *HTTP_ERRORS) as exc:  # a stale adapter costs memory, not results
                     logger.warning("could not unload LoRA adapter %s from %s: %s", name, server.url, exc)
 
     def loaded_adapters(self) -> list[str]:
@@ -498,13 +529,13 @@ class InferenceClient:
 
     async def _read_version(self, server: ServerState) -> int | None:
         """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older)."""
-        response = await self._http.get(server.url + "/weight_info", timeout=10.0)
-        if response.status_code == 404:
+        response = await self._request("GET", server.url + "/weight_info", timeout=10.0)
+        if response.status == 404:
             return None
         return parse_version(_json_or_raise(response, server.url)["weight_version"])
 
     async def _admin(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
-        response = await self._http.post(server.url + path, json=body, headers=self._admin_headers)
+        response = await self._request("POST", server.url + path, body, headers=self._admin_headers)
         return _json_or_raise(response, server.url)
 
 
@@ -512,22 +543,38 @@ def _load(server: ServerState) -> tuple[int, int]:
     return server.in_flight, server.last_pick
 
 
-def _json_or_raise(response: httpx.Response, url: str) -> Any:
-    if response.status_code >= 400:
+@dataclass(frozen=True)
+class Reply:
+    """A server's whole answer."""
+
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+
+def _json_or_raise(response: Reply, url: str) -> Any:
+    if response.status >= 400:
         message = _error_message(response)
-        if response.status_code < 500:
-            raise RequestRejected(response.status_code, message, url)
-        raise ServerFailed(f"{url} answered {response.status_code}: {message}")
+        if response.status < 500:
+            raise RequestRejected(response.status, message, url)
+        raise ServerFailed(f"{url} answered {response.status}: {message}")
     try:
-        return response.json() if response.content else None
+        return response.json() if response.body else None
     except ValueError:  # some vLLM routes answer plain text (e.g. "Success: LoRA adapter ... added")
         return response.text
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(response: Reply) -> str:
     try:
-        error = response.json().get("error", response.json())
-    except ValueError:
+        found = response.json()
+        error = found.get("error", found)
+    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
         return response.text[:500]
     return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
 

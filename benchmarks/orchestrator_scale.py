@@ -250,6 +250,7 @@ class Window:
     def __init__(self, server_pids: Sequence[int]):
         self.server_pids = server_pids
         self.gc_seconds = 0.0
+        self.gc_by_generation = [0.0, 0.0, 0.0]
         self._gc_started = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -257,13 +258,17 @@ class Window:
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
-            self.gc_seconds += time.perf_counter() - self._gc_started
+            spent = time.perf_counter() - self._gc_started
+            self.gc_seconds += spent
+            self.gc_by_generation[info["generation"]] += spent
 
     def mark(self, rollouts: int, requests: int) -> dict[str, float]:
         return {
             "t": time.perf_counter(),
             "cpu": time.process_time(),
             "gc": self.gc_seconds,
+            "gc2": self.gc_by_generation[2],
+            "gc1": self.gc_by_generation[1],
             "servers_cpu": cpu_seconds(self.server_pids),
             "rollouts": rollouts,
             "requests": requests,
@@ -283,6 +288,11 @@ def rates(a: dict[str, float], b: dict[str, float], lags: list[float]) -> dict[s
         "client_cpu_s_per_rollout": (b["cpu"] - a["cpu"]) / max(rollouts, 1),
         "client_cpu_share": (b["cpu"] - a["cpu"]) / seconds,
         "client_gc_share": (b["gc"] - a["gc"]) / seconds,
+        "client_gc_share_by_generation": [
+            round((b["gc"] - a["gc"] - (b["gc1"] - a["gc1"]) - (b["gc2"] - a["gc2"])) / seconds, 4),
+            round((b["gc1"] - a["gc1"]) / seconds, 4),
+            round((b["gc2"] - a["gc2"]) / seconds, 4),
+        ],
         "servers_cpu_share": (b["servers_cpu"] - a["servers_cpu"]) / seconds,
         "lag_p50_s": lag.get("event_loop/lag_p50_s", math.nan),
         "lag_p99_s": lag.get("event_loop/lag_p99_s", math.nan),

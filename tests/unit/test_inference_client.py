@@ -253,3 +253,27 @@ def test_the_health_watch_takes_a_silent_server_out_and_brings_it_back() -> None
             assert await client.check_health() == {urls["a"]: True} and state.healthy
 
     asyncio.run(go())
+
+
+def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
+    probed: Counter[str] = Counter()
+
+    def handler(request: Seen) -> web.Response:
+        if request.path == "/health":
+            probed[request.server] += 1
+            return reply(200)
+        return (
+            completion(request) if request.path == "/v1/completions" else reply(200, {"weight_version": "0"})
+        )
+
+    async def go() -> None:
+        async with client_over(handler, health_interval=30.0) as (client, urls):
+            client.pick()  # the next request goes to b
+            assert (await client.generate(REQUEST)).server == urls["b"]
+            await client._watch_round()
+            assert probed == {"a": 1}  # b just answered: it is up
+            client.mark_down(client.servers[urls["b"]], "test")
+            await client._watch_round()
+            assert probed == {"a": 2, "b": 1} and client.servers[urls["b"]].healthy  # down ones are asked
+
+    asyncio.run(go())

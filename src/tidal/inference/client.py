@@ -5,8 +5,9 @@
 - Failures: a dropped connection takes the server out of rotation and the request is retried on another
   one, with exponential backoff, at most `max_retries` times; a 4xx is the caller's fault and raises
   `RequestRejected` at once; anything else ends as `ServerFailed` or `NoHealthyServer`.
-- Health watch: polls `/health`; a server that answers again is brought to the latest published weights
-  (and LoRA adapters) before it is put back, so it never serves a stale policy.
+- Health watch: polls `/health` of the servers that answered no request in the last interval; a server
+  that answers again is brought to the latest published weights (and LoRA adapters) before it is put
+  back, so it never serves a stale policy.
 - Weight updates: pause (draining in-flight requests by default), load, resume, on every server at once,
   through vLLM's native RL routes; the report gives each server's version.
 - LoRA policy updates (`update_adapter`): each version's adapter is hot-loaded under its own name
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import aiohttp
 
 from tidal.inference.guard import TOKEN_HEADER
+from tidal.inference.routing import LeastLoaded, ServerState
 from tidal.inference.types import (
     ChatRequest,
     Completion,
@@ -78,22 +80,6 @@ def is_infrastructure_error(exc: BaseException) -> bool:
     return isinstance(exc, NoHealthyServer | ServerFailed | asyncio.CancelledError)
 
 
-@dataclass
-class ServerState:
-    """What the client knows about one server."""
-
-    url: str
-    healthy: bool = True
-    in_flight: int = 0
-    last_pick: int = 0
-    """When it was last picked (a counter): ties in load go to the least recently used server."""
-    version: int = 0
-    requests: int = 0
-    """Generation requests it answered (a running total; the orchestrator logs it per step)."""
-    completion_tokens: int = 0
-    """Tokens it generated for this client (a running total)."""
-
-
 def parse_version(raw: object) -> int:
     """vLLM keeps versions as strings; before the first update it says "default", which is version 0."""
     try:
@@ -121,6 +107,7 @@ class InferenceClient:
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.servers = {url.rstrip("/"): ServerState(url.rstrip("/")) for url in urls}
+        self._least_loaded = LeastLoaded(list(self.servers.values()))
         self.model = model
         self.max_retries = max_retries
         self.backoff = backoff
@@ -276,11 +263,10 @@ class InferenceClient:
 
     def pick(self, session_id: str | None = None) -> ServerState:
         """The server for the next request: the session's own if it is up, else the least loaded."""
-        healthy = [s for s in self.servers.values() if s.healthy]
-        if not healthy:
-            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
-        server = pinned if pinned is not None and pinned.healthy else min(healthy, key=_load)
+        server = pinned if pinned is not None and pinned.healthy else self._least_loaded.best()
+        if server is None:
+            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         self._picks += 1
         server.last_pick = self._picks
         if session_id is not None:
@@ -319,6 +305,8 @@ class InferenceClient:
             if response.status in TRANSIENT_STATUS:
                 failure = f"{server.url}{path} answered {response.status}"
                 continue
+            if response.status < 500:
+                server.answered_at = time.monotonic()
             return server.url, version, _json_or_raise(response, server.url)
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
@@ -332,7 +320,7 @@ class InferenceClient:
     # ---- health ------------------------------------------------------------------------------------
 
     async def check_health(self) -> dict[str, bool]:
-        """Probe every server once now (the watch does this every `health_interval` seconds)."""
+        """Probe every server once now (the watch probes the quiet ones every `health_interval` seconds)."""
         await asyncio.gather(*(self._probe(s) for s in self.servers.values()))
         return {url: s.healthy for url, s in self.servers.items()}
 
@@ -348,10 +336,22 @@ class InferenceClient:
     async def _health_loop(self) -> None:
         while True:
             try:
-                await self.check_health()
+                await self._watch_round()
             except Exception:  # the watch must outlive any single bad probe
                 logger.exception("inference health check failed")
             await asyncio.sleep(self.health_interval)
+
+    async def _watch_round(self) -> None:
+        """Probe the servers that answered nothing in the last interval: one that is answering requests is
+        up, and at hundreds of servers the probes of busy ones would cost the loop as much as real work."""
+        quiet_since = time.monotonic() - self.health_interval
+        await asyncio.gather(
+            *(
+                self._probe(s)
+                for s in self.servers.values()
+                if not (s.healthy and s.answered_at > quiet_since)
+            )
+        )
 
     async def _probe(self, server: ServerState) -> None:
         try:
@@ -539,10 +539,6 @@ class InferenceClient:
         return _json_or_raise(response, server.url)
 
 
-def _load(server: ServerState) -> tuple[int, int]:
-    return server.in_flight, server.last_pick
-
-
 @dataclass(frozen=True)
 class Reply:
     """A server's whole answer."""
@@ -584,9 +580,10 @@ def _choices(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion:
+    # The model validates and converts (lists to tuples, ints to floats) faster than Python loops would.
     return Completion(
-        token_ids=tuple(choice["token_ids"]),
-        logprobs=tuple(float(x) for x in logprobs),
+        token_ids=choice["token_ids"],
+        logprobs=logprobs,
         text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
     )

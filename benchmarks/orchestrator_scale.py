@@ -364,6 +364,8 @@ async def run_tidal(
     async with client:
         await client.wait_healthy(timeout=30)
         freeze_heap()  # as Orchestrator.run does once set up
+        if os.environ.get("BENCH_GC"):
+            gc.set_threshold(*map(int, os.environ["BENCH_GC"].split(",")))
         lag = orchestrator.lag
         lag.start()
         collect = asyncio.create_task(orchestrator._collect(client, 0))

@@ -277,3 +277,37 @@ def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
             assert probed == {"a": 2, "b": 1} and client.servers[urls["b"]].healthy  # down ones are asked
 
     asyncio.run(go())
+
+
+def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers() -> (
+    None
+):
+    """A pinned session waits for its replica's update and is recorded with the new version; the others go
+    to the replica that is not loading (before: they queued behind the load, recorded with the old one)."""
+    release = asyncio.Event()
+
+    async def handler(request: Seen) -> web.Response:
+        if request.path == "/update_weights" and request.server == "a":
+            await release.wait()  # replica A is slow to load
+        if request.path == "/v1/completions":
+            return completion(request)
+        return reply(404 if request.path == "/weight_info" else 200, {})
+
+    async def go() -> None:
+        async with client_over(handler) as (client, urls):
+            a, b = urls["a"], urls["b"]
+            assert client.pick("episode").url == a  # the episode's earlier turns were on A
+            update = asyncio.create_task(client._update_one(client.servers[a], "/run/weights/step_1", 1))
+            while not client.servers[a].updating:
+                await asyncio.sleep(0.01)
+            during = await generate_many(client, 4)
+            pinned = asyncio.create_task(client.generate(REQUEST, session_id="episode"))
+            await asyncio.sleep(0.05)
+            assert not pinned.done()  # held for A's new weights rather than sent into its paused queue
+            release.set()
+            assert (await update).ok
+            assert [(g.server, g.weight_version) for g in during] == [(b, 0)] * 4
+            answer = await pinned
+            assert (answer.server, answer.weight_version) == (a, 1)
+
+    asyncio.run(go())

@@ -7,10 +7,10 @@ from tidal.inference.routing import LeastLoaded, ServerState
 
 def scan(servers: list[ServerState]) -> ServerState | None:
     healthy = [s for s in servers if s.healthy]
-    return min(healthy, key=lambda s: (s.in_flight, s.last_pick, s.position)) if healthy else None
+    return min(healthy, key=lambda s: (s.updating, s.in_flight, s.last_pick, s.position)) if healthy else None
 
 
-def test_the_index_agrees_with_a_full_scan_through_random_loads_picks_and_outages() -> None:
+def test_the_index_agrees_with_a_full_scan_through_random_loads_picks_outages_and_updates() -> None:
     rng = random.Random(0)
     servers = [ServerState(f"http://s{i}:1") for i in range(17)]
     index = LeastLoaded(servers)
@@ -28,8 +28,11 @@ def test_the_index_agrees_with_a_full_scan_through_random_loads_picks_and_outage
             busy = [s for s in servers if s.in_flight]
             if busy:
                 rng.choice(busy).in_flight -= 1
-        elif action < 0.9:
+        elif action < 0.85:
             rng.choice(servers).healthy = False
+        elif action < 0.9:
+            chosen = rng.choice(servers)
+            chosen.updating = not chosen.updating
         else:
             rng.choice(servers).healthy = True
     assert len(index._heap) <= 4 * len(servers) + 64  # stale entries are cleared, not hoarded

@@ -22,6 +22,7 @@ from tidal.launcher.process import (
     group_alive,
     process_table,
     stop_groups,
+    stop_together,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
@@ -74,6 +75,31 @@ def test_managed_process_stops_the_groups_it_adopted_even_after_it_died(tmp_path
     child.stop()
     assert time.monotonic() - start < 2.0
     assert not group_alive(other_group)
+
+
+def test_stop_together_stops_children_side_by_side(tmp_path: Path):
+    """Two children that each take 2 s to stop after SIGTERM: stopped together it takes about 2 s, not the
+    4 s of one after the other, and each child's stop time is recorded."""
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.0), sys.exit(3)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    children = [
+        ManagedProcess(name, [sys.executable, "-c", script], tmp_path / f"{name}.log").start()
+        for name in ("a", "b")
+    ]
+    deadline = time.monotonic() + 20
+    while not all("ready" in c.log_path.read_text() for c in children):
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.05)
+    start = time.monotonic()
+    stop_together(children, grace=10.0)
+    took = time.monotonic() - start
+    assert [c.poll() for c in children] == [3, 3]  # each stopped itself (no SIGKILL)
+    assert all(c.stop_seconds is not None and 1.9 < c.stop_seconds < 3.9 for c in children)
+    assert took < 3.9, took  # one after the other: at least 4 s
 
 
 def test_death_watch_records_the_order_processes_end_in_grandchildren_included():

@@ -1,6 +1,7 @@
 """Pure plumbing of `tidal rl`: config split, rollout transports (filesystem and ZMQ), run layout."""
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +190,109 @@ def test_step_metrics_across_ranks_weigh_tokens_sum_counts_and_take_the_slowest_
     assert combined["num_nonfinite"] == 3 and combined["ratio_max"] == 3.0
     assert combined["loss"] == pytest.approx(-0.25) and combined["tokens"] == 100
     assert combined["elapsed"] == 3.0  # the step took as long as its slowest rank
+
+
+def test_replicas_get_consecutive_ports_their_own_cores_and_gpus_and_the_orchestrator_all_urls():
+    rl = RLConfig.model_validate(
+        {
+            "deployment": {
+                "num_replicas": 3,
+                "inference_cpus": "0-3,6",
+                "inference_gpus": [4, 5, 6, 7, 2, 3],
+            },
+            "inference": {
+                "server": {"port": 9100, "log_file": "/tmp/vllm.log"},
+                "vllm": {"tensor_parallel_size": 2},
+            },
+        }
+    )
+    cpu = split_config(rl, on_gpu=False, num_cpus=8)
+    assert [r.server.port for r in cpu.replicas] == [9100, 9101, 9102]
+    assert cpu.orchestrator.client.urls == [f"http://127.0.0.1:{p}" for p in (9100, 9101, 9102)]
+    assert [r.cpu.omp_threads_bind for r in cpu.replicas] == ["0-1", "2-3", "6"]
+    assert [r.server.log_file for r in cpu.replicas] == [f"/tmp/vllm_{i}.log" for i in range(3)]
+    assert cpu.replica_gpus == ()
+    gpu = split_config(rl, on_gpu=True, num_cpus=8)
+    assert gpu.replica_gpus == ((4, 5), (6, 7), (2, 3))
+    assert all(r.cpu.omp_threads_bind == "auto" for r in gpu.replicas)  # untouched on GPUs
+
+
+def test_two_replicas_on_two_cores_share_the_inference_core_unless_given_cores():
+    two = RLConfig.model_validate({"deployment": {"num_replicas": 2}})
+    assert [r.cpu.omp_threads_bind for r in split_config(two, on_gpu=False, num_cpus=2).replicas] == [
+        "0",
+        "0",
+    ]
+    spread = RLConfig.model_validate({"deployment": {"num_replicas": 2, "inference_cpus": "0-1"}})
+    assert [r.cpu.omp_threads_bind for r in split_config(spread, on_gpu=False, num_cpus=2).replicas] == [
+        "0",
+        "1",
+    ]
+    one = split_config(RLConfig(), on_gpu=False, num_cpus=2)
+    assert len(one.replicas) == 1 and one.inference.server.port == 8000
+
+
+def test_replica_gpu_and_core_mistakes_are_one_line_errors(tmp_path):
+    short = RLConfig.model_validate({"deployment": {"num_replicas": 2, "inference_gpus": [0, 1, 2]}})
+    with pytest.raises(UserError, match=r"deployment.inference_gpus: lists 3 GPU\(s\) for 2 replica\(s\)"):
+        split_config(short, on_gpu=True)
+    with pytest.raises(UserError, match="deployment.inference_cpus"):
+        load_rl(tmp_path, '[deployment]\ninference_cpus = "0-x"\n')
+    with pytest.raises(UserError, match="deployment.inference_cpus"):
+        load_rl(tmp_path, '[deployment]\nnum_replicas = 2\ninference_cpus = "0-1|2-3"\n')
+    assert (
+        load_rl(tmp_path, '[deployment]\ninference_cpus = "0-1|2-3"\n').deployment.inference_cpus == "0-1|2-3"
+    )
+    too_high = RLConfig.model_validate(
+        {"deployment": {"num_replicas": 2}, "inference": {"server": {"port": 65535}}}
+    )
+    with pytest.raises(UserError, match="inference.server.port"):
+        split_config(too_high, on_gpu=False)
+
+
+def test_cluster_split_points_the_orchestrator_at_every_replica_on_every_inference_node():
+    rl = RLConfig.model_validate(
+        {
+            "deployment": {
+                "type": "slurm", "num_inference_nodes": 2, "num_replicas": 2, "num_trainer_nodes": 2,
+                "num_trainer_ranks": 4,
+            },
+            "inference": {"server": {"port": 9000, "admin_token": "t"}},
+            "transport": {"type": "zmq", "port": 6000},
+        }
+    )  # fmt: skip
+    roles = split_config(
+        rl, on_gpu=False, num_cpus=8, addresses=["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
+    )
+    assert roles.orchestrator.client.urls == [
+        "http://10.0.0.1:9000", "http://10.0.0.1:9001", "http://10.0.0.2:9000", "http://10.0.0.2:9001"
+    ]  # fmt: skip
+    assert roles.replica_nodes == (0, 0, 1, 1) and roles.node_replicas(1) == [2, 3]
+    assert {r.server.host for r in roles.replicas} == {"0.0.0.0"}  # reachable from the orchestrator's node
+    # trainer ranks on nodes 2 and 3 connect to the orchestrator on the first trainer node
+    assert roles.trainer.transport.host == roles.orchestrator.transport.host == "10.0.0.3"
+    assert roles.orchestrator.batch.num_trainer_ranks == 8
+    with pytest.raises(UserError, match="4 nodes are needed, 2 given"):
+        split_config(rl, on_gpu=False, addresses=["a", "b"])
+
+
+def test_more_than_one_node_needs_a_cluster_type(tmp_path):
+    with pytest.raises(UserError, match="deployment.num_trainer_nodes: more than one node needs"):
+        load_rl(tmp_path, "[deployment]\nnum_trainer_nodes = 2\n")
+
+
+def test_trainer_command_joins_a_rendezvous_on_several_nodes():
+    from tidal.launcher.rl import trainer_argv
+
+    assert trainer_argv(Path("t.toml"), 1)[-4:] == ["tidal", "trainer", "@", "t.toml"]
+    single = trainer_argv(Path("t.toml"), 2)
+    assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "2"
+    multi = trainer_argv(Path("t.toml"), 8, num_nodes=4, rendezvous="10.0.0.3:29400", run_id="job7")
+    assert "--standalone" not in multi
+    assert (
+        multi[multi.index("--nnodes") + 1] == "4"
+        and multi[multi.index("--rdzv-endpoint") + 1] == "10.0.0.3:29400"
+    )
+    assert (
+        multi[multi.index("--rdzv-backend") + 1] == "c10d" and multi[multi.index("--rdzv-id") + 1] == "job7"
+    )

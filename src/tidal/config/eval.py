@@ -54,6 +54,9 @@ class EvalConfig(Config):
     """Rollouts in flight at once."""
     timeout: float = Field(default=300.0, gt=0)
     """Seconds one rollout may take before it counts as failed."""
+    reward_workers: int | None = Field(default=None, ge=0)
+    """Processes that compute rewards off the event loop, as `orchestrator.reward_workers` (unset: one per
+    CPU core, at most 4; 0: on the event loop)."""
     save_rollouts: bool = True
     """Write every rollout (messages, reward, metrics) to rollouts.jsonl."""
     startup_timeout: float = Field(default=600.0, gt=0)

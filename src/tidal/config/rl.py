@@ -16,6 +16,7 @@ from tidal.config.common import (
     TrainerRunConfig,
     WandbConfig,
 )
+from tidal.config.deployment import DeploymentConfig
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
@@ -175,6 +176,13 @@ class OrchestratorConfig(RunConfig):
     loop_lag_warn: float = Field(default=0.5, gt=0)
     """Warn, naming the step, when the event loop was held this many seconds at once: every request in
     flight waited that long (logged every step as event_loop/lag_p50_s, _p99_s, _max_s)."""
+    reward_workers: int | None = Field(default=None, ge=0)
+    """Processes that compute rewards, so that a slow reward (math-verify, a rubric, running tests) does not
+    hold the event loop and every request in flight. Plain reward functions defined at module level run
+    there, one call at a time per process, on a copy of the task and episode; a call still running when its
+    rollout times out kills its process (a new one starts). `async def` rewards, and lambdas, closures or
+    bound methods (warned once), run on the event loop. Unset: one per CPU core, at most 4; 0: every
+    reward on the event loop."""
     sampling: SamplingConfig = SamplingConfig()
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
@@ -238,21 +246,6 @@ class RLTrainerConfig(TrainerRunConfig):
     wandb: WandbConfig = WandbConfig()
 
 
-class DeploymentConfig(Config):
-    """Which devices each process gets (`tidal rl`)."""
-
-    num_trainer_ranks: int = Field(default=1, gt=0)
-    """Trainer processes (torchrun when more than one)."""
-    inference_gpus: list[int] = [0]
-    """GPU ids for the inference server (ignored on CPU)."""
-    trainer_gpus: list[int] = [0]
-    """GPU ids for the trainer ranks (ignored on CPU); may equal inference_gpus to share one GPU."""
-    inference_cpus: str | None = None
-    """CPU cores for vLLM's threads on CPU runs, e.g. "0" (default: core 0 when there are few cores)."""
-    trainer_threads: int | None = Field(default=None, gt=0)
-    """Torch threads per trainer rank on CPU runs (default: what is left after inference)."""
-
-
 # Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
 # where the user sets them instead: a value written in the sub-table would be overwritten without a word.
 SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
@@ -264,7 +257,7 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "transport"): "transport",
     ("trainer", "transport"): "transport",
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
-    ("orchestrator", "client", "urls"): "inference.server.host` / `inference.server.port",
+    ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",

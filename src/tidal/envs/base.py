@@ -10,6 +10,8 @@ import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,8 +109,44 @@ def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", "fn")
 
 
+class RewardRunner(Protocol):
+    """Runs synchronous reward functions somewhere other than the event loop (`tidal.envs.reward_pool`)."""
+
+    async def run(self, fn: RewardFn, task: Task, episode: Episode) -> float: ...
+
+
+# A context variable rather than an argument: every asyncio task started inside `rewards_run_by` inherits
+# it, so environments that override `score` and call `super().score` (or a mix's member) need no new
+# parameter, and user environments keep the protocol they were written against.
+_reward_runner: ContextVar[RewardRunner | None] = ContextVar("tidal_reward_runner", default=None)
+
+
+@contextmanager
+def rewards_run_by(runner: RewardRunner | None) -> Iterator[None]:
+    """Inside the block, and in every asyncio task started from it, `call_reward` hands synchronous reward
+    functions to `runner` (None: they run inline, on the event loop)."""
+    token = _reward_runner.set(runner)
+    try:
+        yield
+    finally:
+        _reward_runner.reset(token)
+
+
+def is_async_reward(fn: RewardFn) -> bool:
+    """`async def` functions (also behind functools.partial or an async `__call__`) run on the event loop."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 async def call_reward(fn: RewardFn, task: Task, episode: Episode) -> float:
-    """Reward functions may be plain or async."""
+    """Reward functions may be plain or async; plain ones go to the reward runner when one is set."""
+    runner = _reward_runner.get()
+    if runner is not None and not is_async_reward(fn):
+        return await runner.run(fn, task, episode)
+    return await call_inline(fn, task, episode)
+
+
+async def call_inline(fn: RewardFn, task: Task, episode: Episode) -> float:
+    """The reward of `fn`, computed here (on the event loop for a plain function)."""
     value = fn(task, episode)
     if inspect.isawaitable(value):
         value = await value
@@ -143,7 +181,15 @@ class Environment(ABC):
         """Run the episode; `score` is called by the caller afterwards (see `run_episode`)."""
 
     async def score(self, task: Task, episode: Episode) -> None:
-        """Weighted sum of the reward functions; each one is also logged as a metric under its name."""
+        """Weighted sum of the reward functions; each one is also logged as a metric under its name.
+
+        Where the caller runs reward workers (the orchestrator and `tidal eval`: `reward_workers`), each
+        plain module-level reward function runs in one of those processes, on a copy of the task and the
+        episode (what it changes there is lost: return the reward, keep state in `episode.info` during
+        the rollout). `async def` rewards, and an override of `score` that does not come here (verifiers
+        scores inside its rollout), run on the event loop: anything slow they do holds every rollout in
+        flight.
+        """
         total = 0.0
         for fn, weight in self.rewards:
             value = check_reward(await call_reward(fn, task, episode), self.name, reward_name(fn))

@@ -20,6 +20,7 @@ from typing import Any
 
 from tidal.config.eval import EvalConfig, EvalEnvSpec
 from tidal.envs.base import Environment, Task, run_episode
+from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
 from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed, is_infrastructure_error
@@ -199,7 +200,10 @@ async def evaluate(config: EvalConfig, url: str, results: EvalResults) -> None:
 
     tokenizer = load_tokenizer(config.model)
     envs = [(spec, build_env(spec)) for spec in config.env]
-    async with InferenceClient([url], timeout=config.timeout) as client:
+    async with (
+        InferenceClient([url], timeout=config.timeout) as client,
+        reward_workers(config.reward_workers),
+    ):
         await client.wait_healthy(timeout=60)
         try:
             await evaluate_envs(client, tokenizer, envs, config, results)

@@ -264,7 +264,10 @@ class InferenceClient:
     def pick(self, session_id: str | None = None) -> ServerState:
         """The server for the next request: the session's own if it is up, else the least loaded."""
         pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
-        server = pinned if pinned is not None and pinned.healthy else self._least_loaded.best()
+        if pinned is not None and pinned.healthy:
+            server: ServerState | None = pinned  # even while it updates: the episode's prefix is cached there
+        else:
+            server = self._least_loaded.best()  # one that is not updating, if any
         if server is None:
             raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         self._picks += 1
@@ -289,6 +292,8 @@ class InferenceClient:
             except NoHealthyServer as exc:
                 failure = str(exc)
                 continue
+            if server.updating:  # the version must be the one that will answer: wait for the new one
+                await server.idle.wait()
             version = server.version
             server.in_flight += 1
             try:
@@ -413,11 +418,18 @@ class InferenceClient:
         return await self._update_one(server, path, version)
 
     async def _update_one(self, server: ServerState, path: str, version: int) -> ServerVersion:
+        """Pause, load, resume one server. While it updates, the client sends new requests to the other
+        replicas or holds them (a session pinned to it), and records the new version before resuming: every
+        request sent after the update then names the weights that answer it, so a rollout's version is its
+        replica's, exactly, even while replicas load a step at different times."""
         start = time.perf_counter()
+        server.updating = True
+        server.idle.clear()
         try:
             await self.pause(server)
             try:
                 await self._load(server, path, version)
+                server.version = version
             finally:
                 await self.resume(server)
             reported = await self._read_version(server)
@@ -425,7 +437,11 @@ class InferenceClient:
         except (InferenceError, *HTTP_ERRORS) as exc:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
+        finally:
+            server.updating = False
+            server.idle.set()
         ok = server.version == version
+        server.weight_updates += ok
         return ServerVersion(
             url=server.url, version=server.version, ok=ok, seconds=time.perf_counter() - start
         )
@@ -501,6 +517,7 @@ class InferenceClient:
             if isinstance(exc, RequestRejected) and exc.status == 404:  # vLLM mounts the route only with LoRA
                 error += " (is LoRA enabled there? inference.vllm.enable_lora = true)"
             return ServerVersion(url=server.url, version=None, ok=False, error=error, seconds=seconds)
+        server.weight_updates += 1
         return ServerVersion(url=server.url, version=version, ok=True, seconds=time.perf_counter() - start)
 
     async def _load_adapter(self, server: ServerState, name: str, path: str) -> None:

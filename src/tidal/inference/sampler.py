@@ -14,7 +14,8 @@ class ClientSampler:
 
     Seeds make reruns reproducible: vLLM seeds sample i of an n-sample request with seed + i, and turn t of
     an episode uses seed + t. The session id keeps a multi-turn episode on one server (prefix cache).
-    `versions` records the policy version behind every turn, for the off-policy bound.
+    `versions` records the policy version behind every turn, for the off-policy bound; `servers` the
+    replica that answered it (one, unless a replica left rotation mid-episode).
     """
 
     client: InferenceClient
@@ -24,6 +25,7 @@ class ClientSampler:
     seed: int
     session_id: str
     versions: list[int] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)
 
     async def complete(self, prompt_ids: list[int]) -> Turn:
         return (await self.complete_n(prompt_ids, 1))[0]
@@ -38,6 +40,7 @@ class ClientSampler:
         )
         generation = await self.client.generate(request, session_id=self.session_id)
         self.versions.append(generation.weight_version)
+        self.servers.append(generation.server)
         prompt = list(generation.prompt_token_ids)
         return [
             Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)

@@ -17,11 +17,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
@@ -31,7 +30,7 @@ from tidal.inference.guard import (
     REFERENCE_WEIGHTS_ENV,
     WEIGHTS_BACKEND_ENV,
 )
-from tidal.launcher.process import INNER_STOP_GRACE, die_with_parent, stop_groups
+from tidal.launcher.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnded, wait_healthy
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -149,64 +148,45 @@ def _vllm_flags(config: InferenceConfig) -> list[str]:
 
 @dataclass
 class ServerProcess:
-    """One vLLM server in its own process group: start, wait until healthy, stop everything it started."""
+    """One vLLM server in its own process group (a `ManagedProcess`): start, wait until healthy, stop
+    everything it started."""
 
     launch: Launch
-    process: subprocess.Popen[bytes] | None = None
-    pgid: int | None = None
-    """The server's process group, recorded at start: its engine processes stay in it after it dies."""
-    _log: IO[bytes] | None = field(default=None, repr=False)
+    child: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
         return self.launch.url
 
+    @property
+    def process(self) -> "subprocess.Popen[bytes] | None":
+        return self.child.process if self.child is not None else None
+
     def start(self) -> "ServerProcess":
-        if self.launch.log_file is not None:
-            Path(self.launch.log_file).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.launch.log_file, "ab")  # noqa: SIM115 - lives as long as the server
-        self.process = subprocess.Popen(
-            self.launch.argv,
-            env={**os.environ, **self.launch.env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT if self._log else None,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-        self.pgid = os.getpgid(self.process.pid)
+        log = Path(self.launch.log_file) if self.launch.log_file is not None else None
+        self.child = ManagedProcess("vLLM server", self.launch.argv, log, self.launch.env).start()
         return self
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.child is not None and self.child.alive()
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Poll /health until it answers 200; raise UserError if the server dies or time runs out."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                code = self.process.returncode if self.process else None
-                raise UserError(f"vLLM server exited with code {code} before it was ready{self._log_hint()}")
-            if stop is not None and stop.is_set():
-                return
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise UserError(f"vLLM server at {self.url} not healthy after {timeout:.0f} s{self._log_hint()}")
+        assert self.child is not None, "start() first"
+        try:
+            left = wait_healthy({self.url: self.child}, timeout, stop.is_set if stop is not None else bool)
+        except ProcessEnded:
+            code = self.child.poll()
+            raise UserError(
+                f"vLLM server exited with code {code} before it was ready{self._log_hint()}"
+            ) from None
+        if left and not (stop is not None and stop.is_set()):
+            raise UserError(f"vLLM server at {self.url} not healthy after {timeout:.0f} s{self._log_hint()}")
 
     def stop(self, grace: float = INNER_STOP_GRACE) -> int | None:
         """SIGTERM the whole group at once (also when the server itself is dead already), SIGKILL what is
         left after `grace` seconds; returns the server's exit code."""
-        if self.process is None or self.pgid is None:
-            return None
-        code = stop_groups(self.process, [self.pgid], grace)
-        if self._log is not None:
-            self._log.close()
-        return code
+        return self.child.stop(grace) if self.child is not None else None
 
     def _log_hint(self) -> str:
         return f" (see {self.launch.log_file})" if self.launch.log_file else " (see its output above)"
@@ -263,10 +243,9 @@ def main(config: InferenceConfig) -> int:
         while server.alive() and not stop.is_set():
             stop.wait(0.5)
     finally:
-        code = server.stop()
+        server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if stop.is_set():
+    if stop.is_set() or server.child is None:
         return 0
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    raise UserError(f"vLLM server {how} unexpectedly")
+    raise UserError(f"vLLM server {server.child.ended_how()} unexpectedly")

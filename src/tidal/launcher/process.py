@@ -1,4 +1,8 @@
-"""A supervised child process: own process group, output to a log file, dies with its parent, stops fully."""
+"""A supervised child process: own process group, output to a log file, dies with its parent, stops fully.
+
+`ManagedProcess` is the one wrapper every supervisor uses (`tidal rl`'s launcher, the per-node agent,
+`tidal inference` around vLLM), and `wait_healthy` the one synchronous health wait.
+"""
 
 import contextlib
 import ctypes
@@ -7,7 +11,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -102,10 +106,20 @@ def stop_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], grac
     """SIGTERM every process of `pgids` at once, whether or not a group's leader still runs (vLLM's engine
     and workers outlive a killed API server), SIGKILL what is left after `grace` s; `process` is reaped."""
     deadline = time.monotonic() + grace
+    terminate_groups(pgids)
+    return finish_groups(process, pgids, deadline)
+
+
+def terminate_groups(pgids: Collection[int]) -> None:
     for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
+
+
+def finish_groups(process: "subprocess.Popen[bytes]", pgids: Collection[int], deadline: float) -> int:
+    """After `terminate_groups`: wait for `process` and its groups until `deadline` (monotonic), SIGKILL what
+    is left then; `process` is reaped and its exit code returned."""
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
     if not wait_groups_gone(pgids, deadline):
         for pgid in pgids:
             signal_group(pgid, signal.SIGKILL)
@@ -159,26 +173,32 @@ class DeathWatch:
 
 
 class ManagedProcess:
-    """One named child in its own session, its stdout+stderr appended to `log_path`."""
+    """One named child in its own session, its stdout+stderr appended to `log_path` (None: this process's
+    own stdout and stderr)."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None
+    ):
         self.name = name
         self.argv = list(argv)
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path) if log_path is not None else None
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self.groups: list[int] = []
         """Process groups stopped with this child: its own (recorded at start), then any it started."""
         self._log: IO[bytes] | None = None
+        self.stop_seconds: float | None = None
+        """How long its stop took, from the SIGTERM until none of its groups was left (None: not stopped)."""
 
     def start(self) -> "ManagedProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - open as long as the child runs
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - open as long as the child runs
         self.process = subprocess.Popen(
             self.argv,
             env={**os.environ, **self.env},
             stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if self._log is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=die_with_parent,
@@ -204,19 +224,81 @@ class ManagedProcess:
     def poll(self) -> int | None:
         return self.process.poll() if self.process else None
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ended_how(self) -> str:
+        """`exited with code 1` / `was killed by signal 9` (after it ended)."""
+        code = self.poll()
+        return (
+            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        )
+
     def stop(self, grace: float = STOP_GRACE) -> int | None:
         """SIGTERM its groups at once, SIGKILL after `grace` s, and wait until no process of them is left."""
-        if self.process is None:
-            return None
-        code = stop_groups(self.process, self.groups, grace)
+        stop_together([self], grace)
+        return self.poll()
+
+    def _finish(self, deadline: float, started: float) -> None:
+        assert self.process is not None
+        finish_groups(self.process, self.groups, deadline)
+        self.stop_seconds = time.monotonic() - started
         if self._log is not None:
             self._log.close()
             self._log = None
-        return code
 
     def log_tail(self, num_lines: int = 20) -> str:
+        if self.log_path is None:
+            return ""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join(lines[-num_lines:])
+
+
+def stop_together(children: Sequence[ManagedProcess], grace: float = STOP_GRACE) -> None:
+    """Stop `children` side by side: SIGTERM all their groups at once, then wait for each until one shared
+    deadline `grace` s away (SIGKILL after it), so that stopping several takes the slowest one's time, not
+    the sum. Each child's `stop_seconds` says how long it took."""
+    started = time.monotonic()
+    running = [c for c in children if c.process is not None and c.stop_seconds is None]
+    for child in running:
+        terminate_groups(child.groups)
+    for child in running:
+        child._finish(started + grace, started)
+
+
+def wait_healthy(
+    targets: dict[str, ManagedProcess],
+    timeout: float,
+    should_stop: Callable[[], bool] = lambda: False,
+    poll: float = 0.5,
+) -> dict[str, ManagedProcess]:
+    """Poll `<url>/health` of every target until each answered 200 once; returns the ones that did not
+    (empty: all healthy) when `timeout` s pass or `should_stop()` says so. A target's process that ends
+    meanwhile raises `ProcessEnded` at once: waiting for it would only run out the clock."""
+    import httpx
+
+    waiting = dict(targets)
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline and not should_stop():
+        for url, child in list(waiting.items()):
+            if not child.alive():
+                raise ProcessEnded(child)
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    del waiting[url]
+            except httpx.HTTPError:
+                pass
+        if waiting:
+            time.sleep(poll)
+    return waiting
+
+
+class ProcessEnded(Exception):
+    """A supervised child ended while it was waited for."""
+
+    def __init__(self, child: ManagedProcess):
+        super().__init__(f"{child.name} {child.ended_how()}")
+        self.child = child

@@ -1,11 +1,17 @@
-"""Split one `tidal rl` config into the configs of its three processes (pure; tested without processes)."""
+"""Split one `tidal rl` config into the configs of its processes (pure; tested without processes):
+one per inference replica, the orchestrator, the trainer."""
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig
+from tidal.config.deployment import parse_cpu_list
+from tidal.config.inference import InferenceConfig, VLLMConfig, WeightUpdateConfig, is_loopback
 from tidal.config.lora import vllm_lora_rank
-from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig
+from tidal.config.rl import OrchestratorConfig, PublishConfig, RLConfig, RLTrainerConfig, ZMQTransport
+from tidal.deploy.plan import place
+from tidal.errors import UserError
 from tidal.inference.server import client_url
 
 
@@ -13,15 +19,39 @@ from tidal.inference.server import client_url
 class RoleConfigs:
     """The per-process configs `tidal rl` writes to <output_dir>/configs/ and starts the processes with."""
 
-    inference: InferenceConfig
+    replicas: tuple[InferenceConfig, ...]
+    """One `tidal inference` config per replica, on consecutive ports on each inference node."""
     orchestrator: OrchestratorConfig
     trainer: RLTrainerConfig
+    replica_gpus: tuple[tuple[int, ...], ...] = ()
+    """The GPU ids of each replica on its node (GPU runs; empty on CPU)."""
+    replica_nodes: tuple[int, ...] = (0,)
+    """The node index of each replica (see tidal.deploy.plan)."""
+
+    def node_replicas(self, node: int) -> list[int]:
+        """Indexes (into `replicas`) of the replicas node `node` runs."""
+        return [i for i, n in enumerate(self.replica_nodes) if n == node]
+
+    @property
+    def inference(self) -> InferenceConfig:
+        """The first replica's config (the only one, unless deployment.num_replicas > 1)."""
+        return self.replicas[0]
 
 
-def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> RoleConfigs:
+def split_config(
+    rl: RLConfig, on_gpu: bool, num_cpus: int | None = None, addresses: Sequence[str] | None = None
+) -> RoleConfigs:
     """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top
-    (RLConfig refuses them in the sub-tables, where they would be overwritten)."""
+    (RLConfig refuses them in the sub-tables, where they would be overwritten).
+
+    `addresses`: on a cluster, each node's address by node index (tidal.deploy.plan): replicas then bind
+    every interface (their admin routes need the token), the orchestrator reaches them at their node's
+    address, and trainer ranks reach a zmq transport at the orchestrator node's. None: one machine, loopback.
+    """
     num_cpus = num_cpus or os.cpu_count() or 1
+    placement = place(rl.deployment)
+    if addresses is not None and len(addresses) != placement.num_nodes:
+        raise UserError(f"deployment: {placement.num_nodes} nodes are needed, {len(addresses)} given")
     shared = {
         "output_dir": rl.output_dir,
         "max_steps": rl.max_steps,
@@ -32,26 +62,36 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
     inference = rl.inference.model_copy(
         update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
     )
-    if not on_gpu:
+    if addresses is not None and is_loopback(inference.server.host):
         inference = inference.model_copy(
-            update={
-                "cpu": inference.cpu.model_copy(update={"omp_threads_bind": _inference_cpus(rl, num_cpus)})
-            }
+            update={"server": inference.server.model_copy(update={"host": "0.0.0.0"})}
         )
-    url = client_url(inference.server.host, inference.server.port)
+    per_node = rl.deployment.num_replicas
+    cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
+    replicas, urls, replica_nodes = [], [], []
+    for node in placement.inference_nodes:
+        for index, core in enumerate(cores):
+            replica = _replica(inference, index, per_node, core)
+            host = replica.server.host if addresses is None else addresses[node]
+            replicas.append(replica)
+            urls.append(client_url(host, replica.server.port))
+            replica_nodes.append(node)
+    transport = rl.transport
+    if addresses is not None and isinstance(transport, ZMQTransport):
+        transport = transport.model_copy(update={"host": addresses[placement.orchestrator_node]})
     orchestrator = rl.orchestrator.model_copy(
         update={
             **shared,
             "max_async_level": rl.max_async_level,
-            "transport": rl.transport,
+            "transport": transport,
             "client": rl.orchestrator.client.model_copy(
                 update={
-                    "urls": [url],
+                    "urls": urls,
                     "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
                 }
             ),
             "batch": rl.orchestrator.batch.model_copy(
-                update={"num_trainer_ranks": rl.deployment.num_trainer_ranks}
+                update={"num_trainer_ranks": rl.deployment.total_trainer_ranks}
             ),
         }
     )
@@ -59,13 +99,77 @@ def split_config(rl: RLConfig, on_gpu: bool, num_cpus: int | None = None) -> Rol
     trainer = rl.trainer.model_copy(
         update={
             **shared,
-            "transport": rl.transport,
+            "transport": transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
             "publish": _publish_for(rl),
         }
     )
-    return RoleConfigs(inference, orchestrator, trainer)
+    gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
+    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes))
+
+
+def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -> InferenceConfig:
+    """Replica `index`: the next port, its own cores on CPU, its own vLLM log file if one is named."""
+    server = base.server
+    if count > 1:
+        port = server.port + index
+        if port > 65535:
+            raise UserError(
+                f"inference.server.port: {count} replicas need ports {server.port}-{server.port + count - 1}"
+            )
+        log_file = server.log_file
+        if log_file is not None:
+            path = Path(log_file)
+            log_file = str(path.with_name(f"{path.stem}_{index}{path.suffix}"))
+        server = server.model_copy(update={"port": port, "log_file": log_file})
+    update: dict[str, object] = {"server": server}
+    if cores is not None:
+        update["cpu"] = base.cpu.model_copy(update={"omp_threads_bind": cores})
+    return base.model_copy(update=update)
+
+
+def _replica_cpus(rl: RLConfig, num_cpus: int) -> list[str]:
+    """Each replica's share of the inference cores, in order; with fewer cores than replicas they share."""
+    spec = _inference_cpus(rl, num_cpus)
+    count = rl.deployment.num_replicas
+    if count == 1:
+        return [spec]
+    cores = parse_cpu_list(spec)
+    if len(cores) < count:
+        return [str(cores[i % len(cores)]) for i in range(count)]
+    size, extra = divmod(len(cores), count)
+    shares, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        shares.append(format_cpu_list(cores[start:end]))
+        start = end
+    return shares
+
+
+def format_cpu_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _replica_gpus(rl: RLConfig) -> tuple[tuple[int, ...], ...]:
+    """`deployment.inference_gpus` in order, tensor_parallel_size × data_parallel_size per replica."""
+    vllm, deploy = rl.inference.vllm, rl.deployment
+    per_replica = vllm.tensor_parallel_size * vllm.data_parallel_size
+    gpus = deploy.inference_gpus
+    if len(gpus) != per_replica * deploy.num_replicas:
+        raise UserError(
+            f"deployment.inference_gpus: lists {len(gpus)} GPU(s) for {deploy.num_replicas} replica(s) of "
+            f"{per_replica} GPU(s) each (inference.vllm.tensor_parallel_size × data_parallel_size); "
+            f"list {per_replica * deploy.num_replicas}"
+        )
+    return tuple(tuple(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(deploy.num_replicas))
 
 
 def _publish_for(rl: RLConfig) -> PublishConfig:

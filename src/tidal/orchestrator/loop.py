@@ -21,6 +21,7 @@ from typing import Any
 from tidal import run_layout
 from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Environment, Task
+from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
@@ -94,7 +95,7 @@ class Orchestrator:
             timeout=cfg.client.timeout,
             pause_mode=cfg.client.weight_update_pause,
         )
-        async with client:
+        async with client, reward_workers(cfg.reward_workers):
             await client.wait_healthy(timeout=cfg.client.timeout)
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
@@ -179,7 +180,9 @@ class Orchestrator:
 
     def _replica_metrics(self, client: InferenceClient, seconds: float) -> dict[str, float]:
         now = [
-            ReplicaCounts(s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy)
+            ReplicaCounts(
+                s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy, s.weight_updates
+            )
             for s in client.servers.values()
         ]
         metrics = replica_metrics(now, self._replicas_before, seconds)
@@ -309,6 +312,8 @@ class Orchestrator:
             "time/step": elapsed,
             "time/wait_for_policy": waited,
             "time/weight_updates_total": policy.update_seconds,
+            "weights/updates_total": policy.num_updates,
+            "rollouts/replica_switches": stats.num_replica_switches,
         }
         metrics.update(per_env_metrics(stats, groups))
         metrics.update(extra)  # online eval, per-replica counts

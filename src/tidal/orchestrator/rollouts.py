@@ -20,6 +20,9 @@ from tidal.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
 
+REPLICAS_METRIC = "inference/replicas"
+"""Rollout metric: how many inference replicas served its turns (1 unless one left rotation mid-episode)."""
+
 
 def rollout_seed(run_seed: int, position: int, index: int) -> int:
     """A per-rollout sampling seed: a rerun (or a resumed run) samples the same tokens for the same task."""
@@ -52,9 +55,13 @@ async def run_group(
             client, tokenizer, sampling.temperature, sampling.max_tokens, seed, f"{task.task_id}#{index}"
         )
         try:
-            return await _fails_alone(run_episode(env, task, sampler), env, task, sampler.versions, timeout)
+            rollout = await _fails_alone(
+                run_episode(env, task, sampler), env, task, sampler.versions, timeout
+            )
         finally:
             client.end_session(sampler.session_id)
+        rollout.metrics[REPLICAS_METRIC] = float(len(set(sampler.servers)))
+        return rollout
 
     rollouts = await asyncio.gather(*(one(i) for i in range(group_size)))
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))

@@ -21,6 +21,8 @@ class StepStats:
     num_failed_rollouts: int = 0
     num_stale_rollouts: int = 0
     num_groups_run: int = 0
+    num_replica_switches: int = 0
+    """Multi-turn rollouts whose turns more than one inference replica served (prefix cache lost)."""
     env_rewards: dict[str, list[float]] = field(default_factory=dict)
     """Rewards of every finished rollout per environment, kept or dropped (zero-signal groups included)."""
     env_rollouts: Counter[str] = field(default_factory=Counter)
@@ -35,6 +37,7 @@ class StepStats:
             self.env_rollouts[group.env] += len(group.rollouts)
             self.env_failed[group.env] += len(group.rollouts) - len(finished)
             for r in group.rollouts:
+                self.num_replica_switches += r.metrics.get("inference/replicas", 1.0) > 1
                 if r.failed:
                     self.errors.update(
                         key.removeprefix("error/") for key in r.metrics if key.startswith("error/")
@@ -106,6 +109,7 @@ class ReplicaCounts:
     in_flight: int
     version: int
     healthy: bool
+    weight_updates: int = 0
 
 
 def replica_metrics(
@@ -113,7 +117,7 @@ def replica_metrics(
 ) -> dict[str, float]:
     """Per replica (numbered in `orchestrator.client.urls` order) over one step: requests answered, tokens
     generated per second, requests in flight and the weight version at the step's end, whether it is in
-    rotation. `before` is the previous step's counts (None: the client's totals start at zero)."""
+    rotation, and the weight updates it loaded so far. `before` is the previous step's counts (None: the client's totals start at zero)."""
     metrics: dict[str, float] = {}
     for index, counts in enumerate(now):
         previous = before[index] if before is not None else None
@@ -125,4 +129,5 @@ def replica_metrics(
         metrics[f"{prefix}/in_flight"] = counts.in_flight
         metrics[f"{prefix}/version"] = counts.version
         metrics[f"{prefix}/healthy"] = float(counts.healthy)
+        metrics[f"{prefix}/weight_updates"] = counts.weight_updates
     return metrics

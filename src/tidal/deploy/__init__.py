@@ -1,0 +1,1 @@
+"""Running `tidal rl` on a cluster: role placement, Slurm batch scripts, Kubernetes manifests."""

@@ -1,0 +1,48 @@
+"""Which node runs which role, from `[deployment]` alone (pure; every backend renders from this).
+
+Nodes are numbered inference nodes first, then trainer nodes; with `type = "local"` there is one node and
+it runs everything. The orchestrator joins the first node of `deployment.orchestrator_node`'s role.
+"""
+
+from dataclasses import dataclass
+
+from tidal.config.deployment import DeploymentConfig
+
+INFERENCE, TRAINER, ORCHESTRATOR = "inference", "trainer", "orchestrator"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Node indexes of each role."""
+
+    inference_nodes: tuple[int, ...]
+    trainer_nodes: tuple[int, ...]
+    orchestrator_node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return len({*self.inference_nodes, *self.trainer_nodes, self.orchestrator_node})
+
+    def roles(self, node: int) -> tuple[str, ...]:
+        """The roles node `node` runs, in start order (inference first: the others wait for it)."""
+        roles = []
+        if node in self.inference_nodes:
+            roles.append(INFERENCE)
+        if node in self.trainer_nodes:
+            roles.append(TRAINER)
+        if node == self.orchestrator_node:
+            roles.append(ORCHESTRATOR)
+        return tuple(roles)
+
+    def trainer_node_rank(self, node: int) -> int:
+        """torchrun's node rank of a trainer node (0 on the one that hosts the rendezvous)."""
+        return self.trainer_nodes.index(node)
+
+
+def place(deployment: DeploymentConfig) -> Placement:
+    if deployment.type == "local":
+        return Placement(inference_nodes=(0,), trainer_nodes=(0,), orchestrator_node=0)
+    inference = tuple(range(deployment.num_inference_nodes))
+    trainer = tuple(range(len(inference), len(inference) + deployment.num_trainer_nodes))
+    orchestrator = trainer[0] if deployment.orchestrator_node == TRAINER else inference[0]
+    return Placement(inference_nodes=inference, trainer_nodes=trainer, orchestrator_node=orchestrator)

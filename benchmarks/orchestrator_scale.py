@@ -62,6 +62,8 @@ DECIDING = {"servers": 256, "rollouts_in_flight": 4096, "turns": 1, "reward": "l
 TARGET_ROLLOUTS_PER_S = 5000.0
 TARGET_BARE_SHARE = 0.8
 TARGET_LAG_P99_S = 0.050
+POOL_WARMUP_S = 4.0
+"""Extra warm-up where rewards run in worker processes: they are spawned (and import tidal) at the start."""
 
 # ---- pure logic ---------------------------------------------------------------------------------------
 
@@ -186,9 +188,9 @@ class FourTurnEnv(MultiTurnEnv):
 
 
 def heavy_reward(task: Task, episode: Episode) -> float:
-    """CPU-bound stand-in for a real verifier: edit distance of the answer, 40× repeated, to the target's."""
-    completion = (episode.messages[-1]["content"] if episode.messages else "") * 40
-    target = task.answer * 40
+    """CPU-bound stand-in for a real verifier: edit distance of the answer, 4× repeated, to the target's."""
+    completion = (episode.messages[-1]["content"] if episode.messages else "") * 4
+    target = task.answer * 4
     previous = list(range(len(target) + 1))
     for i, a in enumerate(completion, 1):
         current = [i]
@@ -332,6 +334,7 @@ async def run_tidal(
 ) -> dict:
     from tidal.config.common import ModelConfig
     from tidal.config.rl import BatchConfig, ClientConfig, OrchestratorConfig, SamplingConfig
+    from tidal.envs.reward_pool import reward_workers
     from tidal.inference.client import InferenceClient
     from tidal.orchestrator.loop import Orchestrator
     from tidal.testing import TINY_MODEL_NAME
@@ -344,6 +347,7 @@ async def run_tidal(
         sampling=SamplingConfig(max_tokens=args.max_tokens),
         batch=BatchConfig(num_prompts=1_000_000_000, group_size=args.group_size),
         client=ClientConfig(urls=urls, max_in_flight=groups),
+        reward_workers=0 if cell.reward == "light" else args.reward_workers,
     )
     orchestrator = Orchestrator(config)  # its environment: reverse_text
     if cell.turns != 1:
@@ -361,11 +365,9 @@ async def run_tidal(
 
     orchestrator._accept = counting_accept  # type: ignore[method-assign]
     client = InferenceClient(urls, model=None, timeout=600.0)
-    async with client:
+    async with client, reward_workers(config.reward_workers):  # as Orchestrator.run
         await client.wait_healthy(timeout=30)
         freeze_heap()  # as Orchestrator.run does once set up
-        if os.environ.get("BENCH_GC"):
-            gc.set_threshold(*map(int, os.environ["BENCH_GC"].split(",")))
         lag = orchestrator.lag
         lag.start()
         collect = asyncio.create_task(orchestrator._collect(client, 0))
@@ -374,7 +376,8 @@ async def run_tidal(
             return finished[0], sum(s.requests for s in client.servers.values())
 
         try:
-            result = await measure(count, args.warmup, args.seconds, window, lag, profiler)
+            warmup = args.warmup + (POOL_WARMUP_S if config.reward_workers != 0 else 0.0)
+            result = await measure(count, warmup, args.seconds, window, lag, profiler)
         finally:
             collect.cancel()
             await asyncio.gather(collect, return_exceptions=True)
@@ -441,17 +444,23 @@ def tokenizer_and_vocab() -> tuple[Any, dict[str, int]]:
 
 
 def run_cell(
-    cell: Cell, urls: list[str], args: argparse.Namespace, window: Window, tokenizer: Any, profile: bool
+    cell: Cell,
+    urls: list[str],
+    args: argparse.Namespace,
+    window: Window,
+    tokenizer: Any,
+    bare_runs: dict[tuple[int, int, int], dict],
 ) -> dict:
+    """Both clients on one cell; the bare run does not depend on the reward, so reward variants share it."""
     subset = urls[: cell.servers]
     gc.collect()
-    bare = run_bare(cell, subset, args, window, tokenizer)
+    same = (cell.servers, cell.rollouts_in_flight, cell.turns)
+    if same not in bare_runs:
+        bare_runs[same] = run_bare(cell, subset, args, window, tokenizer)
+    bare = bare_runs[same]
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
-        profiler = cProfile.Profile() if profile else None
-        tidal = asyncio.run(run_tidal(cell, subset, args, window, Path(tmp), profiler))
-        if profiler is not None:
-            profiler.dump_stats(args.profile)
+        tidal = asyncio.run(run_tidal(cell, subset, args, window, Path(tmp), None))
     result = {**cell.key(), "tidal": tidal, "bare": bare}
     result["verdict"] = verdict(result)
     return result
@@ -467,14 +476,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="the deciding cell and two neighbours only")
     parser.add_argument("--cells", help="JSON list of cells [servers, rollouts_in_flight, turns, reward]")
-    parser.add_argument(
-        "--latency", type=float, default=0.05, help="simulated seconds per completion request"
-    )
+    parser.add_argument("--latency", type=float, default=0.5, help="simulated seconds per completion request")
     parser.add_argument("--server-procs", type=int, default=4, help="processes the simulated servers share")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--seconds", type=float, default=4.0, help="measured window per client per cell")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured window per client per cell")
+    parser.add_argument(
+        "--reward-workers",
+        type=int,
+        help="orchestrator.reward_workers for the heavy reward (unset: its default; the light one runs inline)",
+    )
     parser.add_argument(
         "--profile", help="cProfile the deciding cell's tidal run (else the first cell's) into this file"
     )
@@ -487,10 +499,17 @@ def main(argv: list[str] | None = None) -> int:
         procs,
     ):
         window = Window([p.pid for p in procs])
-        profiled = next((c for c in cells if c.key() == DECIDING), cells[0]) if args.profile else None
+        bare_runs: dict[tuple[int, int, int], dict] = {}
         for cell in cells:
-            results.append(run_cell(cell, urls, args, window, tokenizer, cell == profiled))
+            results.append(run_cell(cell, urls, args, window, tokenizer, bare_runs))
             _print(results[-1])
+        if args.profile:  # a run of its own: cProfile slows what it watches
+            profiled = next((c for c in cells if c.key() == DECIDING), cells[0])
+            profiler = cProfile.Profile()
+            with tempfile.TemporaryDirectory() as tmp:
+                subset = urls[: profiled.servers]
+                under_profile = asyncio.run(run_tidal(profiled, subset, args, window, Path(tmp), profiler))
+            profiler.dump_stats(args.profile)
     report = {
         "command": shlex.join(["python", "benchmarks/orchestrator_scale.py", *(argv or sys.argv[1:])]),
         "machine": machine(),
@@ -502,12 +521,22 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "warmup_s": args.warmup,
             "window_s": args.seconds,
+            "reward_workers": {"light": 0, "heavy": args.reward_workers},
         },
         "cells": results,
     }
+    deciding = [r for r in results if {k: r[k] for k in DECIDING} == DECIDING]
+    if deciding:
+        report["deciding_cell"] = {**DECIDING, **deciding[0]["verdict"]}
     if args.profile:
         stats = pstats.Stats(args.profile)
-        report["profile"] = {"top_own_time": summarize_profile(stats, 25), "by_package": group_profile(stats)}
+        report["profile"] = {
+            "cell": profiled.key(),
+            "what": "cProfile over the measured window of a separate tidal run of this cell (own time)",
+            "rates_under_profile": {k: under_profile[k] for k in ("rollouts_per_s", "requests_per_s")},
+            "top_own_time": summarize_profile(stats, 25),
+            "by_package": group_profile(stats),
+        }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

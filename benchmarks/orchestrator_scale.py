@@ -83,6 +83,15 @@ class Cell:
         return asdict(self)
 
 
+def timing(cell: Cell, args: argparse.Namespace) -> tuple[float, float]:
+    """Warm-up and window of a cell: a multi-turn episode lasts at least `turns` latencies, so its cells get
+    two episodes more of warm-up and a window of at least three episodes (rollouts finish in whole groups)."""
+    episode = cell.turns * args.latency
+    if cell.turns == 1:
+        return args.warmup, args.seconds
+    return args.warmup + 2 * episode, max(args.seconds, 3 * episode)
+
+
 def grid(quick: bool) -> list[Cell]:
     """Every cell, or with `quick` the deciding cell and its 4-turn and heavy-reward neighbours."""
     if quick:
@@ -101,11 +110,12 @@ def verdict(cell_result: dict[str, Any]) -> dict[str, Any]:
     single-turn, so the bare bound in rollouts/s is 0.8 × bare requests/s × rollouts per request)."""
     tidal, bare = cell_result["tidal"], cell_result["bare"]
     per_request = tidal["rollouts_per_s"] / tidal["requests_per_s"] if tidal["requests_per_s"] else math.nan
+    vs_bare = tidal["requests_per_s"] / bare["requests_per_s"] if bare["requests_per_s"] else math.nan
     bare_bound = TARGET_BARE_SHARE * bare["requests_per_s"] * per_request
     needed = min(TARGET_ROLLOUTS_PER_S, bare_bound)
     deciding = "5000 rollouts/s" if bare_bound >= TARGET_ROLLOUTS_PER_S else "80% of bare requests/s"
     return {
-        "request_rate_vs_bare": tidal["requests_per_s"] / bare["requests_per_s"],
+        "request_rate_vs_bare": vs_bare,
         "rollouts_per_request": per_request,
         "needed_rollouts_per_s": needed,
         "deciding_bound": deciding,
@@ -376,8 +386,9 @@ async def run_tidal(
             return finished[0], sum(s.requests for s in client.servers.values())
 
         try:
-            warmup = args.warmup + (POOL_WARMUP_S if config.reward_workers != 0 else 0.0)
-            result = await measure(count, warmup, args.seconds, window, lag, profiler)
+            warmup, seconds = timing(cell, args)
+            warmup += POOL_WARMUP_S if config.reward_workers != 0 else 0.0
+            result = await measure(count, warmup, seconds, window, lag, profiler)
         finally:
             collect.cancel()
             await asyncio.gather(collect, return_exceptions=True)
@@ -411,8 +422,8 @@ def run_bare(cell: Cell, urls: list[str], args: argparse.Namespace, window: Wind
         "urls": urls,
         "bodies": [b.decode() for b in request_bodies(cell, args, tokenizer)],
         "concurrency": cell.requests_in_flight(args.group_size),
-        "warmup": args.warmup,
-        "seconds": args.seconds,
+        "warmup": timing(cell, args)[0],
+        "seconds": timing(cell, args)[1],
         "server_pids": list(window.server_pids),
         "rollouts_per_request": args.group_size if cell.turns == 1 else 1 / cell.turns,
     }
@@ -423,7 +434,7 @@ def run_bare(cell: Cell, urls: list[str], args: argparse.Namespace, window: Wind
             [sys.executable, str(REPO / "benchmarks/bare_client.py"), fh.name],
             capture_output=True,
             text=True,
-            timeout=args.warmup + args.seconds + 120,
+            timeout=sum(timing(cell, args)) + 120,
         )
     if done.returncode != 0:
         raise RuntimeError(f"bare client failed: {done.stderr.strip()[-2000:]}")
@@ -501,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
         window = Window([p.pid for p in procs])
         bare_runs: dict[tuple[int, int, int], dict] = {}
         for cell in cells:
-            results.append(run_cell(cell, urls, args, window, tokenizer, bare_runs))
+            try:
+                results.append(run_cell(cell, urls, args, window, tokenizer, bare_runs))
+            except Exception as exc:  # noqa: BLE001 - one cell past what this machine takes must not end the grid
+                results.append({**cell.key(), "error": f"{type(exc).__name__}: {exc}"[:1000]})
+                print(f"{cell}: {results[-1]['error']}", flush=True)
+                continue
             _print(results[-1])
         if args.profile:  # a run of its own: cProfile slows what it watches
             profiled = next((c for c in cells if c.key() == DECIDING), cells[0])
@@ -521,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "warmup_s": args.warmup,
             "window_s": args.seconds,
+            "multi_turn_timing": "warm-up + 2 episodes (turns x latency), window >= 3 episodes (`timing`)",
             "reward_workers": {"light": 0, "heavy": args.reward_workers},
         },
         "cells": results,

@@ -153,7 +153,9 @@ class InferenceClient:
             # event loop once thousands of requests were in flight (benchmarks/orchestrator_scale.py).
             # Keep-alive connections without a cap, like the servers' own request queues. No proxies from
             # the environment: these are the run's own servers.
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0)
+            # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive timeout, so one is
+            # never reused just as the server closes it.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
             self._http = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._http
 

@@ -171,7 +171,9 @@ def test_pause_holds_requests_until_resume(inference_server: ServerProcess, admi
                 pending = asyncio.create_task(client.generate(request))
                 await asyncio.sleep(2.0)
                 assert not pending.done(), "a request finished while the server was paused"
-                paused = (await client._http.get(inference_server.url + "/is_paused")).json()["is_paused"]
+                paused = (await client._request("GET", inference_server.url + "/is_paused")).json()[
+                    "is_paused"
+                ]
                 assert paused
             finally:
                 resumed_at = time.perf_counter()

@@ -1,12 +1,13 @@
-"""Client routing, retries and typed errors against fake HTTP servers (httpx.MockTransport, no vLLM)."""
+"""Client routing, retries and typed errors against real local HTTP servers answered by test functions (no vLLM)."""
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
 
 import httpx
 import pytest
+from aiohttp import web
 
+from tests.unit.http_servers import Seen, client_over, reply
 from tidal.inference.client import (
     InferenceClient,
     NoHealthyServer,
@@ -16,11 +17,10 @@ from tidal.inference.client import (
 )
 from tidal.inference.types import GenerateRequest, Generation, SamplingParams
 
-A, B = "http://a:1", "http://b:1"
 REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
 
 
-def completion(request: httpx.Request) -> httpx.Response:
+def completion(seen: Seen | None = None) -> web.Response:
     choice = {
         "index": 0,
         "text": "xy",
@@ -29,13 +29,7 @@ def completion(request: httpx.Request) -> httpx.Response:
         "logprobs": {"token_logprobs": [-0.5, -1.5]},
         "finish_reason": "length",
     }
-    return httpx.Response(200, json={"choices": [choice]})
-
-
-def client_with(
-    handler: Callable[[httpx.Request], httpx.Response], urls: tuple[str, ...] = (A, B)
-) -> InferenceClient:
-    return InferenceClient(list(urls), model="m", backoff=0.0, transport=httpx.MockTransport(handler))
+    return reply(200, {"choices": [choice]})
 
 
 async def generate_many(client: InferenceClient, count: int) -> list[Generation]:
@@ -43,24 +37,30 @@ async def generate_many(client: InferenceClient, count: int) -> list[Generation]
 
 
 def test_generation_is_parsed_into_typed_tokens_and_logprobs() -> None:
-    seen = []
+    seen: list[bytes] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.read())
+    def handler(request: Seen) -> web.Response:
+        seen.append(request.body)
         return completion(request)
 
-    generation = asyncio.run(client_with(handler, (A,)).generate(REQUEST))
-    assert generation.completions[0].token_ids == (7, 8) and generation.completions[0].logprobs == (
-        -0.5,
-        -1.5,
-    )
-    assert generation.prompt_token_ids == (1, 2) and generation.server == A and generation.weight_version == 0
+    async def go() -> None:
+        async with client_over(handler, ("a",)) as (client, urls):
+            generation = await client.generate(REQUEST)
+        assert generation.completions[0].token_ids == (7, 8) and generation.completions[0].logprobs == (
+            -0.5,
+            -1.5,
+        )
+        assert generation.prompt_token_ids == (1, 2) and generation.server == urls["a"]
+        assert generation.weight_version == 0
+
+    asyncio.run(go())
     body = seen[0].decode()
     assert '"top_k":-1' in body.replace(" ", "") and '"top_p":1.0' in body.replace(" ", "")
 
 
 def test_least_loaded_with_ties_to_the_least_recently_used_and_sticky_sessions() -> None:
-    client = client_with(completion)
+    A, B = "http://a:1", "http://b:1"  # picking sends nothing
+    client = InferenceClient([A, B], model="m")
     assert [client.pick().url for _ in range(4)] == [A, B, A, B]
     client.servers[A].in_flight = 3
     assert client.pick().url == B and client.pick().url == B
@@ -72,47 +72,50 @@ def test_least_loaded_with_ties_to_the_least_recently_used_and_sticky_sessions()
 
 
 def test_connection_failure_moves_the_request_and_takes_the_server_out() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "a":
-            raise httpx.ConnectError("refused", request=request)
-        return completion(request)
+    async def go() -> None:
+        async with client_over(completion, ("b",), refused=("a",)) as (client, urls):
+            results = await generate_many(client, 4)
+            assert Counter(g.server for g in results) == {urls["b"]: 4}
+            assert not client.servers[urls["a"]].healthy
 
-    client = client_with(handler)
-    results = asyncio.run(generate_many(client, 4))
-    assert Counter(g.server for g in results) == {B: 4} and not client.servers[A].healthy
+    asyncio.run(go())
 
 
 def test_transient_status_is_retried_and_client_errors_are_not() -> None:
     calls: Counter[str] = Counter()
 
-    def flaky(request: httpx.Request) -> httpx.Response:
+    def flaky(request: Seen) -> web.Response:
         calls["n"] += 1
-        return httpx.Response(503) if calls["n"] < 3 else completion(request)
+        return reply(503) if calls["n"] < 3 else completion(request)
 
-    assert asyncio.run(client_with(flaky, (A,)).generate(REQUEST)).completions[0].token_ids == (7, 8)
-
-    def rejecting(request: httpx.Request) -> httpx.Response:
+    def rejecting(request: Seen) -> web.Response:
         calls["bad"] += 1
-        return httpx.Response(400, json={"error": {"message": "Token id 99 is out of vocabulary"}})
+        return reply(400, {"error": {"message": "Token id 99 is out of vocabulary"}})
 
-    with pytest.raises(RequestRejected, match="out of vocabulary") as info:
-        asyncio.run(client_with(rejecting, (A,)).generate(REQUEST))
-    assert info.value.status == 400 and calls["bad"] == 1
+    async def go() -> None:
+        async with client_over(flaky, ("a",)) as (client, _):
+            assert (await client.generate(REQUEST)).completions[0].token_ids == (7, 8)
+        async with client_over(rejecting, ("a",)) as (client, _):
+            with pytest.raises(RequestRejected, match="out of vocabulary") as info:
+                await client.generate(REQUEST)
+        assert info.value.status == 400 and calls["bad"] == 1
+
+    asyncio.run(go())
 
 
 def test_retries_are_bounded_and_end_in_typed_errors() -> None:
-    with pytest.raises(ServerFailed, match="4 times"):
-        asyncio.run(client_with(lambda r: httpx.Response(502), (A,)).generate(REQUEST))
-    with pytest.raises(ServerFailed, match="500"):
-        asyncio.run(
-            client_with(lambda r: httpx.Response(500, json={"error": "boom"}), (A,)).generate(REQUEST)
-        )
+    async def go() -> None:
+        async with client_over(lambda r: reply(502), ("a",)) as (client, _):
+            with pytest.raises(ServerFailed, match="4 times"):
+                await client.generate(REQUEST)
+        async with client_over(lambda r: reply(500, {"error": "boom"}), ("a",)) as (client, _):
+            with pytest.raises(ServerFailed, match="500"):
+                await client.generate(REQUEST)
+        async with client_over(completion, (), refused=("a", "b")) as (client, _):
+            with pytest.raises(NoHealthyServer):
+                await client.generate(REQUEST)
 
-    def down(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    with pytest.raises(NoHealthyServer):
-        asyncio.run(client_with(down, (A, B)).generate(REQUEST))
+    asyncio.run(go())
 
 
 def test_version_strings_from_vllm() -> None:
@@ -122,37 +125,69 @@ def test_version_strings_from_vllm() -> None:
 def test_weight_fan_out_calls_vllm_rl_routes_in_order_and_tracks_versions_without_weight_info() -> None:
     calls: list[str] = []
 
-    def vllm_026(request: httpx.Request) -> httpx.Response:  # no /weight_info before vLLM 0.3x
-        calls.append(f"{request.url.host}{request.url.path}")
-        return httpx.Response(404 if request.url.path == "/weight_info" else 200, json={})
+    def vllm_026(request: Seen) -> web.Response:  # no /weight_info before vLLM 0.3x
+        calls.append(f"{request.server}{request.path}")
+        return reply(404 if request.path == "/weight_info" else 200, {})
 
-    client = client_with(vllm_026)
-    report = asyncio.run(client.update_weights("/run/weights/step_3", 3))
-    assert report.all_ok and [s.version for s in report.servers] == [3, 3]
-    a_calls = [c[1:] for c in calls if c.startswith("a")]
-    assert a_calls == [
-        "/pause",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/resume",
-        "/weight_info",
-    ]
-    assert asyncio.run(client.versions()) == {A: 3, B: 3}
+    async def go() -> None:
+        async with client_over(vllm_026) as (client, urls):
+            report = await client.update_weights("/run/weights/step_3", 3)
+            assert report.all_ok and [s.version for s in report.servers] == [3, 3]
+            a_calls = [c[1:] for c in calls if c.startswith("a")]
+            assert a_calls == [
+                "/pause",
+                "/start_weight_update",
+                "/update_weights",
+                "/finish_weight_update",
+                "/resume",
+                "/weight_info",
+            ]
+            assert await client.versions() == {urls["a"]: 3, urls["b"]: 3}
+
+    asyncio.run(go())
 
 
 def test_failed_load_closes_the_update_and_resumes() -> None:
     calls: list[str] = []
 
-    def refusing(request: httpx.Request) -> httpx.Response:
-        calls.append(request.url.path)
-        if request.url.path == "/update_weights":
-            return httpx.Response(400, json={"error": {"message": "no *.safetensors files in /x"}})
-        return httpx.Response(200, json={"weight_version": "0"})
+    def refusing(request: Seen) -> web.Response:
+        calls.append(request.path)
+        if request.path == "/update_weights":
+            return reply(400, {"error": {"message": "no *.safetensors files in /x"}})
+        return reply(200, {"weight_version": "0"})
 
-    report = asyncio.run(client_with(refusing, (A,)).update_weights("/x", 1))
-    assert not report.all_ok and "safetensors" in (report.servers[0].error or "")
-    assert calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+    async def go() -> None:
+        async with client_over(refusing, ("a",)) as (client, _):
+            report = await client.update_weights("/x", 1)
+        assert not report.all_ok and "safetensors" in (report.servers[0].error or "")
+        assert calls == [
+            "/pause",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+
+    asyncio.run(go())
+
+
+def test_admin_calls_carry_the_token_and_generation_calls_do_not() -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def record(request: Seen) -> web.Response:
+        seen.append((request.path, request.headers.get("X-Admin-Token")))
+        return (
+            completion(request) if request.path == "/v1/completions" else reply(200, {"weight_version": "2"})
+        )
+
+    async def go() -> None:
+        async with client_over(record, ("a",), admin_token="t") as (client, _):
+            await client.generate(REQUEST)
+            assert (await client.update_weights("/w", 2)).all_ok
+
+    asyncio.run(go())
+    tokens = dict(seen)
+    assert tokens["/v1/completions"] is None and tokens["/pause"] == "t" and tokens["/update_weights"] == "t"
 
 
 def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None:
@@ -164,6 +199,7 @@ def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None
         seen.append((request.url.path, request.headers.get("x-admin-token"), request.read()))
         return httpx.Response(200, json={})
 
+    # The trainer side stays a synchronous httpx client (a handful of calls per update).
     client = AdminWeightSyncClient("http://a:1/", admin_token="t", transport=httpx.MockTransport(record))
     client.pause()
     client.init_weight_transfer_engine({"world_size": 2})
@@ -187,43 +223,91 @@ def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None
 
 
 def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out() -> None:
-    def slow_a(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "a":
-            raise httpx.ReadTimeout("took too long", request=request)
+    async def slow_a(request: Seen) -> web.Response:
+        if request.server == "a":
+            await asyncio.sleep(5)  # past the client's timeout; the client hangs up first
         return completion(request)
 
-    client = client_with(slow_a)
-    assert asyncio.run(client.generate(REQUEST)).server == B  # least recently used A was tried first
-    assert client.servers[A].healthy  # slow is not dead: only the health watch decides that
+    async def go() -> None:
+        async with client_over(slow_a, timeout=0.3) as (client, urls):
+            assert (await client.generate(REQUEST)).server == urls["b"]  # least recently used A went first
+            assert client.servers[urls["a"]].healthy  # slow is not dead: only the health watch decides that
+
+    asyncio.run(go())
 
 
-def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers():
+def test_the_health_watch_takes_a_silent_server_out_and_brings_it_back() -> None:
+    up = {"a": True}
+
+    def health(request: Seen) -> web.Response:
+        if request.path == "/health":
+            return reply(200 if up[request.server] else 503)
+        return reply(200, {"weight_version": "0"})
+
+    async def go() -> None:
+        async with client_over(health, ("a",)) as (client, urls):
+            state = client.servers[urls["a"]]
+            up["a"] = False
+            assert await client.check_health() == {urls["a"]: False} and not state.healthy
+            up["a"] = True
+            assert await client.check_health() == {urls["a"]: True} and state.healthy
+
+    asyncio.run(go())
+
+
+def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
+    probed: Counter[str] = Counter()
+
+    def handler(request: Seen) -> web.Response:
+        if request.path == "/health":
+            probed[request.server] += 1
+            return reply(200)
+        return (
+            completion(request) if request.path == "/v1/completions" else reply(200, {"weight_version": "0"})
+        )
+
+    async def go() -> None:
+        async with client_over(handler, health_interval=30.0) as (client, urls):
+            client.pick()  # the next request goes to b
+            assert (await client.generate(REQUEST)).server == urls["b"]
+            await client._watch_round()
+            assert probed == {"a": 1}  # b just answered: it is up
+            client.mark_down(client.servers[urls["b"]], "test")
+            await client._watch_round()
+            assert probed == {"a": 2, "b": 1} and client.servers[urls["b"]].healthy  # down ones are asked
+
+    asyncio.run(go())
+
+
+def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers() -> (
+    None
+):
     """A pinned session waits for its replica's update and is recorded with the new version; the others go
     to the replica that is not loading (before: they queued behind the load, recorded with the old one)."""
+    release = asyncio.Event()
 
-    async def main() -> tuple[list[Generation], Generation]:
-        release = asyncio.Event()
+    async def handler(request: Seen) -> web.Response:
+        if request.path == "/update_weights" and request.server == "a":
+            await release.wait()  # replica A is slow to load
+        if request.path == "/v1/completions":
+            return completion(request)
+        return reply(404 if request.path == "/weight_info" else 200, {})
 
-        async def handler(request: httpx.Request) -> httpx.Response:
-            if request.url.path == "/update_weights" and request.url.host == "a":
-                await release.wait()  # replica A is slow to load
-            if request.url.path == "/v1/completions":
-                return completion(request)
-            return httpx.Response(404 if request.url.path == "/weight_info" else 200, json={})
+    async def go() -> None:
+        async with client_over(handler) as (client, urls):
+            a, b = urls["a"], urls["b"]
+            assert client.pick("episode").url == a  # the episode's earlier turns were on A
+            update = asyncio.create_task(client._update_one(client.servers[a], "/run/weights/step_1", 1))
+            while not client.servers[a].updating:
+                await asyncio.sleep(0.01)
+            during = await generate_many(client, 4)
+            pinned = asyncio.create_task(client.generate(REQUEST, session_id="episode"))
+            await asyncio.sleep(0.05)
+            assert not pinned.done()  # held for A's new weights rather than sent into its paused queue
+            release.set()
+            assert (await update).ok
+            assert [(g.server, g.weight_version) for g in during] == [(b, 0)] * 4
+            answer = await pinned
+            assert (answer.server, answer.weight_version) == (a, 1)
 
-        client = client_with(handler)  # type: ignore[arg-type]
-        assert client.pick("episode").url == A  # the episode's earlier turns were on A
-        update = asyncio.create_task(client._update_one(client.servers[A], "/run/weights/step_1", 1))
-        await asyncio.sleep(0.05)
-        assert client.servers[A].updating
-        during = await generate_many(client, 4)
-        pinned = asyncio.create_task(client.generate(REQUEST, session_id="episode"))
-        await asyncio.sleep(0.05)
-        assert not pinned.done()  # held for A's new weights rather than sent into its paused queue
-        release.set()
-        assert (await update).ok
-        return during, await pinned
-
-    during, pinned = asyncio.run(main())
-    assert [(g.server, g.weight_version) for g in during] == [(B, 0)] * 4
-    assert (pinned.server, pinned.weight_version) == (A, 1)
+    asyncio.run(go())

@@ -1,17 +1,17 @@
 """The client's LoRA policy: one adapter name per version, exact versions, unloads that wait for requests."""
 
 import asyncio
-import json
+import re
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 
-from tidal.inference.client import InferenceClient
+from tests.unit.http_servers import Seen, client_over, reply
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.orchestrator.policy import PolicyWatcher
 
-A, B = "http://a:1", "http://b:1"
 REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
 
 
@@ -19,14 +19,14 @@ class FakeServers:
     """Records admin calls and generation `model`s; generations for `hold` wait until released."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict]] = []  # (host, path, body)
+        self.calls: list[tuple[str, str, dict]] = []  # (server name, path, body)
         self.models: list[str] = []
         self.hold: str | None = None
         self.release = asyncio.Event()
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.read() or b"{}")
-        if request.url.path == "/v1/completions":
+    async def __call__(self, request: Seen) -> web.Response:
+        body = request.json()
+        if request.path == "/v1/completions":
             self.models.append(body["model"])
             if body["model"] == self.hold:
                 await self.release.wait()
@@ -38,36 +38,41 @@ class FakeServers:
                 "logprobs": {"token_logprobs": [-0.5]},
                 "finish_reason": "length",
             }
-            return httpx.Response(200, json={"choices": [choice]})
-        if request.url.path == "/weight_info":
-            return httpx.Response(200, json={"weight_version": "0"})
-        self.calls.append((request.url.host, request.url.path, body))
-        return httpx.Response(200, json={})
+            return reply(200, {"choices": [choice]})
+        if request.path == "/weight_info":
+            return reply(200, {"weight_version": "0"})
+        self.calls.append((request.server, request.path, body))
+        return reply(200, {})
 
     def admin(self, path: str) -> list[tuple[str, str]]:
         return [(host, body["lora_name"]) for host, p, body in self.calls if p == path]
 
 
-def client_for(fake: FakeServers) -> InferenceClient:
-    return InferenceClient([A, B], model="base", backoff=0.0, transport=httpx.MockTransport(fake))
+def client_for(fake: FakeServers) -> Any:
+    """A client over two real local servers "a" and "b" answered by `fake`."""
+    return client_over(fake, model="base")
+
+
+def no_lora(request: Seen) -> web.Response:
+    return reply(404, {"detail": "Not Found"})
 
 
 def test_requests_use_the_newest_adapter_and_report_its_version() -> None:
     async def go() -> None:
         fake = FakeServers()
-        client = client_for(fake)
-        assert (await client.generate(REQUEST)).weight_version == 0 and fake.models == ["base"]
-        report = await client.update_adapter("policy-step-1", "/run/weights/step_1", 1)
-        assert report.all_ok and [s.version for s in report.servers] == [1, 1]
-        loads = [(host, body) for host, path, body in fake.calls if path == "/v1/load_lora_adapter"]
-        assert sorted(host for host, _ in loads) == ["a", "b"]
-        assert loads[0][1]["lora_name"] == "policy-step-1"
-        assert loads[0][1]["lora_path"] == "/run/weights/step_1"
-        assert not any(path in ("/pause", "/start_weight_update") for _, path, _ in fake.calls)
-        generation = await client.generate(REQUEST)
-        assert generation.weight_version == 1 and fake.models[-1] == "policy-step-1"
-        explicit = await client.generate(REQUEST.model_copy(update={"lora": "other"}))
-        assert fake.models[-1] == "other" and explicit.weight_version == 0  # not a policy adapter
+        async with client_for(fake) as (client, _):
+            assert (await client.generate(REQUEST)).weight_version == 0 and fake.models == ["base"]
+            report = await client.update_adapter("policy-step-1", "/run/weights/step_1", 1)
+            assert report.all_ok and [s.version for s in report.servers] == [1, 1]
+            loads = [(host, body) for host, path, body in fake.calls if path == "/v1/load_lora_adapter"]
+            assert sorted(host for host, _ in loads) == ["a", "b"]
+            assert loads[0][1]["lora_name"] == "policy-step-1"
+            assert loads[0][1]["lora_path"] == "/run/weights/step_1"
+            assert not any(path in ("/pause", "/start_weight_update") for _, path, _ in fake.calls)
+            generation = await client.generate(REQUEST)
+            assert generation.weight_version == 1 and fake.models[-1] == "policy-step-1"
+            explicit = await client.generate(REQUEST.model_copy(update={"lora": "other"}))
+            assert fake.models[-1] == "other" and explicit.weight_version == 0  # not a policy adapter
 
     asyncio.run(go())
 
@@ -75,21 +80,22 @@ def test_requests_use_the_newest_adapter_and_report_its_version() -> None:
 def test_an_adapter_is_unloaded_only_once_no_request_uses_it() -> None:
     async def go() -> None:
         fake = FakeServers()
-        client = client_for(fake)
-        await client.update_adapter("policy-step-1", "/w/step_1", 1)
-        fake.hold = "policy-step-1"
-        running = asyncio.create_task(client.generate(REQUEST))
-        await asyncio.sleep(0.01)
-        await client.update_adapter("policy-step-2", "/w/step_2", 2)
-        assert fake.admin("/v1/unload_lora_adapter") == []  # step 1 still generates
-        assert client.loaded_adapters() == ["policy-step-1", "policy-step-2"]
-        fake.release.set()
-        assert (await running).weight_version == 1  # the version it was sampled with, not the newest
-        await client.update_adapter("policy-step-3", "/w/step_3", 3)
-        unloaded = fake.admin("/v1/unload_lora_adapter")
-        assert sorted(unloaded) == sorted((h, f"policy-step-{v}") for h in "ab" for v in (1, 2))
-        assert client.loaded_adapters() == ["policy-step-3"]
-        assert (await client.generate(REQUEST)).weight_version == 3
+        async with client_for(fake) as (client, _):
+            await client.update_adapter("policy-step-1", "/w/step_1", 1)
+            fake.hold = "policy-step-1"
+            running = asyncio.create_task(client.generate(REQUEST))
+            while not fake.models or fake.models[-1] != "policy-step-1":  # the request reached a server
+                await asyncio.sleep(0.01)
+            await client.update_adapter("policy-step-2", "/w/step_2", 2)
+            assert fake.admin("/v1/unload_lora_adapter") == []  # step 1 still generates
+            assert client.loaded_adapters() == ["policy-step-1", "policy-step-2"]
+            fake.release.set()
+            assert (await running).weight_version == 1  # the version it was sampled with, not the newest
+            await client.update_adapter("policy-step-3", "/w/step_3", 3)
+            unloaded = fake.admin("/v1/unload_lora_adapter")
+            assert sorted(unloaded) == sorted((h, f"policy-step-{v}") for h in "ab" for v in (1, 2))
+            assert client.loaded_adapters() == ["policy-step-3"]
+            assert (await client.generate(REQUEST)).weight_version == 3
 
     asyncio.run(go())
 
@@ -97,27 +103,28 @@ def test_an_adapter_is_unloaded_only_once_no_request_uses_it() -> None:
 def test_a_returning_server_loads_the_current_adapter_before_it_serves() -> None:
     async def go() -> None:
         fake = FakeServers()
-        client = client_for(fake)
-        client.mark_down(client.servers[B], "test")
-        report = await client.update_adapter("policy-step-4", "/w/step_4", 4)
-        assert [s.ok for s in report.servers] == [True, False] and not report.all_ok
-        assert fake.admin("/v1/load_lora_adapter") == [("a", "policy-step-4")]
-        fake.calls.clear()
-        await client._probe(client.servers[B])  # /health answers again
-        assert client.servers[B].healthy
-        assert fake.admin("/v1/load_lora_adapter") == [("b", "policy-step-4")]
+        async with client_for(fake) as (client, urls):
+            b = client.servers[urls["b"]]
+            client.mark_down(b, "test")
+            report = await client.update_adapter("policy-step-4", "/w/step_4", 4)
+            assert [s.ok for s in report.servers] == [True, False] and not report.all_ok
+            assert fake.admin("/v1/load_lora_adapter") == [("a", "policy-step-4")]
+            fake.calls.clear()
+            await client._probe(b)  # /health answers again
+            assert b.healthy
+            assert fake.admin("/v1/load_lora_adapter") == [("b", "policy-step-4")]
 
     asyncio.run(go())
 
 
 def test_a_server_without_lora_routes_is_reported_with_the_setting_to_change() -> None:
-    def no_lora(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(404, json={"detail": "Not Found"})
+    async def go() -> None:
+        async with client_over(no_lora, ("a",), model="base") as (client, _):
+            report = await client.update_adapter("policy-step-1", "/w/step_1", 1)
+            assert not report.all_ok and "inference.vllm.enable_lora" in (report.servers[0].error or "")
+            assert client.loaded_adapters() == []
 
-    client = InferenceClient([A], model="base", backoff=0.0, transport=httpx.MockTransport(no_lora))
-    report = asyncio.run(client.update_adapter("policy-step-1", "/w/step_1", 1))
-    assert not report.all_ok and "inference.vllm.enable_lora" in (report.servers[0].error or "")
-    assert client.loaded_adapters() == []
+    asyncio.run(go())
 
 
 def publish_adapter_dir(root: Path, step: int) -> Path:
@@ -133,23 +140,22 @@ def publish_adapter_dir(root: Path, step: int) -> Path:
 def test_the_watcher_hot_loads_published_adapters_and_a_failed_update_ends_the_wait(tmp_path: Path) -> None:
     async def go() -> None:
         fake = FakeServers()
-        watcher = PolicyWatcher(client_for(fake), tmp_path, poll_interval=0.01)
-        await watcher.start()
-        path = publish_adapter_dir(tmp_path, 1)
-        assert await asyncio.wait_for(watcher.wait_for(1), 5) >= 0 and watcher.version == 1
-        assert ("a", "policy-step-1") in fake.admin("/v1/load_lora_adapter")
-        assert any(body.get("lora_path") == str(path) for _, _, body in fake.calls)
-        await watcher.stop()
+        async with client_for(fake) as (client, _):
+            watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
+            await watcher.start()
+            path = publish_adapter_dir(tmp_path, 1)
+            assert await asyncio.wait_for(watcher.wait_for(1), 5) >= 0 and watcher.version == 1
+            assert ("a", "policy-step-1") in fake.admin("/v1/load_lora_adapter")
+            assert any(body.get("lora_path") == str(path) for _, _, body in fake.calls)
+            await watcher.stop()
 
-        def no_lora(request: httpx.Request) -> httpx.Response:
-            return httpx.Response(404, json={"detail": "Not Found"})
-
-        client = InferenceClient([A], model="base", transport=httpx.MockTransport(no_lora))
-        failing = PolicyWatcher(client, tmp_path / "other", poll_interval=0.01)
-        await failing.start()  # nothing published yet
-        publish_adapter_dir(tmp_path / "other", 1)
-        with pytest.raises(RuntimeError, match="step 1 failed on http://a:1: .*enable_lora"):
-            await asyncio.wait_for(failing.wait_for(1), 5)  # raised, not waited on for ever
-        await failing.stop()
+        async with client_over(no_lora, ("a",), model="base") as (client, urls):
+            failing = PolicyWatcher(client, tmp_path / "other", poll_interval=0.01)
+            await failing.start()  # nothing published yet
+            publish_adapter_dir(tmp_path / "other", 1)
+            expected = f"step 1 failed on {re.escape(urls['a'])}: .*enable_lora"
+            with pytest.raises(RuntimeError, match=expected):
+                await asyncio.wait_for(failing.wait_for(1), 5)  # raised, not waited on for ever
+            await failing.stop()
 
     asyncio.run(go())

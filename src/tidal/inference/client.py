@@ -5,8 +5,9 @@
 - Failures: a dropped connection takes the server out of rotation and the request is retried on another
   one, with exponential backoff, at most `max_retries` times; a 4xx is the caller's fault and raises
   `RequestRejected` at once; anything else ends as `ServerFailed` or `NoHealthyServer`.
-- Health watch: polls `/health`; a server that answers again is brought to the latest published weights
-  (and LoRA adapters) before it is put back, so it never serves a stale policy.
+- Health watch: polls `/health` of the servers that answered no request in the last interval; a server
+  that answers again is brought to the latest published weights (and LoRA adapters) before it is put
+  back, so it never serves a stale policy.
 - Weight updates: pause (draining in-flight requests by default), load, resume, on every server at once,
   through vLLM's native RL routes; the report gives each server's version.
 - LoRA policy updates (`update_adapter`): each version's adapter is hot-loaded under its own name
@@ -17,18 +18,20 @@
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 
 from tidal.inference.guard import TOKEN_HEADER
+from tidal.inference.routing import LeastLoaded, ServerState
 from tidal.inference.types import (
     ChatRequest,
     Completion,
@@ -44,6 +47,10 @@ PauseMode = Literal["wait", "keep", "abort"]
 # A proxy or a server that is starting/stopping; worth trying elsewhere.
 TRANSIENT_STATUS = frozenset({502, 503, 504})
 MAX_SESSIONS = 65_536
+# Connection refused or reset, a server that hung up mid-answer, a truncated body: the server is gone.
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
+# What any request to a server may raise besides the client's own errors (a timeout is not a dead server).
+HTTP_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 
 
 class InferenceError(Exception):
@@ -73,31 +80,6 @@ def is_infrastructure_error(exc: BaseException) -> bool:
     return isinstance(exc, NoHealthyServer | ServerFailed | asyncio.CancelledError)
 
 
-@dataclass
-class ServerState:
-    """What the client knows about one server."""
-
-    url: str
-    healthy: bool = True
-    in_flight: int = 0
-    last_pick: int = 0
-    """When it was last picked (a counter): ties in load go to the least recently used server."""
-    version: int = 0
-    requests: int = 0
-    """Generation requests it answered (a running total; the orchestrator logs it per step)."""
-    completion_tokens: int = 0
-    """Tokens it generated for this client (a running total)."""
-    weight_updates: int = 0
-    """Policy updates (full weights or a policy adapter) it loaded, catch-ups included (a running total)."""
-    updating: bool = False
-    """A full-weight update runs on it: new requests go elsewhere, or wait for `idle` (a pinned session)."""
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while no update runs."""
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-
 def parse_version(raw: object) -> int:
     """vLLM keeps versions as strings; before the first update it says "default", which is version 0."""
     try:
@@ -121,22 +103,20 @@ class InferenceClient:
         backoff: float = 0.5,
         health_interval: float = 2.0,
         pause_mode: PauseMode = "wait",
-        transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.servers = {url.rstrip("/"): ServerState(url.rstrip("/")) for url in urls}
+        self._least_loaded = LeastLoaded(list(self.servers.values()))
         self.model = model
         self.max_retries = max_retries
         self.backoff = backoff
         self.health_interval = health_interval
         self.pause_mode = pause_mode
         self._admin_headers = {TOKEN_HEADER: admin_token} if admin_token else {}
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            transport=transport,  # tests pass an httpx.MockTransport to exercise retries without servers
-        )
+        # Like a read timeout: seconds without a byte from the server (vLLM answers a completion at its end).
+        self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=timeout)
+        self._http: aiohttp.ClientSession | None = None  # made in the loop that first sends
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._latest_weights: tuple[int, str] | None = None
         # One fan-out or catch-up at a time: a server re-admitted during a fan-out that skipped it would
@@ -163,7 +143,38 @@ class InferenceClient:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            # aiohttp, not httpx: httpx's pool scans every connection for every request, which held the
+            # event loop once thousands of requests were in flight (benchmarks/orchestrator_scale.py).
+            # Keep-alive connections without a cap, like the servers' own request queues. No proxies from
+            # the environment: these are the run's own servers.
+            # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive timeout, so one is
+            # never reused just as the server closes it.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
+            self._http = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._http
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> "Reply":
+        """One HTTP exchange, the whole answer read; raises TRANSPORT_ERRORS or TimeoutError."""
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        all_headers = {"content-type": "application/json", **(headers or {})} if data is not None else headers
+        per_request = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+        async with self._session().request(
+            method, url, data=data, headers=all_headers, timeout=per_request
+        ) as response:
+            return Reply(response.status, await response.read())
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -254,14 +265,13 @@ class InferenceClient:
 
     def pick(self, session_id: str | None = None) -> ServerState:
         """The server for the next request: the session's own if it is up, else the least loaded."""
-        healthy = [s for s in self.servers.values() if s.healthy]
-        if not healthy:
-            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
         if pinned is not None and pinned.healthy:
-            server = pinned  # even while it updates: the episode's prefix is cached there
+            server: ServerState | None = pinned  # even while it updates: the episode's prefix is cached there
         else:
-            server = min([s for s in healthy if not s.updating] or healthy, key=_load)
+            server = self._least_loaded.best()  # one that is not updating, if any
+        if server is None:
+            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
         self._picks += 1
         server.last_pick = self._picks
         if session_id is not None:
@@ -289,19 +299,21 @@ class InferenceClient:
             version = server.version
             server.in_flight += 1
             try:
-                response = await self._http.request(method, server.url + path, json=body)
-            except httpx.TimeoutException as exc:
+                response = await self._request(method, server.url + path, body)
+            except TimeoutError as exc:
                 failure = f"{server.url}{path} timed out ({type(exc).__name__})"
                 continue
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 failure = f"{server.url}{path}: {type(exc).__name__}: {exc}"
                 self.mark_down(server, failure)
                 continue
             finally:
                 server.in_flight -= 1
-            if response.status_code in TRANSIENT_STATUS:
-                failure = f"{server.url}{path} answered {response.status_code}"
+            if response.status in TRANSIENT_STATUS:
+                failure = f"{server.url}{path} answered {response.status}"
                 continue
+            if response.status < 500:
+                server.answered_at = time.monotonic()
             return server.url, version, _json_or_raise(response, server.url)
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
@@ -315,7 +327,7 @@ class InferenceClient:
     # ---- health ------------------------------------------------------------------------------------
 
     async def check_health(self) -> dict[str, bool]:
-        """Probe every server once now (the watch does this every `health_interval` seconds)."""
+        """Probe every server once now (the watch probes the quiet ones every `health_interval` seconds)."""
         await asyncio.gather(*(self._probe(s) for s in self.servers.values()))
         return {url: s.healthy for url, s in self.servers.items()}
 
@@ -331,15 +343,27 @@ class InferenceClient:
     async def _health_loop(self) -> None:
         while True:
             try:
-                await self.check_health()
+                await self._watch_round()
             except Exception:  # the watch must outlive any single bad probe
                 logger.exception("inference health check failed")
             await asyncio.sleep(self.health_interval)
 
+    async def _watch_round(self) -> None:
+        """Probe the servers that answered nothing in the last interval: one that is answering requests is
+        up, and at hundreds of servers the probes of busy ones would cost the loop as much as real work."""
+        quiet_since = time.monotonic() - self.health_interval
+        await asyncio.gather(
+            *(
+                self._probe(s)
+                for s in self.servers.values()
+                if not (s.healthy and s.answered_at > quiet_since)
+            )
+        )
+
     async def _probe(self, server: ServerState) -> None:
         try:
-            ok = (await self._http.get(server.url + "/health", timeout=5.0)).status_code == 200
-        except httpx.HTTPError:
+            ok = (await self._request("GET", server.url + "/health", timeout=5.0)).status == 200
+        except HTTP_ERRORS:
             ok = False
         if not ok:
             self.mark_down(server, "health check failed")
@@ -365,7 +389,7 @@ class InferenceClient:
             loras = {**self._loras, **{name: path for name, (_, path) in self._policy_adapters.items()}}
             for name, path in loras.items():
                 await self._load_adapter(server, name, path)
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             logger.warning(
                 "inference server %s is up but could not be brought up to date: %s", server.url, exc
             )
@@ -412,7 +436,7 @@ class InferenceClient:
                 await self.resume(server)
             reported = await self._read_version(server)
             server.version = version if reported is None else reported
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             seconds = time.perf_counter() - start
             return ServerVersion(url=server.url, version=None, ok=False, error=str(exc), seconds=seconds)
         finally:
@@ -431,7 +455,7 @@ class InferenceClient:
         except BaseException:
             # Close the worker's update session (filesystem engine: nothing was loaded yet) so the next
             # update can start; the version stays the old one.
-            with contextlib.suppress(InferenceError, httpx.HTTPError):
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
                 await self._admin(server, "/finish_weight_update")
             raise
         await self._admin(server, "/finish_weight_update", {"weight_version": str(version)})
@@ -448,7 +472,7 @@ class InferenceClient:
         `/weight_info`; None if the server cannot be reached)."""
 
         async def one(server: ServerState) -> int | None:
-            with contextlib.suppress(InferenceError, httpx.HTTPError):
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
                 reported = await self._read_version(server)
                 return server.version if reported is None else reported
             return None
@@ -489,7 +513,7 @@ class InferenceClient:
         start = time.perf_counter()
         try:
             await self._load_adapter(server, name, path)
-        except (InferenceError, httpx.HTTPError) as exc:
+        except (InferenceError, *HTTP_ERRORS) as exc:
             seconds = time.perf_counter() - start
             error = str(exc)
             if isinstance(exc, RequestRejected) and exc.status == 404:  # vLLM mounts the route only with LoRA
@@ -515,7 +539,7 @@ class InferenceClient:
                     continue  # a returning server loads only the adapters still listed
                 try:
                     await self._admin(server, "/v1/unload_lora_adapter", {"lora_name": name})
-                except (InferenceError, httpx.HTTPError) as exc:  # a stale adapter costs memory, not results
+                except (InferenceError, *HTTP_ERRORS) as exc:  # a stale adapter costs memory, not results
                     logger.warning("could not unload LoRA adapter %s from %s: %s", name, server.url, exc)
 
     def loaded_adapters(self) -> list[str]:
@@ -524,36 +548,48 @@ class InferenceClient:
 
     async def _read_version(self, server: ServerState) -> int | None:
         """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older)."""
-        response = await self._http.get(server.url + "/weight_info", timeout=10.0)
-        if response.status_code == 404:
+        response = await self._request("GET", server.url + "/weight_info", timeout=10.0)
+        if response.status == 404:
             return None
         return parse_version(_json_or_raise(response, server.url)["weight_version"])
 
     async def _admin(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
-        response = await self._http.post(server.url + path, json=body, headers=self._admin_headers)
+        response = await self._request("POST", server.url + path, body, headers=self._admin_headers)
         return _json_or_raise(response, server.url)
 
 
-def _load(server: ServerState) -> tuple[int, int]:
-    return server.in_flight, server.last_pick
+@dataclass(frozen=True)
+class Reply:
+    """A server's whole answer."""
+
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
 
 
-def _json_or_raise(response: httpx.Response, url: str) -> Any:
-    if response.status_code >= 400:
+def _json_or_raise(response: Reply, url: str) -> Any:
+    if response.status >= 400:
         message = _error_message(response)
-        if response.status_code < 500:
-            raise RequestRejected(response.status_code, message, url)
-        raise ServerFailed(f"{url} answered {response.status_code}: {message}")
+        if response.status < 500:
+            raise RequestRejected(response.status, message, url)
+        raise ServerFailed(f"{url} answered {response.status}: {message}")
     try:
-        return response.json() if response.content else None
+        return response.json() if response.body else None
     except ValueError:  # some vLLM routes answer plain text (e.g. "Success: LoRA adapter ... added")
         return response.text
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(response: Reply) -> str:
     try:
-        error = response.json().get("error", response.json())
-    except ValueError:
+        found = response.json()
+        error = found.get("error", found)
+    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
         return response.text[:500]
     return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
 
@@ -563,9 +599,10 @@ def _choices(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion:
+    # The model validates and converts (lists to tuples, ints to floats) faster than Python loops would.
     return Completion(
-        token_ids=tuple(choice["token_ids"]),
-        logprobs=tuple(float(x) for x in logprobs),
+        token_ids=choice["token_ids"],
+        logprobs=logprobs,
         text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
     )

@@ -104,7 +104,8 @@ async def _fails_alone(
     Inference being unreachable is not the environment's failure: that stops the run instead.
     """
     try:
-        episode = await asyncio.wait_for(work, timeout)
+        async with asyncio.timeout(timeout):  # unlike wait_for, no extra task per rollout
+            episode = await work
         return to_rollout(env, task, episode, versions)
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
         return failed_rollout(env, task, versions, _failure_name(exc, task))

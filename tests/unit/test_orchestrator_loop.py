@@ -238,3 +238,28 @@ def test_a_reward_that_holds_the_event_loop_shows_in_the_lag_metrics_and_a_warni
     ]
     assert logged[-1]["event_loop/lag_max_s"] >= 0.3
     assert "step 0: the event loop was held" in capsys.readouterr().out
+
+
+def test_the_lag_monitor_times_gc_pauses_while_it_runs_and_not_after():
+    import gc
+
+    from tidal.orchestrator.lag import LoopLagMonitor
+
+    monitor = LoopLagMonitor()
+
+    async def collect_twice() -> dict[str, float]:
+        monitor.start()
+        for _ in range(2):
+            garbage: list = [[] for _ in range(200_000)]
+            for i in range(len(garbage) - 1):
+                garbage[i].append(garbage[i + 1])  # a chain that only the collector frees
+            garbage[-1].append(garbage)
+            del garbage
+            gc.collect()
+        await monitor.stop()
+        return monitor.take_gc()
+
+    seen = asyncio.run(collect_twice())
+    assert 0 < seen["event_loop/gc_max_s"] < seen["event_loop/gc_s"], seen  # two pauses, the longest < sum
+    gc.collect()  # after stop(): not counted
+    assert monitor.take_gc() == {"event_loop/gc_s": 0.0, "event_loop/gc_max_s": 0.0}

@@ -12,7 +12,9 @@ takes them out of its walks once setup is done.
 import asyncio
 import gc
 import math
+import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -50,11 +52,16 @@ class LoopLagMonitor:
         self.interval = interval
         self._samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
+        self._gc_pauses: list[float] = []
+        self._gc_started = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._sample())
+        gc.callbacks.append(self._on_gc)
 
     async def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -63,6 +70,18 @@ class LoopLagMonitor:
     def take(self) -> list[float]:
         samples, self._samples = self._samples, []
         return samples
+
+    def take_gc(self) -> dict[str, float]:
+        """Garbage-collector pauses since the last call: their total and the longest (seconds), so that a
+        lag spike can be told apart from a collection."""
+        pauses, self._gc_pauses = self._gc_pauses, []
+        return {"event_loop/gc_s": sum(pauses), "event_loop/gc_max_s": max(pauses, default=0.0)}
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_pauses.append(time.perf_counter() - self._gc_started)
 
     async def _sample(self) -> None:
         loop = asyncio.get_running_loop()

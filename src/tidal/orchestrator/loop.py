@@ -318,12 +318,14 @@ class Orchestrator:
         metrics.update(per_env_metrics(stats, groups))
         metrics.update(extra)  # online eval, per-replica counts
         metrics.update(lag_metrics(self.lag.take()))
+        metrics.update(self.lag.take_gc())
         self.metrics.log(step, metrics)
         worst = metrics.get("event_loop/lag_max_s", 0.0)
         if worst > self.config.loop_lag_warn:
             print(
                 f"orchestrator: warning: step {step}: the event loop was held {worst:.2f} s at once "
-                f"(p99 {metrics['event_loop/lag_p99_s']:.3f} s); every request in flight waited",
+                f"(p99 {metrics['event_loop/lag_p99_s']:.3f} s, longest GC pause "
+                f"{metrics['event_loop/gc_max_s']:.2f} s); every request in flight waited",
                 flush=True,
             )
         print(

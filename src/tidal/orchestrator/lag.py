@@ -5,15 +5,16 @@ loop; anything that holds it (a CPU-heavy reward, a big JSON parse) delays every
 sleeper task asks to wake every `interval` s and records how much later than that it woke: the lag.
 
 The garbage collector is one such holder: a full collection walks every tracked object, and after startup
-that means all of torch, transformers and the task lists, none of which will ever be garbage. `freeze_heap`
+that means all of torch, transformers and the task lists, none of which will ever be garbage. `frozen_heap`
 takes them out of its walks once setup is done.
 """
 
 import asyncio
+import contextlib
 import gc
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -37,11 +38,18 @@ def lag_metrics(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
-def freeze_heap() -> None:
-    """Collect the startup garbage, then exempt every object alive now from future collections (they stay
-    alive for the process's life); later objects are collected as usual."""
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Inside the block, every object alive at its start is exempt from collections (collected first: what
+    is left is startup state that lives on); objects made inside are collected as usual. On the way out they
+    are handed back to the collector, so that a process that goes on (a test, a notebook) or shuts down
+    (extension modules that check for leaks at exit) sees an ordinary heap."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LoopLagMonitor:

@@ -27,7 +27,7 @@ from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import make_train_batches, make_train_samples
-from tidal.orchestrator.lag import LoopLagMonitor, freeze_heap, lag_metrics
+from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
 from tidal.orchestrator.stats import (
@@ -101,11 +101,11 @@ class Orchestrator:
             if cfg.resume:
                 self._restore(sender)
             await policy.start()
-            freeze_heap()
             self.lag.start()
             try:
-                while self.state.step < cfg.max_steps:
-                    await self._one_step(client, policy, sender)
+                with frozen_heap():
+                    while self.state.step < cfg.max_steps:
+                        await self._one_step(client, policy, sender)
             finally:
                 await self.lag.stop()
                 await policy.stop()

@@ -52,7 +52,7 @@ from bare_client import cpu_seconds  # noqa: E402
 from tidal.envs.base import Episode, RewardFn, Task  # noqa: E402
 from tidal.envs.multiturn import MultiTurnEnv  # noqa: E402
 from tidal.envs.reverse_text import ReverseTextEnv, reversal_accuracy  # noqa: E402
-from tidal.orchestrator.lag import LoopLagMonitor, freeze_heap, lag_metrics  # noqa: E402
+from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics  # noqa: E402
 
 SERVERS = (16, 64, 256)
 IN_FLIGHT = (1024, 4096, 16384)
@@ -377,7 +377,8 @@ async def run_tidal(
     client = InferenceClient(urls, model=None, timeout=600.0)
     async with client, reward_workers(config.reward_workers):  # as Orchestrator.run
         await client.wait_healthy(timeout=30)
-        freeze_heap()  # as Orchestrator.run does once set up
+        heap = frozen_heap()  # as Orchestrator.run does once set up
+        heap.__enter__()
         lag = orchestrator.lag
         lag.start()
         collect = asyncio.create_task(orchestrator._collect(client, 0))
@@ -393,6 +394,7 @@ async def run_tidal(
             collect.cancel()
             await asyncio.gather(collect, return_exceptions=True)
             await lag.stop()
+            heap.__exit__(None, None, None)
         if collect.done() and not collect.cancelled() and collect.exception() is not None:
             raise collect.exception()  # type: ignore[misc]
     orchestrator.metrics.close()

@@ -261,6 +261,8 @@ class Window:
 
     def __init__(self, server_pids: Sequence[int]):
         self.server_pids = server_pids
+        self.client_pids: Sequence[int] = ()
+        """The client's own helper processes (HTTP workers, reward workers): their CPU is the client's."""
         self.gc_seconds = 0.0
         self.gc_by_generation = [0.0, 0.0, 0.0]
         self._gc_started = 0.0
@@ -277,7 +279,7 @@ class Window:
     def mark(self, rollouts: int, requests: int) -> dict[str, float]:
         return {
             "t": time.perf_counter(),
-            "cpu": time.process_time(),
+            "cpu": time.process_time() + cpu_seconds(self.client_pids),
             "gc": self.gc_seconds,
             "gc2": self.gc_by_generation[2],
             "gc1": self.gc_by_generation[1],
@@ -356,7 +358,7 @@ async def run_tidal(
         max_async_level=1_000_000,
         sampling=SamplingConfig(max_tokens=args.max_tokens),
         batch=BatchConfig(num_prompts=1_000_000_000, group_size=args.group_size),
-        client=ClientConfig(urls=urls, max_in_flight=groups),
+        client=ClientConfig(urls=urls, max_in_flight=groups, http_workers=args.http_workers),
         reward_workers=0 if cell.reward == "light" else args.reward_workers,
     )
     orchestrator = Orchestrator(config)  # its environment: reverse_text
@@ -374,8 +376,8 @@ async def run_tidal(
         advantages.clear()
 
     orchestrator._accept = counting_accept  # type: ignore[method-assign]
-    client = InferenceClient(urls, model=None, timeout=600.0)
-    async with client, reward_workers(config.reward_workers):  # as Orchestrator.run
+    client = InferenceClient(urls, model=None, timeout=600.0, http_workers=args.http_workers)
+    async with client, reward_workers(config.reward_workers) as reward_pool:  # as Orchestrator.run
         await client.wait_healthy(timeout=30)
         heap = frozen_heap()  # as Orchestrator.run does once set up
         heap.__enter__()
@@ -384,6 +386,9 @@ async def run_tidal(
         collect = asyncio.create_task(orchestrator._collect(client, 0))
 
         def count() -> tuple[int, int]:
+            workers = client._workers.pids() if client._workers is not None else []
+            pool = reward_pool.pids() if reward_pool is not None else []
+            window.client_pids = [*workers, *pool]  # sampled as the window starts and ends
             return finished[0], sum(s.requests for s in client.servers.values())
 
         try:
@@ -501,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         help="orchestrator.reward_workers for the heavy reward (unset: its default; the light one runs inline)",
     )
     parser.add_argument(
+        "--http-workers",
+        type=int,
+        default=0,
+        help="orchestrator.client.http_workers: processes that send and parse generation requests",
+    )
+    parser.add_argument(
         "--profile", help="cProfile the deciding cell's tidal run (else the first cell's) into this file"
     )
     args = parser.parse_args(argv)
@@ -541,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             "window_s": args.seconds,
             "multi_turn_timing": "warm-up + 2 episodes (turns x latency), window >= 3 episodes (`timing`)",
             "reward_workers": {"light": 0, "heavy": args.reward_workers},
+            "http_workers": args.http_workers,
         },
         "cells": results,
     }

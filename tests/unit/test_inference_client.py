@@ -17,6 +17,9 @@ from tidal.inference.client import (
 )
 from tidal.inference.types import GenerateRequest, Generation, SamplingParams
 
+WORKERS = pytest.mark.parametrize("http_workers", [0, 2], ids=["on-loop", "http-workers"])
+"""Client behaviour that must not change when generation requests go through HTTP worker processes."""
+
 REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
 
 
@@ -36,7 +39,8 @@ async def generate_many(client: InferenceClient, count: int) -> list[Generation]
     return list(await asyncio.gather(*(client.generate(REQUEST) for _ in range(count))))
 
 
-def test_generation_is_parsed_into_typed_tokens_and_logprobs() -> None:
+@WORKERS
+def test_generation_is_parsed_into_typed_tokens_and_logprobs(http_workers: int) -> None:
     seen: list[bytes] = []
 
     def handler(request: Seen) -> web.Response:
@@ -44,7 +48,7 @@ def test_generation_is_parsed_into_typed_tokens_and_logprobs() -> None:
         return completion(request)
 
     async def go() -> None:
-        async with client_over(handler, ("a",)) as (client, urls):
+        async with client_over(handler, ("a",), http_workers=http_workers) as (client, urls):
             generation = await client.generate(REQUEST)
         assert generation.completions[0].token_ids == (7, 8) and generation.completions[0].logprobs == (
             -0.5,
@@ -71,9 +75,13 @@ def test_least_loaded_with_ties_to_the_least_recently_used_and_sticky_sessions()
     assert client.pick("s").url != first  # the session moves when its server is out
 
 
-def test_connection_failure_moves_the_request_and_takes_the_server_out() -> None:
+@WORKERS
+def test_connection_failure_moves_the_request_and_takes_the_server_out(http_workers: int) -> None:
     async def go() -> None:
-        async with client_over(completion, ("b",), refused=("a",)) as (client, urls):
+        async with client_over(completion, ("b",), refused=("a",), http_workers=http_workers) as (
+            client,
+            urls,
+        ):
             results = await generate_many(client, 4)
             assert Counter(g.server for g in results) == {urls["b"]: 4}
             assert not client.servers[urls["a"]].healthy
@@ -81,7 +89,8 @@ def test_connection_failure_moves_the_request_and_takes_the_server_out() -> None
     asyncio.run(go())
 
 
-def test_transient_status_is_retried_and_client_errors_are_not() -> None:
+@WORKERS
+def test_transient_status_is_retried_and_client_errors_are_not(http_workers: int) -> None:
     calls: Counter[str] = Counter()
 
     def flaky(request: Seen) -> web.Response:
@@ -93,9 +102,9 @@ def test_transient_status_is_retried_and_client_errors_are_not() -> None:
         return reply(400, {"error": {"message": "Token id 99 is out of vocabulary"}})
 
     async def go() -> None:
-        async with client_over(flaky, ("a",)) as (client, _):
+        async with client_over(flaky, ("a",), http_workers=http_workers) as (client, _):
             assert (await client.generate(REQUEST)).completions[0].token_ids == (7, 8)
-        async with client_over(rejecting, ("a",)) as (client, _):
+        async with client_over(rejecting, ("a",), http_workers=http_workers) as (client, _):
             with pytest.raises(RequestRejected, match="out of vocabulary") as info:
                 await client.generate(REQUEST)
         assert info.value.status == 400 and calls["bad"] == 1
@@ -103,15 +112,18 @@ def test_transient_status_is_retried_and_client_errors_are_not() -> None:
     asyncio.run(go())
 
 
-def test_retries_are_bounded_and_end_in_typed_errors() -> None:
+@WORKERS
+def test_retries_are_bounded_and_end_in_typed_errors(http_workers: int) -> None:
     async def go() -> None:
-        async with client_over(lambda r: reply(502), ("a",)) as (client, _):
+        async with client_over(lambda r: reply(502), ("a",), http_workers=http_workers) as (client, _):
             with pytest.raises(ServerFailed, match="4 times"):
                 await client.generate(REQUEST)
-        async with client_over(lambda r: reply(500, {"error": "boom"}), ("a",)) as (client, _):
+        async with client_over(
+            lambda r: reply(500, {"error": "boom"}), ("a",), http_workers=http_workers
+        ) as (client, _):
             with pytest.raises(ServerFailed, match="500"):
                 await client.generate(REQUEST)
-        async with client_over(completion, (), refused=("a", "b")) as (client, _):
+        async with client_over(completion, (), refused=("a", "b"), http_workers=http_workers) as (client, _):
             with pytest.raises(NoHealthyServer):
                 await client.generate(REQUEST)
 
@@ -222,14 +234,15 @@ def test_trainer_side_sync_client_speaks_vllm_rl_routes_with_the_token() -> None
     assert b'"new_version":"4"' in seen[5][2].replace(b" ", b"")
 
 
-def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out() -> None:
+@WORKERS
+def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out(http_workers: int) -> None:
     async def slow_a(request: Seen) -> web.Response:
         if request.server == "a":
             await asyncio.sleep(5)  # past the client's timeout; the client hangs up first
         return completion(request)
 
     async def go() -> None:
-        async with client_over(slow_a, timeout=0.3) as (client, urls):
+        async with client_over(slow_a, timeout=0.3, http_workers=http_workers) as (client, urls):
             assert (await client.generate(REQUEST)).server == urls["b"]  # least recently used A went first
             assert client.servers[urls["a"]].healthy  # slow is not dead: only the health watch decides that
 
@@ -279,9 +292,10 @@ def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
     asyncio.run(go())
 
 
-def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers() -> (
-    None
-):
+@WORKERS
+def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the_version_that_answers(
+    http_workers: int,
+) -> None:
     """A pinned session waits for its replica's update and is recorded with the new version; the others go
     to the replica that is not loading (before: they queued behind the load, recorded with the old one)."""
     release = asyncio.Event()
@@ -294,7 +308,7 @@ def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the
         return reply(404 if request.path == "/weight_info" else 200, {})
 
     async def go() -> None:
-        async with client_over(handler) as (client, urls):
+        async with client_over(handler, http_workers=http_workers) as (client, urls):
             a, b = urls["a"], urls["b"]
             assert client.pick("episode").url == a  # the episode's earlier turns were on A
             update = asyncio.create_task(client._update_one(client.servers[a], "/run/weights/step_1", 1))

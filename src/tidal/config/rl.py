@@ -74,6 +74,11 @@ class ClientConfig(Config):
     """Seconds per request."""
     max_in_flight: int = Field(default=64, gt=0)
     """Groups generated concurrently."""
+    http_workers: int = Field(default=0, ge=0)
+    """Processes that send the generation requests and parse their answers, beside the orchestrator's
+    event loop (a server's requests always from the same one); 0: the loop does it. Worth it at hundreds
+    of servers or thousands of requests in flight, where that work would hold the loop (README,
+    "Orchestrator at cluster scale")."""
     weight_update_pause: Literal["wait", "keep"] = "wait"
     """What a full-weight update does with requests in flight. `wait`: stop admitting requests, let the
     running ones finish, load, resume — every completion comes from one policy, but with max_async_level > 0

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import aiohttp
 
 from tidal.inference.guard import TOKEN_HEADER
+from tidal.inference.http_workers import HttpWorkerDied, HttpWorkers, Slim
 from tidal.inference.routing import LeastLoaded, ServerState
 from tidal.inference.types import (
     ChatRequest,
@@ -103,6 +104,7 @@ class InferenceClient:
         backoff: float = 0.5,
         health_interval: float = 2.0,
         pause_mode: PauseMode = "wait",
+        http_workers: int = 0,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
@@ -117,6 +119,9 @@ class InferenceClient:
         # Like a read timeout: seconds without a byte from the server (vLLM answers a completion at its end).
         self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=timeout)
         self._http: aiohttp.ClientSession | None = None  # made in the loop that first sends
+        # Generation requests from worker processes (tidal.inference.http_workers); 0: from this loop.
+        self._workers = HttpWorkers(http_workers, connect_timeout, timeout) if http_workers else None
+        self._index = {url: i for i, url in enumerate(self.servers)}
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._latest_weights: tuple[int, str] | None = None
         # One fan-out or catch-up at a time: a server re-admitted during a fan-out that skipped it would
@@ -146,6 +151,8 @@ class InferenceClient:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._workers is not None:
+            await self._workers.close()
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -187,7 +194,9 @@ class InferenceClient:
             "return_token_ids": True,
             **request.sampling.to_vllm(),
         }
-        server, version, data = await self._send_generation("/v1/completions", body, request.lora, session_id)
+        server, version, data = await self._send_generation(
+            "/v1/completions", body, request.lora, session_id, "completions"
+        )
         completions = tuple(_completion(c, c["logprobs"]["token_logprobs"]) for c in _choices(data))
         prompt_ids = tuple(data["choices"][0]["prompt_token_ids"])
         self._count(server, completions)
@@ -209,7 +218,7 @@ class InferenceClient:
             **request.sampling.to_vllm(),
         }
         server, version, data = await self._send_generation(
-            "/v1/chat/completions", body, request.lora, session_id
+            "/v1/chat/completions", body, request.lora, session_id, "chat"
         )
         completions = tuple(
             _completion(
@@ -224,7 +233,7 @@ class InferenceClient:
         )
 
     async def _send_generation(
-        self, path: str, body: dict[str, Any], lora: str | None, session_id: str | None
+        self, path: str, body: dict[str, Any], lora: str | None, session_id: str | None, shape: Slim
     ) -> tuple[str, int, Any]:
         """Dispatch with `model` set: the named adapter, else the LoRA policy's, else the base model.
 
@@ -232,10 +241,10 @@ class InferenceClient:
         """
         model = lora or self._policy_adapter
         if model is None:
-            return await self._dispatch(path, {"model": await self._model_name(), **body}, session_id)
+            return await self._dispatch(path, {"model": await self._model_name(), **body}, session_id, shape)
         with self._using_adapter(model):  # counted from here, with no await before: unloads respect it
             adapter_version = self._policy_adapters.get(model, (None, ""))[0]
-            server, version, data = await self._dispatch(path, {"model": model, **body}, session_id)
+            server, version, data = await self._dispatch(path, {"model": model, **body}, session_id, shape)
         return server, version if adapter_version is None else adapter_version, data
 
     def _count(self, url: str, completions: Sequence[Completion]) -> None:
@@ -257,7 +266,7 @@ class InferenceClient:
 
     async def _model_name(self) -> str:
         if self.model is None:
-            server, _, data = await self._dispatch("/v1/models", None, None, method="GET")
+            server, _, data = await self._dispatch("/v1/models", None, None, None, method="GET")
             self.model = str(data["data"][0]["id"])
         return self.model
 
@@ -282,9 +291,15 @@ class InferenceClient:
         return server
 
     async def _dispatch(
-        self, path: str, body: dict[str, Any] | None, session_id: str | None, method: str = "POST"
+        self,
+        path: str,
+        body: dict[str, Any] | None,
+        session_id: str | None,
+        shape: Slim | None,
+        method: str = "POST",
     ) -> tuple[str, int, Any]:
-        """Send to a server, retrying elsewhere on transient failure; returns (url, version, json)."""
+        """Send to a server, retrying elsewhere on transient failure; returns (url, version, json).
+        A generation request (`shape` set) goes through an HTTP worker when there are some."""
         failure = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -299,7 +314,10 @@ class InferenceClient:
             version = server.version
             server.in_flight += 1
             try:
-                response = await self._request(method, server.url + path, body)
+                response = await self._send(method, server, path, body, shape)
+            except HttpWorkerDied as exc:  # not the server's fault: it stays in rotation
+                failure = str(exc)
+                continue
             except TimeoutError as exc:
                 failure = f"{server.url}{path} timed out ({type(exc).__name__})"
                 continue
@@ -318,6 +336,14 @@ class InferenceClient:
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
         raise ServerFailed(f"{path} failed {self.max_retries + 1} times; last: {failure}")
+
+    async def _send(
+        self, method: str, server: ServerState, path: str, body: dict[str, Any] | None, shape: Slim | None
+    ) -> "Reply":
+        if self._workers is None or shape is None or body is None:
+            return await self._request(method, server.url + path, body)
+        status, raw, slim = await self._workers.post(self._index[server.url], server.url + path, body, shape)
+        return Reply(status, raw, slim)
 
     def mark_down(self, server: ServerState, reason: str) -> None:
         if server.healthy:
@@ -564,9 +590,11 @@ class Reply:
 
     status: int
     body: bytes
+    parsed: Any = None
+    """The answer already parsed (an HTTP worker's slim answer); else `json()` parses the body."""
 
     def json(self) -> Any:
-        return json.loads(self.body)
+        return json.loads(self.body) if self.parsed is None else self.parsed
 
     @property
     def text(self) -> str:
@@ -580,7 +608,7 @@ def _json_or_raise(response: Reply, url: str) -> Any:
             raise RequestRejected(response.status, message, url)
         raise ServerFailed(f"{url} answered {response.status}: {message}")
     try:
-        return response.json() if response.body else None
+        return response.json() if response.body or response.parsed is not None else None
     except ValueError:  # some vLLM routes answer plain text (e.g. "Success: LoRA adapter ... added")
         return response.text
 

@@ -94,6 +94,7 @@ class Orchestrator:
             admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"),
             timeout=cfg.client.timeout,
             pause_mode=cfg.client.weight_update_pause,
+            http_workers=cfg.client.http_workers,
         )
         async with client, reward_workers(cfg.reward_workers):
             await client.wait_healthy(timeout=cfg.client.timeout)

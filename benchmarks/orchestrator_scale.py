@@ -280,6 +280,7 @@ class Window:
         return {
             "t": time.perf_counter(),
             "cpu": time.process_time() + cpu_seconds(self.client_pids),
+            "main_cpu": time.process_time(),
             "gc": self.gc_seconds,
             "gc2": self.gc_by_generation[2],
             "gc1": self.gc_by_generation[1],
@@ -301,6 +302,7 @@ def rates(a: dict[str, float], b: dict[str, float], lags: list[float]) -> dict[s
         "requests_per_s": requests / seconds,
         "client_cpu_s_per_rollout": (b["cpu"] - a["cpu"]) / max(rollouts, 1),
         "client_cpu_share": (b["cpu"] - a["cpu"]) / seconds,
+        "client_event_loop_cpu_share": (b["main_cpu"] - a["main_cpu"]) / seconds,
         "client_gc_share": (b["gc"] - a["gc"]) / seconds,
         "client_gc_share_by_generation": [
             round((b["gc"] - a["gc"] - (b["gc1"] - a["gc1"]) - (b["gc2"] - a["gc2"])) / seconds, 4),

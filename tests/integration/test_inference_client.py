@@ -91,3 +91,26 @@ async def _exercise(
             print("fan-out seconds per server:", [round(s.seconds, 3) for s in restore.servers])
         finally:
             restarted.stop()
+
+
+def test_http_workers_read_real_vllm_answers_as_the_loop_does(inference_server: ServerProcess) -> None:
+    """Seeded sampling, the same request on the loop and through HTTP workers: the same tokens, logprobs and
+    texts from vLLM's real answers (completions and chat), which the workers slim down."""
+    from tidal.inference.types import ChatMessage, ChatRequest
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+    completion = GenerateRequest(prompt_token_ids=(1, 91, 89, 75, 88, 4), sampling=sampling, n=3)
+    chat = ChatRequest(messages=(ChatMessage(role="user", content="abc"),), sampling=sampling, n=2)
+
+    async def both(http_workers: int) -> tuple:
+        async with InferenceClient([inference_server.url], http_workers=http_workers) as client:
+            generated, chatted = await client.generate(completion), await client.chat(chat)
+            if http_workers:
+                assert len(client._workers.pids()) == 1  # type: ignore[union-attr]  # it went through one
+        return generated, chatted
+
+    on_loop, in_workers = asyncio.run(both(0)), asyncio.run(both(1))
+    assert in_workers == on_loop
+    assert all(
+        len(c.token_ids) == 6 == len(c.logprobs) for c in on_loop[0].completions + on_loop[1].completions
+    )

@@ -42,8 +42,15 @@ COMMANDS: dict[str, Command] = {
     ),
     "sft": Command(
         "tidal.config.sft:SFTConfig",
-        "tidal.trainer.sft:main",
-        "Supervised fine-tuning on chat conversations (loss on assistant tokens; FSDP2 under torchrun).",
+        "tidal.launcher.sft:main",
+        "Supervised fine-tuning on chat conversations (loss on assistant tokens; FSDP2 under torchrun, which "
+        "it starts itself for several ranks, here or on Slurm or Kubernetes).",
+        dry_run="tidal.launcher.sft:dry_run",
+    ),
+    "sft-node": Command(
+        "tidal.config.node:SFTNodeConfig",
+        "tidal.deploy.node:sft_main",
+        "One node's share of a cluster `tidal sft` (the Slurm job or each pod starts it on every node).",
     ),
     "inference": Command(
         "tidal.config.inference:InferenceConfig",

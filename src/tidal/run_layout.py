@@ -1,10 +1,11 @@
-"""Where each process of an RL run reads and writes under `<output_dir>` (one place, so they agree)."""
+"""Where each process of a run reads and writes under `<output_dir>` (one place, so they agree)."""
 
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from tidal.errors import UserError
 from tidal.trainer import manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -16,6 +17,26 @@ def rollouts_dir(output_dir: Path) -> Path:
 
 def trainer_checkpoints_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def configs_dir(output_dir: Path) -> Path:
+    """The config files the launchers start their processes with."""
+    return Path(output_dir) / "configs"
+
+
+def sft_metrics_path(output_dir: Path) -> Path:
+    return Path(output_dir) / "metrics.jsonl"
+
+
+def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
+    """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
+    if resume:
+        return
+    if manifest.checkpoint_dirs(ckpt_root) or metrics_path.exists():
+        out = metrics_path.parent
+        raise UserError(
+            f"{out} already holds a run; pass --resume to continue it or choose another --output-dir"
+        )
 
 
 def orchestrator_dir(output_dir: Path) -> Path:

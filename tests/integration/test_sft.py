@@ -1,4 +1,5 @@
-"""`tidal sft` end to end on the tiny model: real processes, checkpoints, SIGTERM + --resume, torchrun FSDP2."""
+"""`tidal sft` end to end on the tiny model: real processes, checkpoints, SIGTERM + --resume, torchrun FSDP2
+(started by hand, and by `tidal sft` itself with `deployment.num_trainer_ranks = 2`)."""
 
 import json
 import os
@@ -79,14 +80,24 @@ def test_interrupt_after_checkpoint_then_resume_matches_uninterrupted(reference_
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 
-def test_torchrun_two_ranks_fsdp2_matches_single_process(reference_run, tmp_path):
-    out = tmp_path / "fsdp"
+TWO_RANKS = ("--max-steps", "12", "--ckpt.interval", "6", "--num-threads", "1")
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two ranks under a torchrun started by hand (FSDP2 over gloo)."""
+    out = tmp_path_factory.mktemp("fsdp") / "torchrun"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tidal", "sft", "@", CI_CONFIG,
-         "--output-dir", str(out), "--max-steps", "12", "--ckpt.interval", "6", "--num-threads", "1"],
+         "--output-dir", str(out), *TWO_RANKS],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_torchrun_two_ranks_fsdp2_matches_single_process(reference_run, torchrun_run):
+    out, result = torchrun_run
     assert "2 rank(s)" in result.stdout
     sharded, reference = losses(out), losses(reference_run)
     # same data, same init, gradients reduced over 2 ranks: the loss curve matches up to float reordering
@@ -94,6 +105,24 @@ def test_torchrun_two_ranks_fsdp2_matches_single_process(reference_run, tmp_path
     for step in range(1, 6):
         assert sharded[step] == pytest.approx(reference[step], rel=1e-4), step
     # the sharded checkpoint resumes too
+    assert (out / "checkpoints" / "step_12" / "model_optim").is_dir()
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_tidal_sft_starts_torchrun_itself_for_two_ranks_with_the_same_losses(torchrun_run, tmp_path):
+    out = tmp_path / "local"
+    result = run_tidal("sft", "@", CI_CONFIG, "--output-dir", str(out), *TWO_RANKS,
+                       "--deployment.num-trainer-ranks", "2")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = out / "configs" / "sft.toml"
+    assert result.stdout.startswith(
+        f"tidal sft: torchrun with 2 ranks (CPU, 1 thread(s) each); config {config}\n"
+    )
+    assert "sft: 400 conversations, 12 steps, 2 rank(s) on cpu" in result.stdout
+    ours, by_hand = losses(out), losses(torchrun_run[0])
+    assert sorted(ours) == list(range(1, 13))
+    for step in ours:  # the same two ranks, the same computation
+        assert ours[step] == pytest.approx(by_hand[step], rel=1e-6), step
     assert (out / "checkpoints" / "step_12" / "model_optim").is_dir()
     assert (out / "final" / "model.safetensors").exists()
 

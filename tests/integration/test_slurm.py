@@ -1,6 +1,7 @@
-"""`tidal rl` on a real Slurm: a local 2-node cluster (tests/integration/slurm_cluster.py) runs the tiny
-reverse_text run submitted by `tidal rl` — inference on n1, a 2-rank trainer and the orchestrator on n2,
-weights and rollouts through the output dir — to the end, after `scancel`, and after `scontrol requeue`."""
+"""`tidal rl` and `tidal sft` on a real Slurm: a local 2-node cluster (tests/integration/slurm_cluster.py) runs
+the tiny reverse_text run submitted by `tidal rl` — inference on n1, a 2-rank trainer and the orchestrator on
+n2, weights and rollouts through the output dir — to the end, after `scancel`, and after `scontrol requeue`;
+and a tiny `tidal sft` over both nodes (one rank each, torchrun's c10d rendezvous on n1)."""
 
 import json
 import math
@@ -14,12 +15,25 @@ import psutil
 import pytest
 
 from tests.conftest import run_tidal
+from tests.integration.conftest import free_port
 from tests.integration.slurm_cluster import LocalSlurm, missing_programs
 from tidal import run_layout
 from tidal.monitor.metrics import read_metrics
 
 RUN = "configs/ci/rl_tiny.toml"
 OVERLAY = "configs/ci/slurm_tiny.toml"
+SFT_RUN = "configs/ci/sft_tiny.toml"
+SFT_OVERLAY = "configs/ci/slurm_sft_tiny.toml"
+SFT_SHORT = (
+    "--max-steps",
+    "4",
+    "--ckpt.interval",
+    "2",
+    "--scheduler.warmup-steps",
+    "1",
+    "--eval.num-examples",
+    "2",
+)
 JOB_TIMEOUT = 420.0
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 pytestmark = pytest.mark.slow
@@ -54,8 +68,9 @@ def submit(slurm: LocalSlurm, out: Path, steps: int, *extra: str) -> str:
 
 
 def job_log(out: Path, job: str) -> str:
-    path = out / "slurm" / f"tidal-rl-{job}.log"
-    return path.read_text(errors="replace") if path.exists() else f"(no {path})"
+    """The job's log, <job_name>-<job id>.log (tidal-rl-… or tidal-sft-…)."""
+    found = sorted((out / "slurm").glob(f"*-{job}.log"))
+    return found[0].read_text(errors="replace") if found else f"(no log of job {job} in {out / 'slurm'})"
 
 
 def wait_for(
@@ -194,3 +209,43 @@ def test_a_failing_trainer_fails_the_job_naming_role_and_node_and_stops_the_othe
     while still_running(processes) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not still_running(processes)
+
+
+def sft_losses(out: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m}
+
+
+def test_sbatch_runs_tidal_sft_over_both_nodes_with_the_losses_of_a_local_run(slurm, tmp_path):
+    out = tmp_path / "sft"
+    port = str(free_port())
+    result = run_tidal(
+        "sft", "@", SFT_RUN, "@", SFT_OVERLAY, "--output-dir", str(out), *SFT_SHORT,
+        "--deployment.rendezvous-port", port, env={"SLURM_CONF": str(slurm.conf)}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = re.search(r"^tidal sft: submitted job (\d+)$", result.stdout, re.MULTILINE)
+    assert found is not None, result.stdout
+    job = found.group(1)
+    assert f"tidal sft: batch script {out / 'slurm' / 'tidal-sft.sbatch'}" in result.stdout
+    assert f"scancel {job}" in result.stdout
+    # meanwhile, the same run in one process on this machine
+    local = tmp_path / "local"
+    reference = run_tidal("sft", "@", SFT_RUN, "--output-dir", str(local), *SFT_SHORT, "--num-threads", "1")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    state = wait_ended(slurm, out, job)
+    log = job_log(out, job)
+    assert (out / "slurm" / f"tidal-sft-{job}.log").exists()
+    assert state == "COMPLETED", log[-4000:]
+    for index, name in enumerate(("n1", "n2")):
+        assert f"tidal node {index} ({name}): trainer, 1 rank(s); nodes 127.0.0.1, 127.0.0.1;" in log, log
+    assert "2 rank(s) on cpu" in log, log
+    ranks = tomllib.loads((out / "configs" / "sft_node1.toml").read_text())
+    assert ranks["deployment"]["num_trainer_nodes"] == 2 and "node_index" not in ranks
+    # two ranks on two nodes, gradients reduced over both: the losses of the one-process run
+    sharded, expected = sft_losses(out), sft_losses(local)
+    assert sorted(sharded) == [1, 2, 3, 4]
+    for step in sharded:
+        assert sharded[step] == pytest.approx(expected[step], rel=1e-4), step
+    assert (out / "final" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "step_4" / "model_optim").is_dir()

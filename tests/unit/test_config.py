@@ -229,8 +229,14 @@ def test_rl_sub_table_keys_tidal_rl_does_not_set_are_kept(tmp_path):
 SHIPPED_CONFIGS = sorted((REPO / "examples").glob("*/*.toml")) + sorted((REPO / "configs").glob("*/*.toml"))
 
 
+SFT_OVERLAY_BASE = str(REPO / "configs/ci/sft_tiny.toml")
+"""SFT overlays (`*_sft_*`) validate on top of this run config: alone they have no data."""
+
+
 def _schema_for(path: Path) -> str:
     stem = path.stem
+    if "_sft_" in stem:
+        return "tidal.config.sft:SFTConfig"
     for prefix, schema in [
         ("rl", "tidal.config.rl:RLConfig"),
         ("async_overlap", "tidal.config.rl:RLConfig"),
@@ -250,7 +256,8 @@ def test_every_shipped_config_validates(path):
     import importlib
 
     module, name = _schema_for(path).split(":")
-    load_config(getattr(importlib.import_module(module), name), [str(path)], [])
+    base = [SFT_OVERLAY_BASE] if "_sft_" in path.stem else []
+    load_config(getattr(importlib.import_module(module), name), [*base, str(path)], [])
 
 
 def test_eval_rejects_an_inference_model_it_would_replace_by_the_top_level_one(tmp_path):

@@ -1,6 +1,7 @@
-"""Kubernetes manifests of `tidal rl` (tidal.deploy.kubernetes): valid against the API schemas (offline, with
-kubernetes-validate), one pod per node of the plan, each running `tidal node` with its own node index and every
-pod's address, GPUs, probes, the shared volume, the token Secret, kubectl, and one-line config errors."""
+"""Kubernetes manifests of `tidal rl` and `tidal sft` (tidal.deploy.kubernetes): valid against the API schemas
+(offline, with kubernetes-validate), one pod per node of the plan, each running the node agent (`tidal node`,
+`tidal sft-node`) with its own node index and every pod's address, GPUs, probes, the shared volume, the token
+Secret, kubectl, and one-line config errors."""
 
 import http.server
 import json
@@ -20,7 +21,9 @@ import yaml
 
 from tests.conftest import REPO
 from tidal.config.loader import load_config
+from tidal.config.node import SFTNodeConfig
 from tidal.config.rl import RLConfig
+from tidal.config.sft import SFTConfig
 from tidal.deploy import kubernetes as k8s
 from tidal.deploy.plan import INFERENCE, TRAINER, place
 from tidal.errors import UserError
@@ -425,3 +428,110 @@ def test_a_missing_or_failing_kubectl_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="failed: error: You must be logged in to the server$") as info:
         k8s.launch(rl)
     assert "\n" not in str(info.value)
+
+
+SFT_RUN = REPO / "examples" / "reverse_text" / "sft_one_gpu.toml"
+SFT_EXAMPLE = REPO / "examples" / "cluster" / "k8s_sft_2node.toml"
+
+
+def sft_example(*overrides: tuple[str, object]) -> SFTConfig:
+    return load_config(SFTConfig, [str(SFT_RUN), str(SFT_EXAMPLE)], list(overrides))
+
+
+def test_the_sft_manifests_are_one_indexed_job_of_trainer_pods_that_pass_the_api_schemas():
+    sft = sft_example()
+    files = k8s.render(sft, None)
+    assert sorted(files) == [k8s.VOLUME_FILE, k8s.CONFIG_FILE, k8s.SERVICES_FILE, k8s.JOB_FILES[TRAINER]]
+    for manifests in files.values():
+        for manifest in manifests:
+            assert_valid(manifest)
+    (job,) = files[k8s.JOB_FILES[TRAINER]]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["backoffLimit"] == 0
+    assert container(job)["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert [e["name"] for e in container(job)["env"]] == ["PYTHONUNBUFFERED"]  # no admin token
+    (service,) = files[k8s.SERVICES_FILE]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [sft.deployment.rendezvous_port]
+    assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
+    with pytest.raises(ValueError, match="token"):
+        k8s.render(sft, "a-token")
+
+
+def test_each_sft_pod_runs_tidal_sft_node_with_its_index_and_both_pod_addresses(tmp_path):
+    sft = sft_example()
+    (job,) = k8s.render(sft, None)[k8s.JOB_FILES[TRAINER]]
+    every = k8s.addresses(sft)
+    assert every == [k8s.pod_address(sft.kubernetes, TRAINER, i) for i in (0, 1)]
+    for index in (0, 1):
+        argv = _run_command(container(job)["command"], index, tmp_path)
+        assert argv == [
+            "sft-node",
+            "@",
+            "/etc/tidal/sft.toml",
+            "--node-index",
+            str(index),
+            "--addresses",
+            ",".join(every),
+        ]
+
+
+def test_the_sft_config_map_holds_the_run_config_the_pods_load(tmp_path):
+    sft = sft_example()
+    text = k8s.render(sft, None)[k8s.CONFIG_FILE][0]["data"]["sft.toml"]
+    path = tmp_path / "sft.toml"
+    path.write_text(text)
+    loaded = load_config(
+        SFTNodeConfig, [str(path)], [("node_index", 1), ("addresses", ",".join(k8s.addresses(sft)))]
+    )
+    assert loaded.output_dir == Path("/shared/outputs/reverse_text/k8s_sft_2node")
+    assert loaded.model_dump(exclude={"output_dir", "node_index", "addresses", "run_id"}) == sft.model_dump(
+        exclude={"output_dir"}
+    )
+
+
+def test_sft_dry_run_writes_manifests_that_validate(tmp_path):
+    result = _tidal("sft", "@", str(SFT_RUN), "@", str(SFT_EXAMPLE), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "outputs" / "reverse_text" / "k8s_sft_2node" / "k8s"
+    listed = [tmp_path / line for line in result.stdout.splitlines() if line.endswith(".yaml")]
+    assert sorted(listed) == sorted(folder.iterdir()) and len(listed) == 4
+    assert f"# start the run: kubectl apply -f {folder.relative_to(tmp_path)}" in result.stdout
+    kinds = []
+    for path in listed:
+        for manifest in yaml.safe_load_all(path.read_text()):
+            assert_valid(manifest)
+            kinds.append(manifest["kind"])
+    assert sorted(kinds) == ["ConfigMap", "Job", "PersistentVolumeClaim", "Service"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ((("kubernetes.image", None),), "kubernetes.image"),
+        ((("deployment.trainer_gpus", [4, 5, 6, 7, 8, 9, 10, 11]),), "deployment.trainer_gpus"),
+        ((("output_dir", "/data/sft"),), "output_dir"),
+    ],
+)
+def test_sft_config_errors_are_one_line_naming_the_key(overrides, key):
+    with pytest.raises(UserError) as info:
+        sft_example(*overrides)
+    assert "\n" not in str(info.value) and f": {key}: " in str(info.value), info.value
+
+
+def test_sft_pods_need_a_gpu_per_rank():
+    with pytest.raises(UserError, match=r"deployment.trainer_gpus: lists 2 GPU\(s\) for 8 trainer rank"):
+        k8s.render(sft_example(("deployment.trainer_gpus", [0, 1])), None)
+
+
+def test_sft_launch_says_how_to_follow_every_trainer_pod(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{_kubectl(tmp_path, 0)}:/usr/bin:/bin")
+    assert k8s.launch(sft_example(("kubernetes.apply", True))) == 0
+    out = capsys.readouterr().out
+    assert "tidal sft: wrote 4 manifests to outputs/reverse_text/k8s_sft_2node/k8s/" in out
+    assert (
+        "follow the trainer pods with: kubectl -n default logs -f -l job-name=sft-2node-trainer --prefix"
+        in out
+    )

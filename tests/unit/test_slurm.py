@@ -1,5 +1,6 @@
-"""Slurm without Slurm: the batch script of the examples, the `[slurm]` config, the node agent's reading of
-scontrol output and of its flags (the real cluster runs in tests/integration/test_slurm.py)."""
+"""Slurm without Slurm: the batch script of the examples (`tidal rl` and `tidal sft`), the `[slurm]` config, the
+node agent's reading of scontrol output and of its flags (the real cluster runs in
+tests/integration/test_slurm.py)."""
 
 import os
 import shutil
@@ -13,8 +14,9 @@ import pytest
 from tests.conftest import REPO, run_tidal
 from tidal import run_layout
 from tidal.config.loader import load_config
-from tidal.config.node import NodeConfig
+from tidal.config.node import NodeConfig, SFTNodeConfig
 from tidal.config.rl import RLConfig
+from tidal.config.sft import SFTConfig
 from tidal.deploy import slurm
 from tidal.deploy.node import parse_hostnames, parse_node_addrs, resolve_node
 from tidal.errors import UserError
@@ -31,7 +33,7 @@ def config(*files: str, **overrides: object) -> RLConfig:
     return load_config(RLConfig, list(files), list(overrides.items()))
 
 
-def script(cfg: RLConfig) -> str:
+def script(cfg: RLConfig | SFTConfig) -> str:
     return slurm.render(cfg, WORKDIR)[2]
 
 
@@ -230,3 +232,73 @@ def test_a_second_ctrl_c_still_kills_at_once():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert result.returncode == -signal.SIGINT
+
+
+SFT_RUN = str(REPO / "examples/reverse_text/sft_one_gpu.toml")
+SFT_TWO = str(REPO / "examples/cluster/slurm_sft_2node.toml")
+
+
+def sft_config(*files: str, **overrides: object) -> SFTConfig:
+    return load_config(SFTConfig, list(files), list(overrides.items()))
+
+
+def test_the_sft_example_asks_for_two_gpu_nodes_and_starts_tidal_sft_node_on_each(tmp_path):
+    text = script(sft_config(SFT_RUN, SFT_TWO))
+    options = sbatch_lines(text)
+    out = WORKDIR / "outputs/reverse_text/sft_one_gpu"
+    assert options[:5] == [
+        "--job-name=tidal-sft", "--nodes=2", "--ntasks-per-node=1", "--exclusive", "--gpus-per-node=8",
+    ]  # fmt: skip
+    for option in (
+        "--partition=gpu",
+        "--time=04:00:00",
+        f"--output={out}/slurm/tidal-sft-%j.log",
+        "--requeue",
+    ):
+        assert option in options
+    assert "# `tidal sft` on Slurm, rendered from the run config " + f"{out}/slurm/sft.toml" in text
+    assert "#   torchrun with 8 rank(s) each, c10d rendezvous on node 0 at port 29400" in text
+    assert f'-m tidal sft-node @ {out}/slurm/sft.toml "$@"' in text
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL " in text
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume="--resume"; fi' in text
+    assert "TIDAL_ADMIN_TOKEN" not in text and "export PYTHONUNBUFFERED=1" in text  # no inference, no token
+    assert text.count("source .venv/bin/activate") == 2
+    if shutil.which("bash"):
+        path = tmp_path / "job.sbatch"
+        path.write_text(text)
+        check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+
+
+def test_the_sft_job_config_round_trips_through_tidal_sft_node(tmp_path):
+    cfg = sft_config(SFT_RUN, SFT_TWO, output_dir="relative/run")
+    job, files, _ = slurm.render(cfg, tmp_path)
+    assert files.config == tmp_path / "relative/run/slurm/sft.toml"
+    path = tmp_path / "sft.toml"
+    path.write_text(slurm.config_toml(job))
+    node = load_config(SFTNodeConfig, [str(path)], [("node_index", 1), ("addresses", "10.0.0.1,10.0.0.2")])
+    assert node.model_dump(exclude={"node_index", "addresses", "run_id"}) == job.model_dump()
+
+
+def test_sft_dry_run_prints_the_batch_script_and_submits_nothing(tmp_path):
+    out = tmp_path / "out"
+    result = run_tidal("sft", "@", SFT_RUN, "@", SFT_TWO, "--output-dir", str(out), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"# ---- {out}/slurm/tidal-sft.sbatch ----\n#!/bin/bash\n")
+    assert f"# ---- {out}/slurm/sft.toml ----" in result.stdout and "#SBATCH --nodes=2" in result.stdout
+    assert not out.exists()
+
+
+def test_an_sft_job_with_fewer_gpus_than_ranks_fails_at_render():
+    with pytest.raises(UserError, match=r"deployment.trainer_gpus: lists 2 GPU\(s\) for 8 trainer rank"):
+        script(sft_config(SFT_RUN, SFT_TWO, **{"deployment.trainer_gpus": [0, 1]}))
+    script(sft_config(SFT_RUN, SFT_TWO, **{"deployment.trainer_gpus": [0, 1], "slurm.gpus_per_node": 0}))
+
+
+def test_sft_submit_refuses_an_output_dir_with_a_run_unless_resumed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(UserError, match="already holds a run; pass --resume"):
+        slurm.submit(sft_config(SFT_RUN, SFT_TWO, output_dir=str(out)))
+    assert not (out / "slurm").exists()

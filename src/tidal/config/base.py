@@ -1,6 +1,6 @@
 """Base class of every config node: unknown keys are errors and attribute docstrings become `--help` text."""
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator
 
@@ -14,6 +14,10 @@ class Config(BaseModel):
         validate_default=True,
         validate_assignment=True,
     )
+
+    UNKNOWN_KEY_HINTS: ClassVar[dict[str, str]] = {}
+    """Why a key that is not a field is unknown here, by key (e.g. it belongs to another command's table):
+    said instead of a spelling suggestion, which would point at the wrong key."""
 
 
 def type_or(default: str, *others: str) -> Discriminator:

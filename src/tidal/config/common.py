@@ -152,3 +152,7 @@ class TrainerRunConfig(RunConfig):
     """`auto` uses CUDA when available."""
     num_threads: int | None = Field(default=None, gt=0)
     """Torch CPU threads per process (default: CPU cores divided by local ranks)."""
+
+    def cpu_threads(self) -> int | None:
+        """Torch CPU threads each process of this run sets (None: CPU cores divided by local ranks)."""
+        return self.num_threads

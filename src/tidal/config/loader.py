@@ -215,6 +215,9 @@ def _suggest(schema: type[BaseModel], key: Key, data: dict[str, Any]) -> str:
     model = _model_at(schema, key[:-1], data)
     if model is None:
         return ""
+    hint = getattr(model, "UNKNOWN_KEY_HINTS", {}).get(key[-1])
+    if hint is not None:
+        return f": {hint}"
     close = difflib.get_close_matches(key[-1], list(model.model_fields), n=1)
     return f" (did you mean '{'.'.join((*key[:-1], close[0]))}'?)" if close else ""
 

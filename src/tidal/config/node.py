@@ -1,16 +1,17 @@
-"""Schema of `tidal node`: a cluster run's config plus which node this is and where the others are."""
+"""Schemas of the node agents, `tidal node` and `tidal sft-node`: a cluster run's config plus which node this
+is and where the others are."""
 
 from typing import Any
 
 from pydantic import Field, field_validator
 
+from tidal.config.base import Config
 from tidal.config.rl import RLConfig
+from tidal.config.sft import SFTConfig
 
 
-class NodeConfig(RLConfig):
-    """`tidal node @ <output_dir>/slurm/rl.toml`: run this node's share of a cluster `tidal rl` (its
-    inference replicas, its trainer ranks, the orchestrator if placed here). The Slurm job starts it on
-    every node; it is not meant to be started by hand. Without the flags below it reads Slurm's variables."""
+class NodeFields(Config):
+    """Which node of a cluster run this is; without these flags the agent reads Slurm's variables."""
 
     node_index: int | None = Field(default=None, ge=0)
     """This node's index (inference nodes first, then trainer nodes). Default: SLURM_NODEID."""
@@ -34,3 +35,16 @@ class NodeConfig(RLConfig):
         if value is not None and (not value or any(not a for a in value)):
             raise ValueError("give every node's address, comma-separated")
         return value
+
+
+class NodeConfig(NodeFields, RLConfig):
+    """`tidal node @ <output_dir>/slurm/rl.toml`: run this node's share of a cluster `tidal rl` (its
+    inference replicas, its trainer ranks, the orchestrator if placed here). The Slurm job starts it on
+    every node; it is not meant to be started by hand. Without the flags below it reads Slurm's variables."""
+
+
+class SFTNodeConfig(NodeFields, SFTConfig):
+    """`tidal sft-node @ <output_dir>/slurm/sft.toml`: run this node's share of a cluster `tidal sft`:
+    torchrun with deployment.num_trainer_ranks ranks, joined by a c10d rendezvous on the first node. The
+    Slurm job (or each pod) starts it on every node; it is not meant to be started by hand. Without the
+    flags below it reads Slurm's variables."""

@@ -16,7 +16,7 @@ from tidal.config.common import (
     TrainerRunConfig,
     WandbConfig,
 )
-from tidal.config.deployment import DeploymentConfig
+from tidal.config.deployment import DeploymentConfig, check_table_used
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
 from tidal.config.inference import InferenceConfig
@@ -334,11 +334,7 @@ class RLConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_slurm(self) -> "RLConfig":
-        if "slurm" in self.model_fields_set and self.deployment.type != "slurm":
-            raise ConfigProblem(
-                "slurm",
-                f'[slurm] is only used with deployment.type = "slurm" (it is {self.deployment.type!r})',
-            )
+        check_table_used(self, "slurm", self.deployment.type)
         return self
 
     @model_validator(mode="after")
@@ -351,13 +347,9 @@ class RLConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_kubernetes(self) -> "RLConfig":
+        check_table_used(self, "kubernetes", self.deployment.type)
         if self.deployment.type == "kubernetes":
             check_run(self)
-        elif "kubernetes" in self.model_fields_set:
-            raise ConfigProblem(
-                "kubernetes",
-                f'this table is for deployment.type = "kubernetes" (not {self.deployment.type!r})',
-            )
         return self
 
     @model_validator(mode="after")

@@ -15,8 +15,11 @@ from tidal.config.common import (
     TrainerRunConfig,
     WandbConfig,
 )
+from tidal.config.deployment import SFTDeploymentConfig, check_table_used
+from tidal.config.kubernetes import SFTKubernetesConfig, check_sft_run
 from tidal.config.lora import LoraConfig
 from tidal.config.perf import PerfConfig
+from tidal.config.slurm import SFTSlurmConfig
 
 
 class SFTDataConfig(Config):
@@ -62,6 +65,26 @@ class SFTConfig(TrainerRunConfig):
     eval: SFTEvalConfig = SFTEvalConfig()
     log: LogConfig = LogConfig()
     wandb: WandbConfig = WandbConfig()
+    deployment: SFTDeploymentConfig = SFTDeploymentConfig()
+    slurm: SFTSlurmConfig = SFTSlurmConfig()
+    """The batch job of `deployment.type = "slurm"` (partition, account, time, setup commands, …)."""
+    kubernetes: SFTKubernetesConfig = SFTKubernetesConfig()
+    """Manifests of a Kubernetes run (deployment.type = "kubernetes" only)."""
+
+    def cpu_threads(self) -> int | None:
+        return self.num_threads or self.deployment.trainer_threads
+
+    @model_validator(mode="after")
+    def _check_deployment(self) -> "SFTConfig":
+        check_table_used(self, "slurm", self.deployment.type)
+        check_table_used(self, "kubernetes", self.deployment.type)
+        if self.deployment.type == "kubernetes":
+            check_sft_run(self)
+        if self.num_threads is not None and self.deployment.trainer_threads is not None:
+            raise ConfigProblem(
+                "deployment.trainer_threads", "sets what num_threads sets (threads per rank): set one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "SFTConfig":

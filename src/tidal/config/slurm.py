@@ -1,4 +1,5 @@
-"""Schema of `[slurm]`: how `tidal rl` asks Slurm for the nodes of `[deployment]` (with `type = "slurm"`)."""
+"""Schema of `[slurm]`: how `tidal rl` and `tidal sft` ask Slurm for the nodes of `[deployment]` (with
+`type = "slurm"`)."""
 
 from pydantic import Field, field_validator
 
@@ -26,7 +27,7 @@ class SlurmConfig(Config):
     (<output_dir>/slurm/<job_name>-<job id>.log, appended to by every restart of the job)."""
     gpus_per_node: int | None = Field(default=None, ge=0)
     """`#SBATCH --gpus-per-node`. Default: as many as the larger of deployment.inference_gpus and
-    trainer_gpus lists; 0 asks for none (CPU nodes)."""
+    trainer_gpus lists (`tidal sft`: trainer_gpus); 0 asks for none (CPU nodes)."""
     exclusive: bool = True
     """`#SBATCH --exclusive`: whole nodes (every core and all memory go to this job's processes)."""
     requeue: bool = True
@@ -41,7 +42,8 @@ class SlurmConfig(Config):
     """Python interpreter on the nodes that runs tidal (after `setup`). Default: the one rendering the job
     (the same path must exist on the nodes); "python" takes the first on PATH after `setup`."""
     srun_args: list[str] = []
-    """More options for the one `srun` that starts `tidal node` on every node, e.g. ["--mpi=none"]."""
+    """More options for the one `srun` that starts the node agent (`tidal node`, `tidal sft-node`) on every
+    node, e.g. ["--mpi=none"]."""
 
     @field_validator("extra_sbatch", "setup", "srun_args")
     @classmethod
@@ -63,3 +65,18 @@ class SlurmConfig(Config):
                 raise ValueError(f"{item!r} is not an sbatch option like '--qos=high'")
             options.append(option)
         return options
+
+
+class SFTSlurmConfig(SlurmConfig):
+    """The batch job `tidal sft` renders into <output_dir>/slurm/ and submits with sbatch.
+
+    The job asks for deployment.num_trainer_nodes whole nodes, one task per node, and starts
+    `tidal sft-node` on each with one `srun`: every node learns its index from SLURM_NODEID and the first
+    node's address from the job's node list (`scontrol show node`: NodeAddr), then runs torchrun with
+    deployment.num_trainer_ranks ranks, joined by a c10d rendezvous on the first node. The output_dir must
+    be on storage every node sees (checkpoints, metrics, final/). One node failing ends the job; a requeued
+    job resumes from the last checkpoint."""
+
+    job_name: str = Field(default="tidal-sft", pattern=r"^[A-Za-z0-9._-]+$")
+    """`#SBATCH --job-name`; also names the script (<output_dir>/slurm/<job_name>.sbatch) and its log
+    (<output_dir>/slurm/<job_name>-<job id>.log, appended to by every restart of the job)."""

@@ -1,5 +1,5 @@
-"""Kubernetes manifests of a `tidal rl` run (`deployment.type = "kubernetes"`), rendered from the run config
-into `<output_dir>/k8s/` and applied with `kubectl apply -f` on that folder (`kubernetes.apply`).
+"""Kubernetes manifests of a `tidal rl` or `tidal sft` run (`deployment.type = "kubernetes"`), rendered from
+the run config into `<output_dir>/k8s/` and applied with `kubectl apply -f` on that folder (`kubernetes.apply`).
 
 Each node of the plan (tidal.deploy.plan) is one pod, and every pod runs the node agent,
 `tidal node @ rl.toml --node-index K --addresses <every pod's DNS name>`, which starts that node's roles (the
@@ -39,6 +39,9 @@ place). Finished Jobs are kept (no TTL) so their pods' logs stay readable until 
 How the run ends: the trainer pods and the orchestrator exit when max_steps is reached and the trainer Job
 completes. Inference pods end when their agents do, i.e. when the node agent stops its replicas after the
 run; until then they hold their GPUs, and `kubectl delete -f <dir>` frees them at any time.
+
+`tidal sft` renders the same minus inference: the volume, the ConfigMap (`sft.toml`), one headless Service
+and the trainer Job, whose pods run `tidal sft-node` (torchrun, joined at trainer pod 0); no Secret.
 """
 
 import os
@@ -52,10 +55,11 @@ from typing import Any
 import tomli_w
 import yaml
 
+from tidal.config.deployment import DeploymentConfig
 from tidal.config.inference import ADMIN_TOKEN_ENV
-from tidal.config.kubernetes import KubernetesConfig, PodConfig
+from tidal.config.kubernetes import KubernetesConfig, KubernetesPods, PodConfig
 from tidal.config.rl import RLConfig, ZMQTransport
-from tidal.deploy.plan import INFERENCE, TRAINER, place
+from tidal.deploy.plan import INFERENCE, TRAINER, ClusterRun, kind_of, place, role_nodes
 from tidal.errors import UserError
 from tidal.launcher.split import split_config
 
@@ -69,6 +73,7 @@ ALL_FILES = (VOLUME_FILE, CONFIG_FILE, SECRET_FILE, SERVICES_FILE, *JOB_FILES.va
 
 CONFIG_MOUNT = PurePosixPath("/etc/tidal")
 RUN_CONFIG_KEY = "rl.toml"
+"""The ConfigMap's key (and file name in the pods) of an RL run's config; SFT's is `sft.toml`."""
 TOKEN_KEY = "token"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 """Set by Kubernetes in every pod of an Indexed Job: the pod's index."""
@@ -84,35 +89,35 @@ _HEALTH_PROBE = (
 )
 
 
-def manifests_dir(rl: RLConfig) -> Path:
-    return rl.output_dir / "k8s"
+def manifests_dir(run: ClusterRun) -> Path:
+    return run.output_dir / "k8s"
 
 
-def object_name(kube: KubernetesConfig, what: str) -> str:
+def object_name(kube: KubernetesPods, what: str) -> str:
     return f"{kube.name}-{what}"
 
 
-def pod_output_dir(rl: RLConfig) -> PurePosixPath:
+def pod_output_dir(run: ClusterRun) -> PurePosixPath:
     """output_dir as the pods see it: a relative one is taken from the shared volume's mount path."""
-    out = PurePosixPath(rl.output_dir.as_posix())
-    return out if out.is_absolute() else PurePosixPath(rl.kubernetes.volume.mount_path.as_posix()) / out
+    out = PurePosixPath(run.output_dir.as_posix())
+    return out if out.is_absolute() else PurePosixPath(run.kubernetes.volume.mount_path.as_posix()) / out
 
 
-def pod_address(kube: KubernetesConfig, role: str, index: int) -> str:
+def pod_address(kube: KubernetesPods, role: str, index: int) -> str:
     service = object_name(kube, role)
     return f"{service}-{index}.{service}.{kube.namespace}.svc.{kube.cluster_domain}"
 
 
-def addresses(rl: RLConfig) -> list[str]:
+def addresses(run: ClusterRun) -> list[str]:
     """Every pod's DNS name, by node index of the plan (inference pods first, then trainer pods)."""
-    kube, deploy = rl.kubernetes, rl.deployment
-    inference = [pod_address(kube, INFERENCE, i) for i in range(deploy.num_inference_nodes)]
-    return inference + [pod_address(kube, TRAINER, i) for i in range(deploy.num_trainer_nodes)]
+    roles = kind_of(run).roles
+    return [pod_address(run.kubernetes, role, i) for role in roles for i in range(role_nodes(run, role))]
 
 
-def node_index_offset(rl: RLConfig, role: str) -> int:
+def node_index_offset(run: ClusterRun, role: str) -> int:
     """The plan's index of a role's pod 0 (a pod's node index is this plus its Job index)."""
-    return 0 if role == INFERENCE else rl.deployment.num_inference_nodes
+    roles = kind_of(run).roles
+    return sum(role_nodes(run, earlier) for earlier in roles[: roles.index(role)])
 
 
 def orchestrator_pod(rl: RLConfig) -> tuple[str, int]:
@@ -122,20 +127,21 @@ def orchestrator_pod(rl: RLConfig) -> tuple[str, int]:
     return role, node - node_index_offset(rl, role)
 
 
-def node_command(rl: RLConfig, role: str) -> list[str]:
+def node_command(run: ClusterRun, role: str) -> list[str]:
     """The container command: the node agent, its node index computed by the shell from the Job index."""
-    index = f"$(({node_index_offset(rl, role)} + {INDEX_ENV}))"  # unquoted: the shell must expand it
-    head = ["tidal", "node", "@", str(CONFIG_MOUNT / RUN_CONFIG_KEY), "--node-index"]
-    tail = ["--addresses", ",".join(addresses(rl))]
+    index = f"$(({node_index_offset(run, role)} + {INDEX_ENV}))"  # unquoted: the shell must expand it
+    kind = kind_of(run)
+    head = ["tidal", kind.agent, "@", str(CONFIG_MOUNT / kind.config_file), "--node-index"]
+    tail = ["--addresses", ",".join(addresses(run))]
     script = " ".join(["exec", *map(shlex.quote, head), index, *map(shlex.quote, tail)])
     return ["/bin/sh", "-c", script]
 
 
-def run_config_toml(rl: RLConfig) -> str:
+def run_config_toml(run: ClusterRun) -> str:
     """What the user set (every file and override merged), with output_dir as the pods see it: loading it
     gives the same run config, and keys `tidal rl` fills in itself stay unset for the agents to fill."""
-    data = rl.model_dump(mode="json", exclude_unset=True, exclude_none=True)
-    data["output_dir"] = str(pod_output_dir(rl))
+    data = run.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    data["output_dir"] = str(pod_output_dir(run))
     return tomli_w.dumps(data)
 
 
@@ -144,52 +150,68 @@ def replica_ports(rl: RLConfig) -> list[int]:
     return [base + i for i in range(rl.deployment.num_replicas)]
 
 
-def role_ports(rl: RLConfig, role: str) -> list[tuple[str, int]]:
+def role_ports(run: ClusterRun, role: str) -> list[tuple[str, int]]:
     """(name, port) of what a role's pods listen on, for their containers and Service."""
     ports: list[tuple[str, int]] = []
     if role == INFERENCE:
-        ports += [(f"replica-{i}", port) for i, port in enumerate(replica_ports(rl))]
-    elif rl.deployment.num_trainer_nodes > 1:
-        ports.append(("rendezvous", rl.deployment.rendezvous_port))
-    if orchestrator_pod(rl)[0] == role and isinstance(rl.transport, ZMQTransport):
-        ports.append(("rollouts", rl.transport.port))
+        assert isinstance(run, RLConfig)
+        ports += [(f"replica-{i}", port) for i, port in enumerate(replica_ports(run))]
+    elif run.deployment.num_trainer_nodes > 1:
+        ports.append(("rendezvous", run.deployment.rendezvous_port))
+    if (
+        isinstance(run, RLConfig)
+        and orchestrator_pod(run)[0] == role
+        and isinstance(run.transport, ZMQTransport)
+    ):
+        ports.append(("rollouts", run.transport.port))
     return ports
 
 
-def render(rl: RLConfig, token: str | None) -> dict[str, list[Manifest]]:
-    """Every manifest, by file name (pure). `token`: the admin token of a Secret to create; None when
-    kubernetes.admin_token_secret names an existing one.
+def needs_token(run: ClusterRun) -> bool:
+    """Whether the manifests create a Secret with an admin token (RL runs, unless one is named)."""
+    return isinstance(run, RLConfig) and run.kubernetes.admin_token_secret is None
 
-    The split of the run into per-process configs is done here too, with the pods' addresses, so that a
-    config the agents would refuse fails now, on this machine, and not in every pod."""
-    kube = rl.kubernetes
-    if (token is None) != (kube.admin_token_secret is not None):
-        raise ValueError("give a token exactly when no existing Secret is named")
-    split_config(rl, on_gpu=bool(kube.gpu_resource), addresses=addresses(rl))
+
+def render(run: ClusterRun, token: str | None) -> dict[str, list[Manifest]]:
+    """Every manifest, by file name (pure). `token`: the admin token of a Secret to create; None when
+    kubernetes.admin_token_secret names an existing one, and for SFT (no inference, no token).
+
+    The split of an RL run into per-process configs is done here too, with the pods' addresses, so that a
+    config the agents would refuse fails now, on this machine, and not in every pod (for SFT: a GPU per
+    rank)."""
+    kube = run.kubernetes
+    if (token is not None) != needs_token(run):
+        raise ValueError("give a token exactly when the manifests create its Secret")
+    if isinstance(run, RLConfig):
+        split_config(run, on_gpu=bool(kube.gpu_resource), addresses=addresses(run))
+    elif kube.gpu_resource:
+        run.deployment.check_trainer_gpus()
+    roles = kind_of(run).roles
     files: dict[str, list[Manifest]] = {}
     if kube.volume.claim is None:
         files[VOLUME_FILE] = [_claim(kube)]
-    files[CONFIG_FILE] = [_config_map(rl)]
+    files[CONFIG_FILE] = [_config_map(run)]
     if token is not None:
+        assert isinstance(kube, KubernetesConfig)
         files[SECRET_FILE] = [_secret(kube, token)]
-    files[SERVICES_FILE] = [_service(rl, role) for role in (INFERENCE, TRAINER)]
-    for role, name in JOB_FILES.items():
-        files[name] = [_job(rl, role)]
+    files[SERVICES_FILE] = [_service(run, role) for role in roles]
+    for role in roles:
+        files[JOB_FILES[role]] = [_job(run, role)]
     return files
 
 
-def _labels(kube: KubernetesConfig, role: str | None = None) -> dict[str, str]:
+def _labels(kube: KubernetesPods, role: str | None = None) -> dict[str, str]:
     labels = {"app.kubernetes.io/name": "tidal", "app.kubernetes.io/instance": kube.name}
     if role is not None:
         labels["app.kubernetes.io/component"] = role
     return labels
 
 
-def _metadata(kube: KubernetesConfig, name: str, role: str | None = None) -> Manifest:
+def _metadata(kube: KubernetesPods, name: str, role: str | None = None) -> Manifest:
     return {"name": name, "namespace": kube.namespace, "labels": _labels(kube, role)}
 
 
-def _claim_name(kube: KubernetesConfig) -> str:
+def _claim_name(kube: KubernetesPods) -> str:
     return kube.volume.claim or object_name(kube, "shared")
 
 
@@ -197,7 +219,7 @@ def _secret_name(kube: KubernetesConfig) -> str:
     return kube.admin_token_secret or object_name(kube, "admin-token")
 
 
-def _claim(kube: KubernetesConfig) -> Manifest:
+def _claim(kube: KubernetesPods) -> Manifest:
     assert kube.volume.size is not None  # the config requires a claim or a size
     spec: Manifest = {
         "accessModes": ["ReadWriteMany"],
@@ -213,13 +235,13 @@ def _claim(kube: KubernetesConfig) -> Manifest:
     }
 
 
-def _config_map(rl: RLConfig) -> Manifest:
-    kube = rl.kubernetes
+def _config_map(run: ClusterRun) -> Manifest:
+    kube = run.kubernetes
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(kube, object_name(kube, "config")),
-        "data": {RUN_CONFIG_KEY: run_config_toml(rl)},
+        "data": {kind_of(run).config_file: run_config_toml(run)},
     }
 
 
@@ -233,19 +255,19 @@ def _secret(kube: KubernetesConfig, token: str) -> Manifest:
     }
 
 
-def _service(rl: RLConfig, role: str) -> Manifest:
-    kube = rl.kubernetes
+def _service(run: ClusterRun, role: str) -> Manifest:
+    kube = run.kubernetes
     spec: Manifest = {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _labels(kube, role)}
-    ports = role_ports(rl, role)
+    ports = role_ports(run, role)
     if ports:
         spec["ports"] = [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(kube, object_name(kube, role), role),
             "spec": spec}  # fmt: skip
 
 
-def _job(rl: RLConfig, role: str) -> Manifest:
-    kube, deploy = rl.kubernetes, rl.deployment
-    pods = deploy.num_inference_nodes if role == INFERENCE else deploy.num_trainer_nodes
+def _job(run: ClusterRun, role: str) -> Manifest:
+    kube = run.kubernetes
+    pods = role_nodes(run, role)
     name = object_name(kube, role)
     return {
         "apiVersion": "batch/v1",
@@ -256,19 +278,23 @@ def _job(rl: RLConfig, role: str) -> Manifest:
             "completions": pods,
             "parallelism": pods,
             "backoffLimit": 0,
-            "template": {"metadata": {"labels": _labels(kube, role)}, "spec": _pod_spec(rl, role)},
+            "template": {"metadata": {"labels": _labels(kube, role)}, "spec": _pod_spec(run, role)},
         },
     }
 
 
-def _pod_spec(rl: RLConfig, role: str) -> Manifest:
-    kube = rl.kubernetes
-    pod: PodConfig = kube.inference if role == INFERENCE else kube.trainer
+def _pod_spec(run: ClusterRun, role: str) -> Manifest:
+    kube = run.kubernetes
+    if role == INFERENCE:
+        assert isinstance(kube, KubernetesConfig)
+        pod: PodConfig = kube.inference
+    else:
+        pod = kube.trainer
     spec: Manifest = {
         "subdomain": object_name(kube, role),
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": GRACE_SECONDS,
-        "containers": [_container(rl, role, pod)],
+        "containers": [_container(run, role, pod)],
         "volumes": [
             {"name": "shared", "persistentVolumeClaim": {"claimName": _claim_name(kube)}},
             {"name": "config", "configMap": {"name": object_name(kube, "config")}},
@@ -285,35 +311,34 @@ def _pod_spec(rl: RLConfig, role: str) -> Manifest:
     return spec
 
 
-def _container(rl: RLConfig, role: str, pod: PodConfig) -> Manifest:
-    kube = rl.kubernetes
+def _container(run: ClusterRun, role: str, pod: PodConfig) -> Manifest:
+    kube = run.kubernetes
     assert kube.image is not None  # the config requires it
+    env: list[Manifest] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if isinstance(kube, KubernetesConfig):  # RL: the replicas' admin token (SFT runs none)
+        secret = {"secretKeyRef": {"name": _secret_name(kube), "key": TOKEN_KEY}}
+        env.append({"name": ADMIN_TOKEN_ENV, "valueFrom": secret})
     container: Manifest = {
         "name": "tidal",
         "image": kube.image,
         "imagePullPolicy": kube.image_pull_policy,
-        "command": node_command(rl, role),
-        "env": [
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
-            {
-                "name": ADMIN_TOKEN_ENV,
-                "valueFrom": {"secretKeyRef": {"name": _secret_name(kube), "key": TOKEN_KEY}},
-            },
-        ],
+        "command": node_command(run, role),
+        "env": env,
         "volumeMounts": [
             {"name": "shared", "mountPath": kube.volume.mount_path.as_posix()},
             {"name": "config", "mountPath": str(CONFIG_MOUNT), "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
-    ports = role_ports(rl, role)
+    ports = role_ports(run, role)
     if ports:
         container["ports"] = [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports]
-    resources = _resources(rl, role, pod)
+    resources = _resources(run, role, pod)
     if resources:
         container["resources"] = resources
     if role == INFERENCE:
-        probe_ports = [str(p) for p in replica_ports(rl)]
+        assert isinstance(run, RLConfig)
+        probe_ports = [str(p) for p in replica_ports(run)]
         container["readinessProbe"] = {
             "exec": {"command": ["python3", "-c", _HEALTH_PROBE, *probe_ports]},
             "periodSeconds": 10,
@@ -323,15 +348,20 @@ def _container(rl: RLConfig, role: str, pod: PodConfig) -> Manifest:
     return container
 
 
-def _resources(rl: RLConfig, role: str, pod: PodConfig) -> Manifest:
+def _resources(run: ClusterRun, role: str, pod: PodConfig) -> Manifest:
     """CPU and memory as requests; GPUs as limits (an extended resource's request equals its limit)."""
     resources: Manifest = {}
     requests = {key: value for key, value in (("cpu", pod.cpu), ("memory", pod.memory)) if value is not None}
     if requests:
         resources["requests"] = requests
-    gpu = rl.kubernetes.gpu_resource
+    gpu = run.kubernetes.gpu_resource
     if gpu:
-        gpus = rl.deployment.inference_gpus if role == INFERENCE else rl.deployment.trainer_gpus
+        deploy = run.deployment
+        if role == INFERENCE:
+            assert isinstance(deploy, DeploymentConfig)
+            gpus = deploy.inference_gpus
+        else:
+            gpus = deploy.trainer_gpus
         resources["limits"] = {gpu: len(gpus)}
     return resources
 
@@ -362,15 +392,15 @@ def _existing_token(path: Path) -> str | None:
     return token if isinstance(token, str) and token else None
 
 
-def write_manifests(rl: RLConfig) -> list[Path]:
+def write_manifests(run: ClusterRun) -> list[Path]:
     """Render into <output_dir>/k8s/ and return the files, in apply order. Files of an earlier render that
     this one does not produce (a created claim now named, a generated Secret now referenced) are removed:
     `kubectl apply -f` on the folder would apply them too."""
-    out = manifests_dir(rl)
+    out = manifests_dir(run)
     token = None
-    if rl.kubernetes.admin_token_secret is None:
+    if needs_token(run):
         token = _existing_token(out / SECRET_FILE) or secrets.token_urlsafe(32)
-    files = render(rl, token)
+    files = render(run, token)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name in ALL_FILES:
@@ -396,29 +426,35 @@ def _write(path: Path, text: str, private: bool) -> None:
         fh.write(text)
 
 
-def follow_command(rl: RLConfig) -> str:
-    """kubectl command that follows the log of the pod running the orchestrator."""
-    role, index = orchestrator_pod(rl)
-    job = object_name(rl.kubernetes, role)
+def follow_command(run: ClusterRun) -> str:
+    """kubectl command that follows the log of the pod running the orchestrator (SFT: of every trainer
+    pod, prefixed by pod: the rendezvous decides which one runs rank 0)."""
+    namespace = run.kubernetes.namespace
+    if not isinstance(run, RLConfig):
+        job = object_name(run.kubernetes, TRAINER)
+        return f"kubectl -n {namespace} logs -f -l job-name={job} --prefix --max-log-requests {run.deployment.num_trainer_nodes}"
+    role, index = orchestrator_pod(run)
+    job = object_name(run.kubernetes, role)
     selector = f"job-name={job},batch.kubernetes.io/job-completion-index={index}"
-    return f"kubectl -n {rl.kubernetes.namespace} logs -f -l {selector}"
+    return f"kubectl -n {namespace} logs -f -l {selector}"
 
 
-def dry_run(rl: RLConfig) -> str:
-    """`tidal rl --dry-run`: write the manifests, list them and say how to start the run."""
-    paths = write_manifests(rl)
+def dry_run(run: ClusterRun) -> str:
+    """`tidal rl --dry-run` / `tidal sft --dry-run`: write the manifests, list them and say how to start."""
+    paths = write_manifests(run)
     lines = [str(p) for p in paths]
-    lines.append(f"# start the run: kubectl apply -f {manifests_dir(rl)}")
+    lines.append(f"# start the run: kubectl apply -f {manifests_dir(run)}")
     return "\n".join(lines) + "\n"
 
 
-def launch(rl: RLConfig) -> int:
-    """`tidal rl`: write the manifests, then `kubectl apply` them if kubernetes.apply is set."""
-    paths = write_manifests(rl)
-    folder = manifests_dir(rl)
-    print(f"tidal rl: wrote {len(paths)} manifests to {folder}/", flush=True)
-    if not rl.kubernetes.apply:
-        print(f"tidal rl: start the run with: kubectl apply -f {folder}", flush=True)
+def launch(run: ClusterRun) -> int:
+    """`tidal rl` / `tidal sft`: write the manifests, then `kubectl apply` them if kubernetes.apply is set."""
+    paths = write_manifests(run)
+    folder = manifests_dir(run)
+    prefix = f"tidal {kind_of(run).command}"
+    print(f"{prefix}: wrote {len(paths)} manifests to {folder}/", flush=True)
+    if not run.kubernetes.apply:
+        print(f"{prefix}: start the run with: kubectl apply -f {folder}", flush=True)
         return 0
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -431,5 +467,6 @@ def launch(rl: RLConfig) -> int:
         said = said.splitlines()[0]
         raise UserError(f"kubernetes.apply: `kubectl apply -f {folder}` failed: {said}")
     print(result.stdout, end="", flush=True)
-    print(f"tidal rl: run started; follow the orchestrator with: {follow_command(rl)}", flush=True)
+    what = "the orchestrator" if isinstance(run, RLConfig) else "the trainer pods"
+    print(f"{prefix}: run started; follow {what} with: {follow_command(run)}", flush=True)
     return 0

@@ -1,9 +1,11 @@
-"""`tidal node`: one node's share of a cluster `tidal rl` run, started on every node by the Slurm job.
+"""`tidal node` and `tidal sft-node`: one node's share of a cluster `tidal rl` / `tidal sft` run, started on
+every node by the Slurm job (or in every pod).
 
 The node learns which it is and where the others are — from its flags, else from Slurm: its index is
 SLURM_NODEID, the addresses are the NodeAddr of each node of SLURM_JOB_NODELIST as `scontrol` reports them
 (node names need not resolve as host names) — and runs its roles with the launcher's own supervision
-(tidal.launcher.rl.Launcher). The parsing of scontrol's output is pure and tested without Slurm.
+(tidal.launcher.rl.Launcher; for SFT, torchrun joined at the first node: tidal.launcher.sft.run_node). The
+parsing of scontrol's output is pure and tested without Slurm.
 """
 
 import ipaddress
@@ -12,10 +14,12 @@ import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
-from tidal.config.node import NodeConfig
+from tidal.config.deployment import DeploymentConfig
+from tidal.config.node import NodeConfig, SFTNodeConfig
 from tidal.deploy.plan import place
 from tidal.errors import UserError
 from tidal.launcher.rl import ClusterNode, Launcher
+from tidal.launcher.sft import run_node
 
 Scontrol = Callable[[Sequence[str]], str]
 """Runs `scontrol <args>` and returns its stdout (replaced by canned output in tests)."""
@@ -26,7 +30,7 @@ def run_scontrol(args: Sequence[str]) -> str:
         result = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise UserError(
-            "scontrol not found: run `tidal node` inside a Slurm job, or pass --addresses"
+            "scontrol not found: run the node agent inside a Slurm job, or pass --addresses"
         ) from None
     if result.returncode != 0:
         raise UserError(f"scontrol {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
@@ -76,11 +80,16 @@ def slurm_addresses(
 
 
 def resolve_node(
-    config: NodeConfig, env: Mapping[str, str], scontrol: Scontrol = run_scontrol,
+    config: NodeConfig | SFTNodeConfig, env: Mapping[str, str], scontrol: Scontrol = run_scontrol,
     resolve: Callable[[str], str] = socket.gethostbyname,
 ) -> ClusterNode:  # fmt: skip
     """This node's index, every node's address and name, and the run id: from the flags, else from Slurm."""
-    num_nodes = place(config.deployment).num_nodes
+    deploy = config.deployment
+    num_nodes = deploy.num_nodes
+    if isinstance(deploy, DeploymentConfig):
+        counts = f"{deploy.num_inference_nodes} inference + {deploy.num_trainer_nodes} trainer"
+    else:
+        counts = f"{deploy.num_trainer_nodes} trainer"
     index = config.node_index
     if index is None:
         if "SLURM_NODEID" not in env:
@@ -93,10 +102,7 @@ def resolve_node(
     else:
         raise UserError("addresses: not given and SLURM_JOB_NODELIST is not set (not inside a Slurm job?)")
     if len(addresses) != num_nodes:
-        raise UserError(
-            f"deployment needs {num_nodes} nodes ({config.deployment.num_inference_nodes} inference + "
-            f"{config.deployment.num_trainer_nodes} trainer), the job has {len(addresses)}"
-        )
+        raise UserError(f"deployment needs {num_nodes} nodes ({counts}), the job has {len(addresses)}")
     if index >= num_nodes:
         raise UserError(f"node_index: {index} is not below the number of nodes ({num_nodes})")
     run_id = config.run_id
@@ -119,3 +125,17 @@ def main(config: NodeConfig) -> int:
         flush=True,
     )
     return Launcher(config, node).run()
+
+
+def sft_main(config: SFTNodeConfig) -> int:
+    if config.deployment.type == "local":
+        raise UserError(
+            'deployment.type: `tidal sft-node` runs one node of a cluster run; "local" runs use `tidal sft`'
+        )
+    node = resolve_node(config, os.environ)
+    print(
+        f"tidal {node.label}: trainer, {config.deployment.num_trainer_ranks} rank(s); nodes "
+        f"{', '.join(node.addresses)}; run {node.run_id}" + ("; resuming" if config.resume else ""),
+        flush=True,
+    )
+    return run_node(config, node)

@@ -2,13 +2,53 @@
 
 Nodes are numbered inference nodes first, then trainer nodes; with `type = "local"` there is one node and
 it runs everything. The orchestrator joins the first node of `deployment.orchestrator_node`'s role.
+`tidal sft` has trainer nodes only, numbered from 0.
 """
 
 from dataclasses import dataclass
 
 from tidal.config.deployment import DeploymentConfig
+from tidal.config.rl import RLConfig
+from tidal.config.sft import SFTConfig
 
 INFERENCE, TRAINER, ORCHESTRATOR = "inference", "trainer", "orchestrator"
+
+ClusterRun = RLConfig | SFTConfig
+"""A run config the cluster backends render: `tidal rl`'s or `tidal sft`'s."""
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """What differs between the cluster jobs of `tidal rl` and `tidal sft`."""
+
+    command: str
+    """`tidal <command>` renders and submits the job."""
+    agent: str
+    """`tidal <agent>` runs one node's share of it inside the job."""
+    roles: tuple[str, ...]
+    """The roles that get nodes of their own, in node order."""
+
+    @property
+    def config_file(self) -> str:
+        """Name of the run config the job's nodes load."""
+        return f"{self.command}.toml"
+
+
+RL_RUN = RunKind(command="rl", agent="node", roles=(INFERENCE, TRAINER))
+SFT_RUN = RunKind(command="sft", agent="sft-node", roles=(TRAINER,))
+
+
+def kind_of(config: ClusterRun) -> RunKind:
+    return SFT_RUN if isinstance(config, SFTConfig) else RL_RUN
+
+
+def role_nodes(config: ClusterRun, role: str) -> int:
+    """How many nodes of a cluster run have `role` (inference or trainer)."""
+    deploy = config.deployment
+    if role == INFERENCE:
+        assert isinstance(deploy, DeploymentConfig)
+        return deploy.num_inference_nodes
+    return deploy.num_trainer_nodes
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import UserError
+from tidal.launcher.argv import tidal_argv, torchrun_argv
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.split import RoleConfigs, split_config
 
@@ -35,10 +36,6 @@ def write_config(config: BaseModel, path: Path) -> Path:
     return path
 
 
-def tidal_argv(command: str, config_path: Path) -> list[str]:
-    return [sys.executable, "-m", "tidal", command, "@", str(config_path)]
-
-
 def trainer_argv(
     config_path: Path,
     num_ranks: int,
@@ -48,27 +45,13 @@ def trainer_argv(
     local_addr: str | None = None,
     is_host: bool | None = None,
 ) -> list[str]:
-    """The trainer's command: `tidal trainer` itself for one rank, else torchrun with `num_ranks` per node;
-    on several nodes every node's torchrun joins the c10d rendezvous at `rendezvous` (host:port on the first
-    trainer node) under `run_id`, and torchrun numbers the ranks. `local_addr`: the address the other nodes
-    reach this one at (else torchrun uses the host name, which may not resolve there); `is_host`: whether
-    this node hosts the rendezvous store (else torchrun guesses from the host name)."""
+    """The trainer's command: `tidal trainer` itself for one rank, else torchrun with `num_ranks` per node
+    (tidal.launcher.argv.torchrun_argv: on several nodes joined by a c10d rendezvous)."""
     if num_ranks == 1 and num_nodes == 1:
         return tidal_argv("trainer", config_path)
-    if num_nodes == 1:
-        where = ["--standalone"]
-    else:
-        assert rendezvous is not None, "several trainer nodes need a rendezvous endpoint"
-        where = ["--nnodes", str(num_nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous,
-                 "--rdzv-id", run_id]  # fmt: skip
-        if local_addr is not None:
-            where += ["--local-addr", local_addr]
-        if is_host is not None:
-            where += ["--rdzv-conf", f"is_host={int(is_host)}"]
-    return [
-        sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(num_ranks),
-        "-m", "tidal", "trainer", "@", str(config_path),
-    ]  # fmt: skip
+    return torchrun_argv(
+        "trainer", config_path, num_ranks, num_nodes, rendezvous, run_id, local_addr, is_host
+    )
 
 
 class StepReporter:

@@ -13,6 +13,7 @@ from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.inference.tokenizer import load_tokenizer
 from tidal.monitor.metrics import MetricsLogger
+from tidal.run_layout import check_output_dir
 from tidal.trainer import ckpt, manifest
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import apply_lora
@@ -47,7 +48,7 @@ def open_trainer(
 ) -> Trainer:
     """Set up a trainer process the same way for SFT and RL: threads, seed, output-dir check, model → device
     → sharding, optimizer, schedule, metrics. Resuming is left to `maybe_resume` (it needs the data state)."""
-    set_num_threads(config.num_threads, info)
+    set_num_threads(config.cpu_threads(), info)
     quiet_transformers()
     torch.manual_seed(config.seed)
     check_output_dir(metrics_path, ckpt_root, config.resume)
@@ -82,17 +83,6 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data_state: Callable[[], dict[str, Any]]
     """Returns the data position to save (e.g. the sampler state); {} when the data comes from elsewhere."""
-
-
-def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
-    """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
-    if resume:
-        return
-    if manifest.checkpoint_dirs(ckpt_root) or metrics_path.exists():
-        out = metrics_path.parent
-        raise UserError(
-            f"{out} already holds a run; pass --resume to continue it or choose another --output-dir"
-        )
 
 
 def verify_resume_checkpoint(ckpt_root: Path, info: DistInfo, say: Say) -> None:

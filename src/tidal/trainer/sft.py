@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tidal import run_layout
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.monitor.metrics import MetricsLogger
@@ -104,9 +105,9 @@ def main(config: SFTConfig) -> int:
 
 def train(config: SFTConfig, info: DistInfo) -> int:
     out = config.output_dir
-    ckpt_root = out / "checkpoints"
+    ckpt_root = run_layout.trainer_checkpoints_dir(out)
     conversations = load_conversations(config.data.train)  # before the model: bad data fails fast
-    t = open_trainer(config, info, out / "metrics.jsonl", ckpt_root)
+    t = open_trainer(config, info, run_layout.sft_metrics_path(out), ckpt_root)
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     scorer, logger, say = t.scorer, t.logger, t.say
     tokenizer = t.tokenizer

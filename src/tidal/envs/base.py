@@ -132,6 +132,11 @@ def rewards_run_by(runner: RewardRunner | None) -> Iterator[None]:
         _reward_runner.reset(token)
 
 
+def reward_runner() -> RewardRunner | None:
+    """What runs plain reward functions here (set by `rewards_run_by`); None: they run inline."""
+    return _reward_runner.get()
+
+
 def is_async_reward(fn: RewardFn) -> bool:
     """`async def` functions (also behind functools.partial or an async `__call__`) run on the event loop."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)

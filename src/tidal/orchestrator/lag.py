@@ -70,6 +70,7 @@ class LoopLagMonitor:
         self._samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
         self._gc_pauses: list[float] = []
+        self._asked = math.inf  # when the sleeper should wake next
         self._gc_started = 0.0
 
     def start(self) -> None:
@@ -79,6 +80,9 @@ class LoopLagMonitor:
     async def stop(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        late = asyncio.get_running_loop().time() - self._asked
+        if self._task is not None and late > 0:  # held until now: the sleeper never got to wake
+            self._samples.append(late)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -103,6 +107,6 @@ class LoopLagMonitor:
     async def _sample(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            asked = loop.time() + self.interval
+            self._asked = loop.time() + self.interval
             await asyncio.sleep(self.interval)
-            self._samples.append(max(0.0, loop.time() - asked))
+            self._samples.append(max(0.0, loop.time() - self._asked))

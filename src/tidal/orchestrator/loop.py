@@ -157,6 +157,9 @@ class Orchestrator:
         self._accept([Group.from_dict(g) for g in self.state.buffer], step, kept, advantages, stats)
         self.state.buffer = []
         pending: dict[asyncio.Task[Group], int] = {}
+        # Groups queue themselves here as they end: waiting on it costs the same with 10 or 10,000 groups in
+        # flight, where asyncio.wait(pending) would (un)register a callback on every one of them per wake-up.
+        ended: asyncio.Queue[asyncio.Task[Group]] = asyncio.Queue()
         drawn = 0
         try:
             while len(kept) < num_prompts and (pending or drawn < limit):
@@ -164,9 +167,13 @@ class Orchestrator:
                 room = min(limit - drawn, num_prompts - len(kept) - busy, cfg.client.max_in_flight - busy)
                 for _ in range(max(0, room)):
                     position, task = self._next_task()
-                    pending[asyncio.create_task(self._run(client, task, position))] = position
+                    running = asyncio.create_task(self._run(client, task, position))
+                    running.add_done_callback(ended.put_nowait)
+                    pending[running] = position
                     drawn += 1
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done = [await ended.get()]
+                while not ended.empty():
+                    done.append(ended.get_nowait())
                 for finished in done:
                     pending.pop(finished)
                     stats.num_groups_run += 1

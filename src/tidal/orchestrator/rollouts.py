@@ -6,13 +6,23 @@ policy versions that produced its tokens. An exception or a timeout fails that r
 """
 
 import asyncio
+import functools
 import hashlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Environment, Episode, SingleTurnEnv, Task, run_episode, score_episode
+from tidal.envs.base import (
+    Environment,
+    Episode,
+    SingleTurnEnv,
+    Task,
+    is_async_reward,
+    reward_runner,
+    run_episode,
+    score_episode,
+)
 from tidal.envs.mix import EnvMix, env_name
 from tidal.inference.client import InferenceClient, is_infrastructure_error
 from tidal.inference.sampler import ClientSampler
@@ -56,7 +66,7 @@ async def run_group(
         )
         try:
             rollout = await _fails_alone(
-                run_episode(env, task, sampler), env, task, sampler.versions, timeout
+                functools.partial(run_episode, env, task, sampler), env, task, sampler.versions, timeout
             )
         finally:
             client.end_session(sampler.session_id)
@@ -90,22 +100,44 @@ async def _single_turn_group(
     finally:
         client.end_session(sampler.session_id)
 
-    rollouts = await asyncio.gather(
-        *(_fails_alone(score_episode(env, task, e), env, task, sampler.versions, timeout) for e in episodes)
-    )
+    def scoring(episode: Episode, timeout: float | None) -> Awaitable[Rollout]:
+        work = functools.partial(score_episode, env, task, episode)
+        return _fails_alone(work, env, task, sampler.versions, timeout)
+
+    if scores_inline(env):
+        # Nothing to overlap, and nothing a timeout could interrupt (it fires only at an await): one episode
+        # after another, without a task and a timer each, which at thousands of rollouts/s cost the loop.
+        rollouts = [await scoring(e, None) for e in episodes]
+    else:
+        rollouts = await asyncio.gather(*(scoring(e, timeout) for e in episodes))
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
 
 
+def scores_inline(env: Environment) -> bool:
+    """Whether scoring an episode of `env` never waits: the base `score`, plain reward functions and no
+    reward workers. Its rewards then compute on the loop one after another however they are awaited."""
+    return (
+        type(env).score is Environment.score
+        and reward_runner() is None
+        and not any(is_async_reward(fn) for fn, _ in env.rewards)
+    )
+
+
 async def _fails_alone(
-    work: Awaitable[Episode], env: Environment, task: Task, versions: list[int], timeout: float
+    work: Callable[[], Awaitable[Episode]],
+    env: Environment,
+    task: Task,
+    versions: list[int],
+    timeout: float | None,
 ) -> Rollout:
-    """The rollout of `work`; an environment exception or a timeout fails this rollout only (counted).
+    """The rollout of `work()`; an environment exception or a timeout fails this rollout only (counted).
+    `work` is started here, so a rollout cancelled before it runs leaves no coroutine never awaited.
 
     Inference being unreachable is not the environment's failure: that stops the run instead.
     """
     try:
         async with asyncio.timeout(timeout):  # unlike wait_for, no extra task per rollout
-            episode = await work
+            episode = await work()
         return to_rollout(env, task, episode, versions)
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
         return failed_rollout(env, task, versions, _failure_name(exc, task))

@@ -9,6 +9,7 @@ from tidal.errors import UserError
 from tidal.trainer import manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STATE_FILE = re.compile(r"^step_(\d+)\.json$")
 
 
 def rollouts_dir(output_dir: Path) -> Path:
@@ -63,11 +64,35 @@ def trainer_resume_step(output_dir: Path) -> int:
     return manifest.latest_complete_step(trainer_checkpoints_dir(output_dir)) or 0
 
 
+def trainer_checkpoint_step(output_dir: Path) -> int | None:
+    """The trainer's newest complete checkpoint (None without one): a restarted trainer trains the batches
+    from there on again, so the orchestrator keeps them."""
+    return manifest.latest_complete_step(trainer_checkpoints_dir(output_dir))
+
+
 def oldest_trainer_checkpoint_step(output_dir: Path) -> int:
     """The oldest trainer checkpoint still on disk (0 without one): a resume may fall back as far as it when
     the newer ones turn out damaged, so what it needs must be kept from there on."""
     found = manifest.checkpoint_dirs(trainer_checkpoints_dir(output_dir))
     return found[0][0] if found else 0
+
+
+def verified_resume_step(output_dir: Path, report: Callable[[str], None]) -> int:
+    """The step of the trainer checkpoint a resume will use, every byte checked (damaged newer ones
+    reported and moved aside; a UserError when checkpoints exist and none is usable); 0 without one."""
+    chosen = manifest.resume_checkpoint(trainer_checkpoints_dir(output_dir), report)
+    return chosen[0] if chosen is not None else 0
+
+
+def orchestrator_states_dir(output_dir: Path) -> Path:
+    """`states/step_<n>.json`: the orchestrator's state once it has made batches 0 … n − 1."""
+    return orchestrator_dir(output_dir) / "states"
+
+
+def saved_state_steps(output_dir: Path) -> list[int]:
+    """The steps of the orchestrator states on disk (unsorted)."""
+    found = orchestrator_states_dir(output_dir).glob("step_*.json")
+    return [int(m.group(1)) for p in found if (m := _STATE_FILE.match(p.name))]
 
 
 def prepare_resume(output_dir: Path, report: Callable[[str], None]) -> int:

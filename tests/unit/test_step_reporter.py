@@ -67,3 +67,18 @@ def test_truncate_keeps_earlier_steps_and_drops_a_torn_line(tmp_path):
     logger.truncate_after(1)
     records = [json.loads(line) for line in logger.path.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
+
+
+def test_a_redone_step_logged_before_the_next_poll_is_still_reported(tmp_path, capsys):
+    """The resumed trainer may rewrite its file and log the first redone step between two polls: that step
+    is new (it differs from the record it replaces), not kept history."""
+    orch, trainer = _loggers(tmp_path)
+    reporter = StepReporter(tmp_path, max_steps=6)
+    for step in range(4):
+        _log_step(orch, trainer, step)
+    reporter.poll()
+    assert len(capsys.readouterr().out.splitlines()) == 4
+    trainer.truncate_after(1)  # resumed from the checkpoint at step 2
+    trainer.log(2, {**_trainer_record(2), "loss": 9.0})
+    reporter.poll()
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()] == ["step 3/6"]

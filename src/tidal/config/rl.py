@@ -24,6 +24,7 @@ from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.perf import PerfConfig
+from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
 
 
@@ -35,7 +36,9 @@ class FilesystemTransport(Config):
     """Seconds between checks for the next batch."""
     keep_last: int | None = Field(default=4, gt=0)
     """Rollout steps kept on disk (None: all, for inspection). Must exceed max_async_level: the trainer may
-    still wait for step n − max_async_level when step n is written (unset: raised to max_async_level + 1)."""
+    still wait for step n − max_async_level when step n is written (unset: raised to max_async_level + 1).
+    The orchestrator also keeps every step from the trainer's latest checkpoint on: a restarted trainer
+    trains them again."""
 
 
 class ZMQTransport(Config):
@@ -74,6 +77,11 @@ class ClientConfig(Config):
     """Seconds per request."""
     max_in_flight: int = Field(default=64, gt=0)
     """Groups generated concurrently."""
+    recovery_timeout: float = Field(default=0.0, ge=0)
+    """Seconds a request, or a weight update, waits for an inference server to come back while every one
+    is out of rotation (0: it fails at once, and with it the run). `tidal rl` sets it to startup_timeout
+    when it restarts lost replicas (`restarts.max_restarts` > 0): a restarted replica is back after its
+    startup."""
     http_workers: int = Field(default=0, ge=0)
     """Processes that send the generation requests and parse their answers, beside the orchestrator's
     event loop (a server's requests always from the same one); 0: the loop does it. Worth it at hundreds
@@ -181,6 +189,11 @@ class OrchestratorConfig(RunConfig):
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
+    resume_from: Literal["trainer", "latest"] = "trainer"
+    """Where `resume` continues. `trainer`: the state saved with the trainer's latest checkpoint step, the
+    batches after it made again (with the trainer resumed from that checkpoint: `tidal rl --resume`).
+    `latest`: its own newest state, every batch sent before kept (the trainer runs on: `tidal rl`
+    restarting a lost orchestrator)."""
     rollout_timeout: float = Field(default=300.0, gt=0)
     """Seconds one rollout (all its turns and its reward) may take before it counts as failed."""
     loop_lag_warn: float = Field(default=0.5, gt=0)
@@ -207,6 +220,12 @@ class OrchestratorConfig(RunConfig):
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport
+        if self.resume_from == "latest" and isinstance(self.transport, ZMQTransport):
+            raise ConfigProblem(
+                "resume_from",
+                "'latest' keeps the batches sent before, which zmq holds in the process that is gone; "
+                "use 'trainer' (and resume the trainer from its checkpoint) or the filesystem transport",
+            )
         return self
 
     @model_validator(mode="after")
@@ -301,6 +320,8 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
     ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
+    ("orchestrator", "client", "recovery_timeout"): "startup_timeout` and `restarts",
+    ("orchestrator", "resume_from"): "resume` and `restarts",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
     ("inference", "weights", "backend"): "trainer.publish.type",
@@ -328,7 +349,8 @@ class RLConfig(RunConfig):
     trainer: RLTrainerConfig = RLTrainerConfig()
     transport: RolloutTransport = FilesystemTransport()
     startup_timeout: float = Field(default=600.0, gt=0)
-    """Seconds to wait for inference to become healthy."""
+    """Seconds to wait for inference to become healthy (at the start, and for a restarted replica)."""
+    restarts: RestartsConfig = RestartsConfig()
     slurm: SlurmConfig = SlurmConfig()
     """The batch job of `deployment.type = "slurm"` (partition, account, time, setup commands, …)."""
 
@@ -365,6 +387,17 @@ class RLConfig(RunConfig):
             raise ConfigProblem(
                 "trainer.publish.type",
                 "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
+            )
+        restarts = self.restarts
+        if (
+            self.trainer.publish.type == "nccl"
+            and restarts.max_restarts
+            and "max_restarts" in restarts.model_fields_set
+        ):
+            raise ConfigProblem(
+                "restarts.max_restarts",
+                "a run that publishes weights by NCCL broadcast cannot take a restarted process back into "
+                "its broadcast group; set 0 (or trainer.publish.type = 'filesystem')",
             )
         if self.trainer.publish.type == "nccl" and self.inference.weights.check_finite is True:
             raise ConfigProblem(

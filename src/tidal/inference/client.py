@@ -105,6 +105,7 @@ class InferenceClient:
         health_interval: float = 2.0,
         pause_mode: PauseMode = "wait",
         http_workers: int = 0,
+        recovery_timeout: float = 0.0,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
@@ -115,6 +116,8 @@ class InferenceClient:
         self.backoff = backoff
         self.health_interval = health_interval
         self.pause_mode = pause_mode
+        # Seconds a request waits for a server to return while none is in rotation (a restarted replica).
+        self.recovery_timeout = recovery_timeout
         self._admin_headers = {TOKEN_HEADER: admin_token} if admin_token else {}
         # Like a read timeout: seconds without a byte from the server (vLLM answers a completion at its end).
         self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=timeout)
@@ -301,11 +304,12 @@ class InferenceClient:
         """Send to a server, retrying elsewhere on transient failure; returns (url, version, json).
         A generation request (`shape` set) goes through an HTTP worker when there are some."""
         failure = "no attempt made"
+        wait_until = time.monotonic() + self.recovery_timeout
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1) * (0.5 + random.random()))
             try:
-                server = self.pick(session_id)
+                server = await self._pick_or_wait(session_id, wait_until)
             except NoHealthyServer as exc:
                 failure = str(exc)
                 continue
@@ -336,6 +340,17 @@ class InferenceClient:
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
         raise ServerFailed(f"{path} failed {self.max_retries + 1} times; last: {failure}")
+
+    async def _pick_or_wait(self, session_id: str | None, until: float) -> ServerState:
+        """`pick`; while no server is in rotation, wait for the health watch to bring one back, until `until`
+        (time.monotonic) at most."""
+        while True:
+            try:
+                return self.pick(session_id)
+            except NoHealthyServer:
+                if time.monotonic() >= until:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def _send(
         self, method: str, server: ServerState, path: str, body: dict[str, Any] | None, shape: Slim | None

@@ -1,20 +1,23 @@
 """`tidal rl`: start inference (every replica, wait for all to be healthy), then trainer and orchestrator;
-supervise; stop all cleanly.
+supervise, restarting what dies; stop all cleanly.
 
 Each child runs in its own process group with its output in `<output_dir>/logs/<name>.log`. The launcher
-prints one line per step from the metrics files. If any child fails, or on Ctrl-C / SIGTERM, every child
-is stopped (process groups, grandchildren included) and the launcher exits non-zero naming the culprit: the
-process that ended first (the vLLM server under each `tidal inference` is watched too).
+prints one line per step from the metrics files. A child that fails (the vLLM server under each
+`tidal inference` is watched too) is restarted in place, within `[restarts]`: a replica on its port (the
+orchestrator's client routes around it meanwhile and brings it to the latest weights on return), the
+trainer from its latest checkpoint (the batches since are still on disk), the orchestrator from its own
+state; each failure and recovery is one line here and a record in `<output_dir>/events.jsonl`. Past the
+limit, or on Ctrl-C / SIGTERM, every child is stopped (process groups, grandchildren included) and the
+launcher exits non-zero naming the culprit: the process that ended first.
 """
 
-import json
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import tomli_w
 from pydantic import BaseModel
@@ -25,7 +28,17 @@ from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import UserError
 from tidal.launcher.argv import tidal_argv, torchrun_argv
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
+from tidal.launcher.restarts import (
+    EventLog,
+    Recovery,
+    RestartPolicy,
+    how_it_ended,
+    keeps_batches,
+    max_restarts,
+    missing_batches,
+)
 from tidal.launcher.split import RoleConfigs, split_config
+from tidal.monitor.metrics import MetricsTail
 
 POLL_SECONDS = 0.5
 
@@ -58,23 +71,21 @@ class StepReporter:
     """Tails the orchestrator's and trainer's metrics.jsonl and prints one line per finished step.
 
     On `--resume` the files already hold the earlier run's steps (printed by that run): reading starts at
-    their current end. A resumed child rewrites its file without the steps it will redo (a new file under
-    the same name): the reporter then skips the kept history and follows the new file. A line it cannot
-    parse is skipped: the summary must never stop the run it reports on.
+    their current end, and a resumed child's rewrite of its file is followed (tidal.monitor.metrics.MetricsTail).
+    The summary must never stop the run it reports on: a line it cannot parse is skipped.
     """
 
     def __init__(self, output_dir: Path, max_steps: int):
-        self.orchestrator = run_layout.orchestrator_dir(output_dir) / "metrics.jsonl"
-        self.trainer = run_layout.trainer_dir(output_dir) / "metrics.jsonl"
         self.max_steps = max_steps
-        self._files = {path: _file_identity(path) for path in (self.orchestrator, self.trainer)}
+        self._orchestrator = MetricsTail(run_layout.orchestrator_dir(output_dir) / "metrics.jsonl")
+        self._trainer = MetricsTail(run_layout.trainer_dir(output_dir) / "metrics.jsonl")
         self._orch: dict[int, dict[str, Any]] = {}
 
     def poll(self) -> None:
         # the orchestrator writes step n before the trainer can train on it: read it first
-        for record in self._read_new(self.orchestrator):
+        for record in self._orchestrator.new_records():
             self._orch[record["step"]] = record
-        for record in self._read_new(self.trainer):
+        for record in self._trainer.new_records():
             print(self._line(record), flush=True)
 
     def _line(self, record: dict[str, Any]) -> str:
@@ -86,41 +97,6 @@ class StepReporter:
             f" | inference {orch.get('tokens_per_s', 0):.0f} tok/s"
             f" | trainer waited {record.get('time/wait_for_data', 0):.2f} s"
         )
-
-    def _read_new(self, path: Path) -> list[dict[str, Any]]:
-        inode, offset = self._files[path]
-        current = _file_identity(path)
-        if current[0] is None:
-            return []
-        if inode is None:  # created since we started: all of it is new
-            inode, offset = current[0], 0
-        elif current[0] != inode or current[1] < offset:
-            # rewritten by a resumed child: what it kept is history, already reported
-            self._files[path] = current
-            return []
-        with path.open("rb") as fh:
-            fh.seek(offset)
-            data = fh.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        self._files[path] = (inode, offset + len(complete))
-        return [r for r in map(_parse, complete.decode(errors="replace").splitlines()) if r is not None]
-
-
-def _file_identity(path: Path) -> tuple[int | None, int]:
-    """(inode, size) of a file, (None, 0) while it does not exist."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None, 0
-    return stat.st_ino, stat.st_size
-
-
-def _parse(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 @dataclass(frozen=True)
@@ -160,12 +136,29 @@ class Launcher:
         self.replicas: list[ManagedProcess] = []
         """The `tidal inference` children, one per replica (also in `children`)."""
         self.trainer: ManagedProcess | None = None
+        self.orchestrator: ManagedProcess | None = None
         self.servers: dict[int, ManagedProcess] = {}
         """The vLLM servers' pids, each with the `tidal inference` child that started it."""
         self.deaths = DeathWatch()
         self.stop_signal: int | None = None
         self.started = 0.0
         """When this node started the run, as the output dir's storage stamps it (cluster runs)."""
+        self.logs = self.out / "logs"
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        """Each child's first command and environment by name: what a restart starts again."""
+        self.urls: dict[str, str] = {}
+        """Each local replica's URL by name."""
+        self.policy = RestartPolicy(max_restarts(config), config.restarts.window)
+        self.events = EventLog(self.out, None if node is None else node.label)
+        self.up: set[str] = set()
+        """Roles that got going once (a replica: healthy; trainer, orchestrator: logged a step): a first
+        process that exits with an error before that has a setup problem a restart would only repeat."""
+        self.restarting: dict[str, float] = {}
+        """Restarted replicas not healthy yet, by name, with the deadline (monotonic) for it."""
+        self.recoveries: list[Recovery] = []
+        """Failures restarted from whose recovery is not complete yet."""
+        self._trained = MetricsTail(run_layout.trainer_dir(self.out) / "metrics.jsonl")
+        self._produced = MetricsTail(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
 
     def run(self) -> int:
         if ORCHESTRATOR in self.here:
@@ -215,13 +208,15 @@ class Launcher:
         # before starting anything: a server already on that port would pass the health wait below
         for index in local:
             check_port_free(roles.replicas[index].server.host, roles.replicas[index].server.port)
-        logs = self.out / "logs"
+        logs = self.logs
         urls = roles.orchestrator.client.urls
         waiting: dict[str, ManagedProcess | None] = {}
         for index in local:
             name = replica_name(index, len(roles.replicas))
-            child = self._start(name, tidal_argv("inference", paths[name]), logs, env[name])
+            child = self._start(name, tidal_argv("inference", paths[name]), env[name])
             self.replicas.append(child)
+            self.urls[name] = urls[index]
+            self.up.add(name)  # healthy below, or the run stops
             waiting[urls[index]] = child
         if ORCHESTRATOR in self.here:  # the other nodes' replicas too: the orchestrator needs every one
             waiting.update({url: None for url in urls if url not in waiting})
@@ -233,35 +228,34 @@ class Launcher:
         self._wait_healthy(waiting)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        # each vLLM server runs in its own session under `tidal inference`: watch it die ourselves (the
-        # orchestrator fails on a dead server too, but later) and stop its group even if it is orphaned
         for replica in self.replicas:
-            for pid in replica.adopt_descendants():
-                self.servers[pid] = replica
-                self.deaths.watch(pid)
+            self._watch_servers(replica)
         if TRAINER in self.here:
-            self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), logs, env["trainer"])
+            self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
         if ORCHESTRATOR in self.here:
-            self._start(
-                "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), logs, env["orchestrator"]
+            self.orchestrator = self._start(
+                "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), env["orchestrator"]
             )
         self._say_started(len(urls), local)
         reporter = StepReporter(self.out, self.config.max_steps) if ORCHESTRATOR in self.here else None
-        main = [c for c in self.children if c not in self.replicas]
         marked = False
         while True:
             if reporter is not None:
                 reporter.poll()
+            self._follow_progress()
             if self.stop_signal is not None:
                 print(f"{self.prefix}: signal {self.stop_signal}: stopping every process", file=sys.stderr)
                 return 128 + self.stop_signal
             failure = self._first_failure()
             if failure is not None:
-                self._stop_all()  # first: the culprit's log then ends with what it said while stopping
-                raise UserError(failure if self.node is None else f"{self.node.label}: {failure}")
+                self._recover(failure)  # or stop the run
+                continue
+            self._check_restarted_replicas()
+            main = [c for c in (self.trainer, self.orchestrator) if c is not None]
             if all(c.poll() == 0 for c in main):
                 if reporter is not None:
                     reporter.poll()
+                self._end_recoveries()
                 if self.node is None:
                     return 0
                 if main and not marked:
@@ -311,28 +305,39 @@ class Launcher:
         nodes = {*self.placement.trainer_nodes, self.placement.orchestrator_node}
         return all(run_layout.node_done(self.out, n, self.node.run_id, self.started) for n in nodes)
 
-    def _first_failure(self) -> str | None:
+    def _first_failure(self) -> "Failure | None":
         """What to blame, if anything failed: of the children that exited non-zero, or an inference child
         and its vLLM server that ended at all, the one that ended first (the others most likely failed on it)."""
-        failed: list[tuple[float, int, str]] = []
+        failed: list[Failure] = []
         for order, child in enumerate(self.children):
             code = child.poll()
             if code not in (None, 0) or (child in self.replicas and code is not None):
-                failed.append((self._ended_at(child.pid), order, self._failure(child)))
+                when = self._ended_at(child.pid)
+                failed.append(Failure(when, order, child, f"{child.name} {child.ended_how()}", code))
         for pid, replica in self.servers.items():
             if pid in self.deaths.ended:
-                failed.append((self.deaths.ended[pid], -1, self._server_failure(replica, pid)))
-        return min(failed)[2] if failed else None
+                cause = f"{replica.name}: its vLLM server (pid {pid}) died"
+                failed.append(Failure(self.deaths.ended[pid], -1, replica, cause, None, pid))
+        return min(failed) if failed else None
 
     def _ended_at(self, pid: int | None) -> float:
-        return self.deaths.ended.get(pid, float("inf")) if pid is not None else float("inf")
+        ended = self.deaths.ended.get(pid, None) if pid is not None else None
+        return time.monotonic() if ended is None else ended
 
-    def _start(self, name: str, argv: list[str], logs: Path, env: dict[str, str]) -> ManagedProcess:
-        child = ManagedProcess(name, argv, logs / f"{name}{self.suffix}.log", env).start()
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        self.commands.setdefault(name, (argv, env))
+        child = ManagedProcess(name, argv, self.logs / f"{name}{self.suffix}.log", env).start()
         self.children.append(child)
         if child.pid is not None:
             self.deaths.watch(child.pid)
         return child
+
+    def _watch_servers(self, replica: ManagedProcess) -> None:
+        """Each vLLM server runs in its own session under `tidal inference`: watch it die ourselves (the
+        orchestrator fails on a dead server too, but later) and stop its group even if it is orphaned."""
+        for pid in replica.adopt_descendants():
+            self.servers[pid] = replica
+            self.deaths.watch(pid)
 
     def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
         """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
@@ -350,10 +355,6 @@ class Launcher:
     def _failure(self, child: ManagedProcess) -> str:
         tail = child.log_tail(20)
         return f"{child.name} {child.ended_how()}; last lines of {child.log_path}:\n{tail}"
-
-    def _server_failure(self, replica: ManagedProcess, pid: int) -> str:
-        tail = replica.log_tail(20)
-        return f"{replica.name}: its vLLM server (pid {pid}) died; last lines of {replica.log_path}:\n{tail}"
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_signal = signum
@@ -392,6 +393,214 @@ class Launcher:
         for index, name in names.items():
             env[name] = {**base, "CUDA_VISIBLE_DEVICES": _devices(roles.replica_gpus[index])}
         return env
+
+    # ---- restarts ------------------------------------------------------------------------------------
+
+    def _recover(self, failure: "Failure") -> None:
+        """Restart the role that failed, as `[restarts]` allows, or stop the run naming it."""
+        self._follow_progress()  # what was logged before the failure is not its recovery
+        role = failure.child.name
+        if self.policy.limit == 0 or (role not in self.up and (failure.code or 0) > 0):
+            self._stop_run(failure, None)
+        if not self.policy.allow(role, failure.when):
+            self._stop_run(failure, self.policy.refusal(role))
+        if role == TRAINER:
+            action = self._restart_trainer(failure)
+        elif role == ORCHESTRATOR:
+            action = self._restart_orchestrator(failure)
+        else:
+            action = self._restart_replica(failure.child)
+        count, limit = self.policy.count(role), self.policy.limit
+        self.events.write(
+            "failure", at=_wall(failure.when), role=role, cause=failure.cause, **how_it_ended(failure.code),
+            pid=failure.pid or failure.child.pid, action=action, restart=count,
+        )  # fmt: skip
+        window = f"{self.policy.window:.0f} s"
+        print(
+            f"{self.prefix}: {failure.cause}; {action} (restart {count} of {limit} within {window})",
+            flush=True,
+        )
+        self.recoveries.append(Recovery(role, failure.when))
+
+    def _stop_run(self, failure: "Failure", reason: str | None) -> NoReturn:
+        self.events.write(
+            "failure", at=_wall(failure.when), role=failure.child.name, cause=failure.cause,
+            **how_it_ended(failure.code), pid=failure.pid or failure.child.pid, action="stop",
+            **({"reason": reason} if reason else {}),
+        )  # fmt: skip
+        self._end_recoveries()
+        self._stop_all()  # first: the culprit's log then ends with what it said while stopping
+        why = f" and is not restarted: {reason}" if reason else ""
+        log = failure.child.log_path
+        message = f"{failure.cause}{why}; last lines of {log}:\n{failure.child.log_tail(20)}"
+        raise UserError(message if self.node is None else f"{self.node.label}: {message}")
+
+    def _retire(self, child: ManagedProcess | None) -> None:
+        """Stop a child that failed (or must restart with one that did), all its groups, and forget it."""
+        if child is None or child not in self.children:
+            return
+        child.adopt_descendants()  # torchrun's workers, a vLLM server: their own sessions
+        child.stop()
+        self.children.remove(child)
+        if child in self.replicas:
+            self.replicas.remove(child)
+        for pid in [pid for pid, replica in self.servers.items() if replica is child]:
+            del self.servers[pid]
+        self.restarting.pop(child.name, None)
+
+    def _restart(self, name: str, *extra: str) -> ManagedProcess:
+        argv, env = self.commands[name]
+        return self._start(name, [*argv, *extra], env)
+
+    def _restart_replica(self, old: ManagedProcess) -> str:
+        """The replica again on its port; the orchestrator's client takes it back into rotation once it
+        answers, on the latest weights."""
+        self._retire(old)
+        self.replicas.append(self._restart(old.name))
+        self.restarting[old.name] = time.monotonic() + self.config.startup_timeout
+        return f"restarting it at {self.urls[old.name]}"
+
+    def _check_restarted_replicas(self) -> None:
+        for name, deadline in list(self.restarting.items()):
+            child = next(c for c in self.replicas if c.name == name)
+            if not child.alive():
+                continue  # a failure of its own (`_first_failure`)
+            if _answers_health(self.urls[name]):
+                del self.restarting[name]
+                self._watch_servers(child)
+                self._back(name)
+            elif time.monotonic() > deadline:
+                url, timeout = self.urls[name], self.config.startup_timeout
+                cause = f"{name} was not healthy at {url}/health {timeout:.0f} s after its restart"
+                self._stop_run(Failure(time.monotonic(), -2, child, cause, None), None)
+
+    def _restart_trainer(self, failure: "Failure") -> str:
+        """From its latest checkpoint, alone when every batch since is still on disk; else with the
+        orchestrator, which makes them again from its state at that step."""
+        self._retire(self.trainer)
+        step = self._resume_step(failure)
+        produced = max(run_layout.saved_state_steps(self.out), default=0)
+        sent = [n for n, _ in run_layout.step_dirs(run_layout.rollouts_dir(self.out))]
+        missing = missing_batches(step, produced, sent)
+        if keeps_batches(self.config) and not missing:
+            self.trainer = self._restart(TRAINER, "--resume")
+            return f"restarting it from its checkpoint at step {step}"
+        why = "zmq keeps no batch" if not missing else f"batch {missing[0]} is gone"
+        step = self._restart_both(failure)
+        return f"restarting it and the orchestrator from the checkpoint at step {step} ({why})"
+
+    def _restart_orchestrator(self, failure: "Failure") -> str:
+        """From its own newest state (the batches it sent stay); with zmq, whose batches died with it, with
+        the trainer from the trainer's checkpoint."""
+        self._retire(self.orchestrator)
+        if keeps_batches(self.config):
+            self.orchestrator = self._restart(ORCHESTRATOR, "--resume", "--resume-from", "latest")
+            return "restarting it from its own state"
+        step = self._restart_both(failure)
+        return (
+            f"restarting it and the trainer from the trainer's checkpoint at step {step} (zmq keeps no batch)"
+        )
+
+    def _resume_step(self, failure: "Failure") -> int:
+        """The checkpoint a restarted trainer resumes from, verified (damaged newer ones moved aside) where
+        the trainer's rendezvous is hosted; a run with checkpoints none of which is usable stops."""
+        if not self._hosts_trainer_rendezvous():
+            return run_layout.trainer_resume_step(self.out)
+        try:
+            return run_layout.verified_resume_step(self.out, self._say)
+        except UserError as exc:
+            self._stop_run(failure, str(exc))
+
+    def _restart_both(self, failure: "Failure") -> int:
+        """Trainer and orchestrator both from the trainer's checkpoint, as `--resume` starts them."""
+        if TRAINER not in self.here or ORCHESTRATOR not in self.here:
+            self._stop_run(failure, "the trainer and the orchestrator would have to restart together, and "
+                           "one of them runs on another node")  # fmt: skip
+        # side by side; the trainer checkpoints on SIGTERM, so the orchestrator's resume loses least
+        if self.trainer is not None:
+            self.trainer.adopt_descendants()
+        stop_together([c for c in (self.trainer, self.orchestrator) if c is not None and c in self.children])
+        self._retire(self.trainer)
+        self._retire(self.orchestrator)
+        try:
+            step = run_layout.prepare_resume(self.out, self._say)
+        except UserError as exc:
+            self._stop_run(failure, str(exc))
+        self.trainer = self._restart(TRAINER, "--resume")
+        self.orchestrator = self._restart(ORCHESTRATOR, "--resume")
+        return step
+
+    def _say(self, line: str) -> None:
+        print(f"{self.prefix}: {line}", flush=True)
+
+    def _follow_progress(self) -> None:
+        """Read the steps logged since the last call: which roles got going, which recoveries are done."""
+        now = time.monotonic()
+        trained, produced = self._trained.new_records(), self._produced.new_records()
+        if trained:
+            self.up.add(TRAINER)
+        if produced:
+            self.up.add(ORCHESTRATOR)
+        for recovery in self.recoveries:
+            if trained and recovery.next_step_at is None:
+                recovery.next_step_at, recovery.next_step = now, trained[0]["step"]
+            logged = {TRAINER: trained, ORCHESTRATOR: produced}.get(recovery.role)
+            if logged and recovery.back_at is None:
+                recovery.back_at = now
+        self._complete_recoveries()
+
+    def _back(self, role: str) -> None:
+        for recovery in self.recoveries:
+            if recovery.role == role and recovery.back_at is None:
+                recovery.back_at = time.monotonic()
+        self._complete_recoveries()
+
+    def _complete_recoveries(self) -> None:
+        """Report each recovery once its role is back and the trainer has trained a step since."""
+        for recovery in [r for r in self.recoveries if r.back_at is not None and r.next_step_at is not None]:
+            self.recoveries.remove(recovery)
+            record = recovery.record()
+            self.events.write("recovery", **record)
+            print(
+                f"{self.prefix}: {recovery.role} recovered: back {record['seconds_lost']:.1f} s after it "
+                f"failed; step {record['next_step'] + 1} trained {record['seconds_to_next_step']:.1f} s after",
+                flush=True,
+            )
+
+    def _end_recoveries(self) -> None:
+        """At the end of the run: the recoveries not complete, with what is known of them."""
+        for recovery in self.recoveries:
+            self.events.write("recovery", complete=False, **recovery.record())
+        self.recoveries = []
+
+
+@dataclass(order=True, frozen=True)
+class Failure:
+    """A child (or the vLLM server under a replica, `pid`) that ended, ordered by when (monotonic)."""
+
+    when: float
+    order: int
+    child: ManagedProcess = field(compare=False)
+    cause: str = field(compare=False)
+    """`trainer was killed by signal 9`, `inference_1: its vLLM server (pid 123) died`."""
+    code: int | None = field(compare=False)
+    """The child's return code (negative: a signal); None for a server (not our child) or no exit."""
+    pid: int | None = field(default=None, compare=False)
+    """The server's pid when it is the server that died."""
+
+
+def _wall(monotonic: float) -> float:
+    """time.time() of a time.monotonic() instant."""
+    return time.time() - (time.monotonic() - monotonic)
+
+
+def _answers_health(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def replica_name(index: int, count: int) -> str:

@@ -26,6 +26,7 @@ from tidal.config.rl import (
 from tidal.deploy.plan import place
 from tidal.errors import UserError
 from tidal.inference.server import client_url
+from tidal.launcher.restarts import max_restarts
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def split_config(
                 update={
                     "urls": urls,
                     "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
+                    # a lost replica is restarted: requests and updates wait for it while no other serves
+                    "recovery_timeout": rl.startup_timeout if max_restarts(rl) > 0 else 0.0,
                 }
             ),
             "batch": rl.orchestrator.batch.model_copy(

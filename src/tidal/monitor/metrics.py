@@ -43,6 +43,68 @@ class MetricsLogger:
             self._wandb = None
 
 
+class MetricsTail:
+    """Follows a metrics.jsonl as its writer appends: `new_records()` returns the records added since the
+    last call, starting at the file's end when the tail is made (what was there is history).
+
+    A resumed writer rewrites the file without the steps it will redo (a new file under the same name) and
+    goes on appending: the tail then skips the lines it has read before (the kept history) and returns the
+    rest, redone steps included. A line it cannot parse is skipped, and a line not ended yet is read once
+    it is.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._inode, self._offset = _file_identity(self.path)
+        self._seen: set[int] = set()
+        """Hashes of the lines read so far: after a rewrite, those are history."""
+        if self._inode is not None:
+            self._seen = {hash(line) for line in self._read(0).splitlines()}
+
+    def new_records(self) -> list[dict[str, Any]]:
+        current = _file_identity(self.path)
+        if current[0] is None:
+            return []
+        rewritten = current[0] != self._inode or current[1] < self._offset
+        if rewritten:
+            self._inode, self._offset = current[0], 0
+        lines = self._read(self._offset).splitlines()
+        if rewritten:
+            while lines and hash(lines[0]) in self._seen:
+                lines.pop(0)
+        self._seen.update(hash(line) for line in lines)
+        return [r for r in map(_parse_record, (b.decode(errors="replace") for b in lines)) if r is not None]
+
+    def _read(self, offset: int) -> bytes:
+        """The complete lines from `offset` on; moves the offset past them."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return b""
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset = offset + len(complete)
+        return complete
+
+
+def _file_identity(path: Path) -> tuple[int | None, int]:
+    """(inode, size) of a file, (None, 0) while it does not exist."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None, 0
+    return stat.st_ino, stat.st_size
+
+
+def _parse_record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -80,14 +80,14 @@ class Orchestrator:
         self.tokenizer = load_tokenizer(config.model)
         self.state = OrchestratorState()
         self.tracker = StalenessTracker(config.max_async_level)
-        self.state_dir = run_layout.orchestrator_dir(self.out) / "states"
+        self.state_dir = run_layout.orchestrator_states_dir(self.out)
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
         self.lag = LoopLagMonitor()
         self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
         cfg = self.config
-        sender = setup_sender(cfg.transport, self.out)
+        sender = setup_sender(cfg.transport, self.out, lambda: run_layout.trainer_checkpoint_step(self.out))
         client = InferenceClient(
             cfg.client.urls,
             model=None,
@@ -95,6 +95,7 @@ class Orchestrator:
             timeout=cfg.client.timeout,
             pause_mode=cfg.client.weight_update_pause,
             http_workers=cfg.client.http_workers,
+            recovery_timeout=cfg.client.recovery_timeout,
         )
         async with client, reward_workers(cfg.reward_workers):
             await client.wait_healthy(timeout=cfg.client.timeout)
@@ -134,12 +135,14 @@ class Orchestrator:
             )
         except ValueError as exc:
             raise UserError(f"orchestrator.batch.seq_len: {exc}") from None
-        sender.send(step, batches)
-        self.state.step = step + 1
-        self._save_state()
         elapsed = time.perf_counter() - start
         replicas = self._replica_metrics(client, elapsed)
+        # log, save the state past this step, send: whenever this process dies, a restart from its newest
+        # state neither sends a batch twice nor skips one, and logs each step once (`_restore`)
         self._log(step, groups, stats, policy, elapsed, waited, {**evaluated, **replicas})
+        self.state.step = step + 1
+        self._save_state()
+        sender.send(step, batches)
 
     async def _collect(
         self, client: InferenceClient, step: int
@@ -362,7 +365,11 @@ class Orchestrator:
                 found.unlink(missing_ok=True)
 
     def _restore(self, sender: Any) -> None:
-        """Continue from the trainer's latest checkpoint: the batches after it are produced again."""
+        """Continue from the trainer's latest checkpoint (the batches after it are produced again), or with
+        `resume_from = "latest"` from this process's own newest state."""
+        if self.config.resume_from == "latest":
+            self._restore_latest()
+            return
         step = run_layout.trainer_resume_step(self.out)  # the one `tidal rl` verified: the trainer's too
         path = self.state_dir / f"step_{step}.json"
         if step > 0 and not path.exists():
@@ -374,6 +381,30 @@ class Orchestrator:
         sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
+
+    def _restore_latest(self) -> None:
+        """Continue after the last batch sent, every batch before it kept (the trainer may be reading them)."""
+        saved = run_layout.saved_state_steps(self.out)
+        sent = {n for n, _ in run_layout.step_dirs(run_layout.rollouts_dir(self.out))}
+        step = own_resume_step(saved, sent)
+        path = self.state_dir / f"step_{step}.json"
+        if step > 0 and not path.exists():
+            raise UserError(f"resume_from = 'latest': batch {step} was not sent and {path} is missing")
+        if step > 0:
+            self.state = OrchestratorState(**json.loads(path.read_text()))
+            self.tracker.load_state_dict(self.state.staleness)
+        self.metrics.truncate_after(step - 1)
+        print(f"orchestrator: restarted at step {step} from its own state", flush=True)
+
+
+def own_resume_step(saved: list[int], sent: set[int]) -> int:
+    """The step a restart from the orchestrator's own state continues at: its newest saved state, unless
+    the batch that state follows was never sent (the state is saved first): then the one before (pure).
+    `saved`: steps of the states on disk; `sent`: steps of the batches on disk (filesystem transport)."""
+    newest = max(saved, default=0)
+    if newest > 0 and newest - 1 not in sent:
+        return newest - 1
+    return newest
 
 
 def main(config: OrchestratorConfig) -> int:

@@ -3,9 +3,12 @@
 import asyncio
 import logging
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
-from tidal.inference.client import InferenceClient
+from tidal.inference.client import InferenceClient, NoHealthyServer
+from tidal.inference.types import ServerVersion, WeightUpdateReport
 from tidal.transport.nccl import is_announcement
 from tidal.transport.weights import adapter_name, is_adapter_dir, latest_published
 
@@ -20,7 +23,11 @@ class PolicyWatcher:
     trainer broadcasts it: the trainer waits until every server took part, so a server out of rotation
     would hang both sides, and the watcher stops the run instead.
 
-    Consumes: published weight directories. Produces: `version`, the policy every server now serves.
+    A server out of rotation (down, or being restarted) is left out of a full-weight or adapter update and
+    loads it when it comes back (the client's health watch); the run waits for one to return when none is
+    in rotation, up to the client's `recovery_timeout`.
+
+    Consumes: published weight directories. Produces: `version`, the policy every server in rotation serves.
     """
 
     def __init__(self, client: InferenceClient, output_dir: Path, poll_interval: float = 0.05):
@@ -61,23 +68,58 @@ class PolicyWatcher:
         step, path = latest
         start = time.perf_counter()
         what = f"weights of step {step}"
-        if is_adapter_dir(path):
-            what = f"LoRA adapter {adapter_name(step)} (step {step})"
-            report = await self.client.update_adapter(adapter_name(step), path, step)
-        else:
-            if is_announcement(path):
-                what = f"weights of step {step} (NCCL broadcast)"
-                check_all_receive(self.client, step)
+        if is_announcement(path):
+            what = f"weights of step {step} (NCCL broadcast)"
+            check_all_receive(self.client, step)
             report = await self.client.update_weights(path, step)
-        if not report.all_ok:
-            failed = "; ".join(f"{s.url}: {s.error}" for s in report.servers if not s.ok)
-            raise RuntimeError(f"weight update to step {step} failed on {failed}")
+            if not report.all_ok:  # a broadcast that missed a receiver: no server may catch up alone
+                raise RuntimeError(f"weight update to step {step} failed on {_failed(report)}")
+        else:
+            if is_adapter_dir(path):
+                what = f"LoRA adapter {adapter_name(step)} (step {step})"
+            await self._update(step, path)
         self.update_seconds += time.perf_counter() - start
         self.num_updates += 1
         async with self._changed:
             self.version = step
             self._changed.notify_all()
         logger.info("inference now serves %s", what)
+
+    async def _update(self, step: int, path: Path) -> None:
+        """Load `path` as `step` on every server in rotation. One that is out of rotation, or died during
+        the update, loads it when it comes back (the client's health watch); with none in rotation, wait
+        up to the client's `recovery_timeout` for one to return. A server in rotation that failed the
+        update is asked once more (it may have been out of rotation and back since); failing again, it
+        stops the run."""
+        deadline = time.monotonic() + self.client.recovery_timeout
+        failures: Counter[str] = Counter()
+        while True:
+            if is_adapter_dir(path):
+                report = await self.client.update_adapter(adapter_name(step), path, step)
+            else:
+                report = await self.client.update_weights(path, step)
+            if report.all_ok:
+                return
+            await self.client.check_health()  # a server that died during the update leaves rotation now
+            in_rotation = [s for s in report.servers if not s.ok and self.client.servers[s.url].healthy]
+            failures.update(s.url for s in in_rotation)
+            refused = [s for s in in_rotation if failures[s.url] > 1]
+            if refused:
+                raise RuntimeError(f"weight update to step {step} failed on {_failed(report, refused)}")
+            if in_rotation:
+                continue
+            if any(s.ok for s in report.servers):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"weight update to step {step} failed on {_failed(report)}; no server is in rotation"
+                )
+            logger.warning("weights of step %d wait for an inference server to come back", step)
+            try:
+                await self.client.wait_healthy(left, count=1)
+            except NoHealthyServer as exc:
+                raise RuntimeError(f"weight update to step {step}: {exc}") from None
 
     async def _loop(self) -> None:
         try:
@@ -88,6 +130,11 @@ class PolicyWatcher:
             async with self._changed:
                 self._failure = exc
                 self._changed.notify_all()
+
+
+def _failed(report: WeightUpdateReport, servers: Sequence[ServerVersion] | None = None) -> str:
+    failed = servers if servers is not None else [s for s in report.servers if not s.ok]
+    return "; ".join(f"{s.url}: {s.error}" for s in failed)
 
 
 def check_all_receive(client: InferenceClient, step: int) -> None:

@@ -52,12 +52,20 @@ class BatchReceiver(Protocol):
 
 
 class FilesystemSender:
-    """Writes `rollouts/step_<n>/rank_<r>.json` atomically and keeps the newest `keep_last` steps."""
+    """Writes `rollouts/step_<n>/rank_<r>.json` atomically and keeps the newest `keep_last` steps, and every
+    step from `keep_from()` on (the trainer's latest checkpoint: a restarted trainer trains those again;
+    None: no such floor)."""
 
-    def __init__(self, output_dir: Path, config: FilesystemTransport):
+    def __init__(
+        self,
+        output_dir: Path,
+        config: FilesystemTransport,
+        keep_from: Callable[[], int | None] = lambda: None,
+    ):
         self.root = Path(output_dir) / "rollouts"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last = config.keep_last
+        self.keep_from = keep_from
 
     def send(self, step: int, per_rank: list[TrainBatch]) -> None:
         staging = self.root / f"step_{step}.tmp"
@@ -81,8 +89,9 @@ class FilesystemSender:
     def _prune(self, newest: int) -> None:
         if self.keep_last is None:
             return
+        floor = self.keep_from()
         for found, path in self._steps():
-            if found <= newest - self.keep_last:
+            if found <= newest - self.keep_last and (floor is None or found < floor):
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
@@ -192,10 +201,15 @@ class ZMQReceiver:
         self._context.term()
 
 
-def setup_sender(config: FilesystemTransport | ZMQTransport, output_dir: Path) -> BatchSender:
+def setup_sender(
+    config: FilesystemTransport | ZMQTransport,
+    output_dir: Path,
+    keep_from: Callable[[], int | None] = lambda: None,
+) -> BatchSender:
+    """`keep_from`: see FilesystemSender (zmq hands each batch out once and keeps none)."""
     if isinstance(config, ZMQTransport):
         return ZMQSender(config)
-    return FilesystemSender(output_dir, config)
+    return FilesystemSender(output_dir, config, keep_from)
 
 
 def setup_receiver(config: FilesystemTransport | ZMQTransport, output_dir: Path, rank: int) -> BatchReceiver:

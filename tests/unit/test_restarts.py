@@ -1,0 +1,256 @@
+"""Restarting what dies (issue 14): the restart policy, events.jsonl, which batches a restart needs, and the
+orchestrator side that keeps a run going while a replica is down (real local HTTP servers, no vLLM)."""
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from tests.unit.http_servers import Seen, client_over, reply
+from tidal.config.loader import load_config
+from tidal.config.rl import FilesystemTransport, OrchestratorConfig, RLConfig
+from tidal.errors import UserError
+from tidal.inference.client import NoHealthyServer
+from tidal.inference.types import GenerateRequest, SamplingParams
+from tidal.launcher.restarts import (
+    EventLog,
+    Recovery,
+    RestartPolicy,
+    how_it_ended,
+    max_restarts,
+    missing_batches,
+    read_events,
+)
+from tidal.launcher.split import split_config
+from tidal.orchestrator.loop import own_resume_step
+from tidal.orchestrator.policy import PolicyWatcher
+from tidal.transport.rollouts import FilesystemSender
+
+REQUEST = GenerateRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2, temperature=1.0))
+
+
+def test_a_role_restarts_up_to_the_limit_within_the_window_then_again_once_it_has_passed() -> None:
+    policy = RestartPolicy(limit=2, window=100.0)
+    assert policy.allow("trainer", 0.0) and policy.allow("trainer", 10.0)
+    assert policy.allow("inference_1", 20.0)  # each role counts on its own
+    assert not policy.allow("trainer", 50.0)
+    assert "restarted 2 time(s) within 100 s" in policy.refusal("trainer")
+    assert policy.allow("trainer", 105.0)  # the failure at 0 is out of the window now
+    assert policy.count("trainer") == 2 and not policy.allow("trainer", 106.0)
+
+
+def test_no_restarts_refuses_the_first_failure() -> None:
+    policy = RestartPolicy(limit=0, window=100.0)
+    assert not policy.allow("orchestrator", 0.0)
+    assert "restarts.max_restarts = 0" in policy.refusal("orchestrator")
+
+
+def config_problem(schema: type[RLConfig] | type[OrchestratorConfig], **overrides: object) -> str:
+    with pytest.raises(UserError) as found:
+        load_config(schema, [], list(overrides.items()))
+    return str(found.value)
+
+
+def test_nccl_runs_never_restart_and_refuse_a_number_set_for_them() -> None:
+    nccl = ("trainer.publish.type", "nccl")
+    assert max_restarts(load_config(RLConfig, [], [nccl])) == 0
+    assert max_restarts(RLConfig()) == 3
+    problem = config_problem(RLConfig, **dict([nccl, ("restarts.max_restarts", 2)]))
+    assert "restarts.max_restarts" in problem and "broadcast group" in problem
+
+
+def test_tidal_rl_lets_requests_wait_for_a_restarted_replica_only_when_it_restarts_them() -> None:
+    assert (
+        split_config(RLConfig(startup_timeout=120.0), on_gpu=False).orchestrator.client.recovery_timeout
+        == 120
+    )
+    off = load_config(RLConfig, [], [("restarts.max_restarts", 0)])
+    assert split_config(off, on_gpu=False).orchestrator.client.recovery_timeout == 0
+    problem = config_problem(RLConfig, **{"orchestrator.client.recovery_timeout": 5.0})
+    assert "orchestrator.client.recovery_timeout" in problem and "startup_timeout" in problem
+
+
+def test_resume_from_latest_needs_batches_that_outlive_the_orchestrator() -> None:
+    problem = config_problem(OrchestratorConfig, resume_from="latest", **{"transport.type": "zmq"})
+    assert "resume_from" in problem and "zmq" in problem
+
+
+def test_how_a_process_ended() -> None:
+    assert how_it_ended(-signal.SIGKILL) == {"signal": "SIGKILL"}
+    assert how_it_ended(1) == {"exit_code": 1} and how_it_ended(None) == {}
+
+
+def test_events_are_one_json_record_per_line(tmp_path: Path) -> None:
+    log = EventLog(tmp_path, node="node 1 (n2)")
+    log.write("failure", at=1000.0, role="trainer", cause="trainer was killed by signal 9", signal="SIGKILL")
+    recovery = Recovery("trainer", failed_at=10.0, back_at=22.5, next_step_at=22.5, next_step=4)
+    log.write("recovery", **recovery.record())
+    failure, recovered = read_events(tmp_path)
+    assert failure == {
+        "time": 1000.0, "event": "failure", "role": "trainer", "cause": "trainer was killed by signal 9",
+        "signal": "SIGKILL", "node": "node 1 (n2)",
+    }  # fmt: skip
+    assert recovered["seconds_lost"] == 12.5 and recovered["seconds_to_next_step"] == 12.5
+    assert recovered["next_step"] == 4 and recovered["event"] == "recovery"
+    assert all(json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines())
+
+
+def test_a_trainer_restart_needs_every_batch_from_its_checkpoint_that_was_sent() -> None:
+    # the orchestrator's newest state is 7: batches 0..5 were sent, 6 may be on its way
+    assert missing_batches(4, 7, [2, 3, 4, 5, 6]) == []
+    assert missing_batches(4, 7, [4, 5]) == []
+    assert missing_batches(2, 7, [3, 4, 5]) == [2]  # pruned before the checkpoint at 2 was written
+    assert missing_batches(0, 0, []) == []  # nothing made yet
+    assert missing_batches(0, 5, [3, 4]) == [0, 1, 2]  # no checkpoint: batch 0 is long gone
+
+
+def test_an_orchestrator_restart_continues_after_its_last_sent_batch() -> None:
+    assert own_resume_step([], set()) == 0
+    assert own_resume_step([3, 4, 5], {2, 3, 4}) == 5  # batch 4 was sent after state 5 was saved
+    assert own_resume_step([3, 4, 5], {2, 3}) == 4  # it died between saving state 5 and sending batch 4
+    assert own_resume_step([1], set()) == 0
+
+
+def test_the_sender_keeps_every_batch_from_the_trainer_checkpoint_on(tmp_path: Path) -> None:
+    checkpoint: list[int | None] = [None]
+    sender = FilesystemSender(tmp_path, FilesystemTransport(keep_last=2), keep_from=lambda: checkpoint[0])
+    on_disk = lambda: sorted(int(p.name.split("_")[1]) for p in (tmp_path / "rollouts").iterdir())  # noqa: E731
+    for step in range(4):
+        sender.send(step, [])
+    assert on_disk() == [2, 3]  # no checkpoint: only keep_last
+    checkpoint[0] = 3
+    for step in range(4, 7):
+        sender.send(step, [])
+    assert on_disk() == [3, 4, 5, 6]  # a trainer restarted from step 3 reads them again
+    checkpoint[0] = 6
+    sender.send(7, [])
+    assert on_disk() == [6, 7]
+
+
+def servers_with_health(up: dict[str, bool]) -> tuple[list[str], object]:
+    """A handler: /health answers as `up` says, weight routes succeed (recording the version loaded),
+    completions answer."""
+    calls: list[str] = []
+    versions: dict[str, str] = {}
+
+    def handler(request: Seen) -> web.Response:
+        calls.append(f"{request.server}{request.path}")
+        if request.path == "/health":
+            return reply(200 if up[request.server] else 503)
+        if not up[request.server]:
+            return reply(503)
+        if request.path == "/weight_info":
+            return reply(200, {"weight_version": versions.get(request.server, "default")})
+        if request.path.startswith("/finish_weight_update"):
+            version = request.json().get("weight_version")
+            if version is not None:
+                versions[request.server] = version
+        if request.path == "/v1/completions":
+            choice = {
+                "index": 0, "text": "x", "token_ids": [7], "prompt_token_ids": [1, 2],
+                "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length",
+            }  # fmt: skip
+            return reply(200, {"choices": [choice]})
+        return reply(200, {})
+
+    return calls, handler
+
+
+def test_with_every_server_down_a_request_waits_for_one_to_come_back() -> None:
+    up = {"a": False}
+    _, handler = servers_with_health(up)
+
+    async def go() -> None:
+        watched = client_over(handler, ("a",), recovery_timeout=10.0, health_interval=0.05)
+        async with watched as (client, urls), client:  # the health watch runs
+            client.mark_down(client.servers[urls["a"]], "test")
+            request = asyncio.create_task(client.generate(REQUEST))
+            await asyncio.sleep(0.3)
+            assert not request.done()  # waiting, not failed
+            up["a"] = True  # the restarted replica answers: the health watch takes it back
+            generation = await asyncio.wait_for(request, 5)
+            assert generation.server == urls["a"]
+        async with client_over(handler, ("a",), recovery_timeout=0.2, health_interval=30.0) as (client, urls):
+            up["a"] = False
+            client.mark_down(client.servers[urls["a"]], "test")
+            with pytest.raises(NoHealthyServer):  # bounded
+                await client.generate(REQUEST)
+
+    asyncio.run(go())
+
+
+def publish(root: Path, step: int) -> Path:
+    target = root / "weights" / f"step_{step}"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / ".complete").touch()
+    return target
+
+
+def test_a_weight_update_goes_on_without_a_replica_that_is_down_which_catches_up_on_return(
+    tmp_path: Path,
+) -> None:
+    up = {"a": True, "b": False}
+    calls, handler = servers_with_health(up)
+
+    async def go() -> None:
+        async with client_over(handler, health_interval=0.05) as (client, urls), client:
+            watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
+            await watcher.start()
+            publish(tmp_path, 1)
+            assert await asyncio.wait_for(watcher.wait_for(1), 5) >= 0  # not failed on b
+            assert "a/update_weights" in calls and "b/update_weights" not in calls
+            up["b"] = True  # b is back: brought to step 1 before it serves again
+            for _ in range(100):
+                if client.servers[urls["b"]].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.servers[urls["b"]].healthy and "b/update_weights" in calls
+            assert await client.versions() == {urls["a"]: 1, urls["b"]: 1}
+            await watcher.stop()
+
+    asyncio.run(go())
+
+
+def test_with_its_only_replica_down_an_update_waits_for_it(tmp_path: Path) -> None:
+    up = {"a": False}
+    calls, handler = servers_with_health(up)
+
+    async def go() -> None:
+        watched = client_over(handler, ("a",), recovery_timeout=10.0, health_interval=0.05)
+        async with watched as (client, urls), client:
+            client.mark_down(client.servers[urls["a"]], "test")
+            watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
+            await watcher.start()
+            publish(tmp_path, 1)
+            waiting = asyncio.create_task(watcher.wait_for(1))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            up["a"] = True
+            await asyncio.wait_for(waiting, 5)
+            assert await client.versions() == {urls["a"]: 1}
+            await watcher.stop()
+
+    asyncio.run(go())
+
+
+def test_an_update_that_skipped_a_server_back_in_rotation_since_is_tried_again(tmp_path: Path) -> None:
+    """Both replicas were out of rotation at the fan-out; one is back by the health check that follows (it
+    caught up to the previous weights only): the update is sent again rather than failing the run."""
+    up = {"a": False, "b": True}
+    calls, handler = servers_with_health(up)
+
+    async def go() -> None:
+        async with client_over(handler, recovery_timeout=10.0, health_interval=30.0) as (client, urls):
+            for url in urls.values():
+                client.mark_down(client.servers[url], "test")
+            watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
+            publish(tmp_path, 1)
+            await watcher.check_once()
+            assert watcher.version == 1 and calls.count("b/update_weights") == 1
+            assert (await client.versions())[urls["b"]] == 1
+
+    asyncio.run(go())

@@ -35,6 +35,9 @@ class Rollout:
     task_id: str
     metrics: dict[str, float] = field(default_factory=dict)
     failed: bool = False
+    rollout_id: str = ""
+    """`<task position>/<index in its group>` (tidal.orchestrator.rollouts.rollout_id): one rollout has one
+    id however often its step is made again."""
 
     def __post_init__(self) -> None:
         num = len(self.completion_ids)
@@ -97,6 +100,8 @@ class TrainSample:
     inference_logprobs: list[float]
     advantage: float
     policy_version: int
+    rollout_id: str = ""
+    """The rollout it was made from."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -122,6 +127,8 @@ class MicroBatch:
     advantages: list[list[float]]
     sample_ids: list[list[int]]
     num_samples: int
+    rollout_ids: list[str] = field(default_factory=list)
+    """The rollout of each sample, by sample id: what the trainer trained, for checks across steps."""
 
     @property
     def num_loss_tokens(self) -> int:

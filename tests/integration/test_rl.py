@@ -133,7 +133,8 @@ def start_rl_until_trained(out: Path, args: list[str], num_steps: int) -> subpro
 
 def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path, sync_run):
     out = tmp_path / "killed"
-    launcher = start_rl_until_trained(out, rl_args(out, 0), num_steps=3)
+    # without restarts (tests/integration/test_restarts.py has them): the run stops, naming the trainer
+    launcher = start_rl_until_trained(out, rl_args(out, 0, "--restarts.max-restarts", "0"), num_steps=3)
     family = _descendants(launcher.pid)
     # the `tidal trainer @ …` process itself (the run dir's path holds "trainer" too: match the argument)
     trainers = [p for p in family if "trainer" in p.cmdline()[:6]]
@@ -182,6 +183,8 @@ def test_sigkill_of_the_vllm_server_blames_inference_and_leaves_no_vllm_process(
     and none of the server's descendants seen before the kill is alive."""
     out = tmp_path / "inference_killed"
     args = [*rl_args(out, 0), "--max-steps", "200", "--inference.server.port", "18541"]
+    # without restarts: restarted, the server would not stop the run (tests/integration/test_restarts.py)
+    args += ["--restarts.max-restarts", "0"]
     launcher = start_rl_until_trained(out, args, num_steps=2)
     # the launcher's `tidal inference @ …` child, then the vLLM server it started (its only child)
     wrappers = [p for p in psutil.Process(launcher.pid).children() if "inference" in p.cmdline()[:6]]

@@ -15,16 +15,9 @@ from tidal.config.rl import FilesystemTransport, OrchestratorConfig, RLConfig
 from tidal.errors import UserError
 from tidal.inference.client import NoHealthyServer
 from tidal.inference.types import GenerateRequest, SamplingParams
-from tidal.launcher.restarts import (
-    EventLog,
-    Recovery,
-    RestartPolicy,
-    how_it_ended,
-    max_restarts,
-    missing_batches,
-    read_events,
-)
+from tidal.launcher.restarts import Recovery, RestartPolicy, how_it_ended, max_restarts, missing_batches
 from tidal.launcher.split import split_config
+from tidal.monitor.events import EventLog, read_events
 from tidal.orchestrator.loop import own_resume_step
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.transport.rollouts import FilesystemSender
@@ -254,3 +247,24 @@ def test_an_update_that_skipped_a_server_back_in_rotation_since_is_tried_again(t
             assert (await client.versions())[urls["b"]] == 1
 
     asyncio.run(go())
+
+
+def test_each_trained_sample_names_its_rollout_on_whichever_rank_it_lands() -> None:
+    from tidal.orchestrator.batching import make_train_batches, make_train_samples
+    from tidal.orchestrator.rollouts import rollout_id
+    from tidal.types import Group, Rollout
+
+    def one(position: int, index: int, length: int, failed: bool = False) -> Rollout:
+        made = Rollout([1, 2], [3] * length, [-1.0] * length, [1] * length, float(index), 0, 0, "e", "t")
+        made.failed, made.rollout_id = failed, rollout_id(position, index)
+        return made
+
+    groups = [
+        Group("t", "e", [one(p, i, 2 + i + p, failed=(p, i) == (5, 1)) for i in range(3)]) for p in (4, 5)
+    ]
+    batches = make_train_batches(7, make_train_samples(groups), 2, seq_len=32, micro_batch_size=1, pad_id=0)
+    ids = [i for batch in batches for micro in batch.micro_batches for i in micro.rollout_ids]
+    assert sorted(ids) == ["4/0", "4/1", "4/2", "5/0", "5/2"]  # the failed 5/1 is not trained
+    for batch in batches:
+        for micro in batch.micro_batches:
+            assert len(micro.rollout_ids) == micro.num_samples

@@ -291,3 +291,35 @@ def test_a_reward_the_worker_cannot_import_runs_inline_with_one_warning(caplog, 
         assert run(with_pool(work)) == [float(os.getpid())] * 2
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "'only_here'" in warnings[0] and "could not load" in warnings[0], warnings
+
+
+def test_a_worker_killed_from_outside_is_replaced_and_told_as_a_failure_and_a_recovery():
+    """What issue 14's chaos test does to an environment worker: SIGKILL while idle, then while it computes."""
+    events = []
+
+    async def work(pool):
+        first = int(await pool.run(worker_pid, TASK, EPISODE))
+        os.kill(first, signal.SIGKILL)
+        while alive(first):
+            await asyncio.sleep(0.01)
+        second = int(await pool.run(worker_pid, TASK, EPISODE))  # the replacement serves it
+        running = asyncio.create_task(pool.run(hangs, TASK, EPISODE))
+        await asyncio.sleep(0.5)
+        os.kill(second, signal.SIGKILL)
+        with pytest.raises(RewardWorkerDied):
+            await running
+        assert await pool.run(completion_length, TASK, EPISODE) == 6.0
+        return first, second
+
+    async def go():
+        pool = RewardPool(1, on_event=lambda event, **fields: events.append((event, fields)))
+        try:
+            return await work(pool)
+        finally:
+            await pool.close()
+
+    first, second = run(go())
+    assert [event for event, _ in events] == ["failure", "recovery", "failure", "recovery"]
+    assert events[0][1]["pid"] == first and "died while idle" in events[0][1]["cause"]
+    assert events[2][1]["pid"] == second and "died running 'hangs'" in events[2][1]["cause"]
+    assert all(fields["seconds_lost"] >= 0 for event, fields in events if event == "recovery")

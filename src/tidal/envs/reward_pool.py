@@ -29,8 +29,9 @@ import multiprocessing
 import os
 import pickle
 import signal
+import time
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -74,10 +75,15 @@ def unsendable(fn: RewardFn) -> str | None:
     return None
 
 
+WorkerEvent = Callable[..., None]
+"""Told of each worker that died, `("failure", pid=…, cause=…, action=…)`, and of its replacement once it
+runs, `("recovery", seconds_lost=…)` (the orchestrator writes them to events.jsonl)."""
+
+
 class RewardPool:
     """Up to `num_workers` worker processes, started on first use; `await run(fn, task, episode)`."""
 
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, on_event: WorkerEvent | None = None):
         if num_workers < 1:
             raise ValueError("a reward pool needs at least one worker")
         self.num_workers = num_workers
@@ -94,6 +100,8 @@ class RewardPool:
         self._sendable: dict[int, RewardFn] = {}
         self._inline: dict[int, RewardFn] = {}
         self._closed = False
+        self._on_event = on_event
+        self._deaths: list[float] = []  # when (monotonic) each dead worker not replaced yet was found dead
 
     async def run(self, fn: RewardFn, task: Task, episode: Episode) -> float:
         """`float(fn(task, episode))`, computed in a worker; an exception of the reward is raised here."""
@@ -174,7 +182,7 @@ class RewardPool:
         try:
             reply = await worker.call(payload)
         except RewardWorkerDied:
-            self._retire(worker)
+            self._retire(worker, died=f"died running {name!r}; that rollout failed")
             code = await worker.exit_code()
             logger.warning("reward worker %d died running %r (%s); starting another", worker.pid, name, code)
             raise RewardWorkerDied(f"the reward worker running {name!r} died ({code})") from None
@@ -195,7 +203,7 @@ class RewardPool:
                 raise item  # that start failed; the next call tries again
             if item.alive():
                 return item
-            self._retire(item)  # died while idle (killed from outside): try the replacement
+            self._retire(item, died="died while idle")  # killed from outside: try the replacement
 
     def _start_one(self) -> None:
         self._num_started += 1
@@ -214,10 +222,18 @@ class RewardPool:
         self._workers.add(worker)
         if self._closed:  # close() kills it
             return
+        if self._deaths and self._on_event is not None:
+            self._on_event("recovery", seconds_lost=round(time.monotonic() - self._deaths.pop(0), 3))
         self._idle.put_nowait(worker)
 
-    def _retire(self, worker: "_Worker") -> None:
-        """Kill `worker` (no reader watches its pipe any more), reap it in the background, replace it."""
+    def _retire(self, worker: "_Worker", died: str | None = None) -> None:
+        """Kill `worker` (no reader watches its pipe any more), reap it in the background, replace it.
+        `died`: how it ended by itself, for `on_event`."""
+        if died is not None and worker in self._workers and self._on_event is not None:
+            self._deaths.append(time.monotonic())
+            self._on_event(
+                "failure", pid=worker.pid, cause=f"reward worker {worker.pid} {died}", action="replace"
+            )
         worker.kill()
         worker.conn.close()
         if worker not in self._workers:
@@ -303,14 +319,16 @@ class _Worker:
 
 
 @contextlib.asynccontextmanager
-async def reward_workers(num_workers: int | None) -> AsyncIterator[RewardPool | None]:
+async def reward_workers(
+    num_workers: int | None, on_event: WorkerEvent | None = None
+) -> AsyncIterator[RewardPool | None]:
     """Inside the block, synchronous reward functions (`call_reward`) run in a pool of `num_workers`
     processes (None: `default_num_workers()`; 0: no pool, inline on the event loop). Closed on the way out."""
     size = default_num_workers() if num_workers is None else num_workers
     if size == 0:
         yield None
         return
-    pool = RewardPool(size)
+    pool = RewardPool(size, on_event)
     logger.info("reward functions run in up to %d worker processes", size)
     try:
         with rewards_run_by(pool):

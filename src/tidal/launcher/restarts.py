@@ -1,16 +1,13 @@
 """Restarting what dies: the decision (restart or stop, from a role's failures so far) and the record of
-every failure and recovery in `<output_dir>/events.jsonl`. Pure but for `EventLog`, which only appends.
+every failure and recovery (written to `<output_dir>/events.jsonl` by tidal.monitor.events). Pure.
 
 A role is one inference replica (`inference`, `inference_<i>`), the trainer or the orchestrator; each has
 its own count. What a restart does for each role (same port, resume from which state) is the launcher's.
 """
 
-import json
 import signal
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tidal.config.rl import NcclPublish, RLConfig, ZMQTransport
@@ -98,33 +95,6 @@ class Recovery:
             fields["seconds_to_next_step"] = round(self.next_step_at - self.failed_at, 3)
             fields["next_step"] = self.next_step
         return fields
-
-
-class EventLog:
-    """Appends one JSON record per line to `<output_dir>/events.jsonl`: `event` (failure, recovery, stop),
-    `time` (Unix seconds), `role`, and what the event says (cause, exit code or signal, action, seconds)."""
-
-    def __init__(self, output_dir: Path, node: str | None = None):
-        self.path = Path(output_dir) / "events.jsonl"
-        self.node = node
-
-    def write(self, event: str, at: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Append one record; `at`: when it happened (Unix seconds; default now)."""
-        record = {"time": round(time.time() if at is None else at, 3), "event": event, **fields}
-        if self.node is not None:
-            record["node"] = self.node
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # one write of one line in append mode: records from several nodes' launchers do not interleave
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        return record
-
-
-def read_events(output_dir: Path) -> list[dict[str, Any]]:
-    path = Path(output_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def missing_batches(checkpoint_step: int, produced: int, on_disk: Sequence[int]) -> list[int]:

@@ -29,7 +29,6 @@ from tidal.errors import UserError
 from tidal.launcher.argv import tidal_argv, torchrun_argv
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.restarts import (
-    EventLog,
     Recovery,
     RestartPolicy,
     how_it_ended,
@@ -38,6 +37,7 @@ from tidal.launcher.restarts import (
     missing_batches,
 )
 from tidal.launcher.split import RoleConfigs, split_config
+from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
 
 POLL_SECONDS = 0.5

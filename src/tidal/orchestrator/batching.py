@@ -16,6 +16,7 @@ def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
         inference_logprobs=[0.0] * num_prompt + [float(lp) for lp in rollout.completion_logprobs],
         advantage=float(advantage),
         policy_version=rollout.policy_version,
+        rollout_id=rollout.rollout_id,
     )
 
 
@@ -125,6 +126,7 @@ def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_i
         advantages=[r.advantages for r in built],
         sample_ids=[r.sample_ids for r in built],
         num_samples=num_samples,
+        rollout_ids=[sample.rollout_id for samples in rows for sample in samples],
     )
 
 

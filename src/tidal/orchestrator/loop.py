@@ -24,6 +24,7 @@ from tidal.envs.base import Environment, Task
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.inference.client import InferenceClient, InferenceError
+from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import make_train_batches, make_train_samples
@@ -97,7 +98,12 @@ class Orchestrator:
             http_workers=cfg.client.http_workers,
             recovery_timeout=cfg.client.recovery_timeout,
         )
-        async with client, reward_workers(cfg.reward_workers):
+        events = EventLog(self.out)
+
+        def worker_event(event: str, **fields: Any) -> None:
+            events.write(event, role="reward_worker", **fields)
+
+        async with client, reward_workers(cfg.reward_workers, worker_event):
             await client.wait_healthy(timeout=cfg.client.timeout)
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:

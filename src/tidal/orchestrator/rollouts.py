@@ -40,6 +40,11 @@ def rollout_seed(run_seed: int, position: int, index: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x3FFF_FFFF
 
 
+def rollout_id(position: int, index: int) -> str:
+    """Names a rollout by what its sampling seed is made of (`rollout_seed`, the run's seed aside)."""
+    return f"{position}/{index}"
+
+
 async def run_group(
     client: InferenceClient,
     env: Environment,
@@ -71,6 +76,7 @@ async def run_group(
         finally:
             client.end_session(sampler.session_id)
         rollout.metrics[REPLICAS_METRIC] = float(len(set(sampler.servers)))
+        rollout.rollout_id = rollout_id(position, index)
         return rollout
 
     rollouts = await asyncio.gather(*(one(i) for i in range(group_size)))
@@ -96,7 +102,7 @@ async def _single_turn_group(
     except Exception as exc:  # noqa: BLE001 - e.g. a prompt the environment cannot render
         error = _failure_name(exc, task)
         failed = [failed_rollout(env, task, sampler.versions, error) for _ in range(group_size)]
-        return Group(task_id=task.task_id, env=env_name(env, task), rollouts=failed)
+        return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(failed, position))
     finally:
         client.end_session(sampler.session_id)
 
@@ -110,7 +116,13 @@ async def _single_turn_group(
         rollouts = [await scoring(e, None) for e in episodes]
     else:
         rollouts = await asyncio.gather(*(scoring(e, timeout) for e in episodes))
-    return Group(task_id=task.task_id, env=env_name(env, task), rollouts=list(rollouts))
+    return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(list(rollouts), position))
+
+
+def _named(rollouts: list[Rollout], position: int) -> list[Rollout]:
+    for index, rollout in enumerate(rollouts):
+        rollout.rollout_id = rollout_id(position, index)
+    return rollouts
 
 
 def scores_inline(env: Environment) -> bool:

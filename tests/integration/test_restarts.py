@@ -1,0 +1,207 @@
+"""Issue 14 on the tiny model: a real `tidal rl` run whose processes are SIGKILLed mid-run, by their real
+pids from the launcher's process tree. Each is restarted in place and the run still trains every step once.
+
+One run serves the role tests (a vLLM server, then the trainer, then the orchestrator, each killed once the
+previous one recovered); the chaos test kills a process of every kind at random steps of a longer run.
+"""
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+from tidal import run_layout
+from tidal.monitor.events import read_events
+from tidal.monitor.metrics import read_metrics
+
+CONFIG = "configs/ci/rl_tiny.toml"
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Run:
+    """A `tidal rl` run in the background: its launcher, every process seen under it, what it logged."""
+
+    out: Path
+    launcher: subprocess.Popen[bytes]
+    seen: dict[int, float] = field(default_factory=dict)
+    """pid -> create time of every process seen under the launcher (pids are reused)."""
+    kills: list[tuple[str, int, int]] = field(default_factory=list)
+    """(role, pid, trained steps at the kill) of each kill."""
+
+    @staticmethod
+    def start(out: Path, *args: str) -> "Run":
+        out.mkdir(parents=True)
+        log = open(out / "launcher.log", "wb")  # noqa: SIM115 - the launcher writes it as long as it runs
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "tidal", "rl", "@", CONFIG, "--output-dir", str(out), *args],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        return Run(out, launcher)
+
+    def output(self) -> str:
+        return (self.out / "launcher.log").read_text(errors="replace")
+
+    def trained(self) -> list[int]:
+        path = run_layout.trainer_dir(self.out) / "metrics.jsonl"
+        return [r["step"] for r in read_metrics(path)] if path.exists() else []
+
+    def events(self, event: str | None = None, role: str | None = None) -> list[dict[str, Any]]:
+        found = read_events(self.out)
+        return [e for e in found if event in (None, e["event"]) and role in (None, e["role"])]
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self.note_processes()
+            assert self.launcher.poll() is None, f"the run ended waiting for {what}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s:\n{self.output()[-4000:]}"
+            time.sleep(0.2)
+
+    def note_processes(self) -> None:
+        try:
+            for proc in psutil.Process(self.launcher.pid).children(recursive=True):
+                self.seen.setdefault(proc.pid, proc.create_time())
+        except psutil.NoSuchProcess:
+            pass
+
+    def child(self, name: str) -> psutil.Process:
+        """The launcher's child started with configs/<name>.toml (the trainer, the orchestrator, a replica)."""
+        for proc in psutil.Process(self.launcher.pid).children():
+            if f"configs/{name}.toml" in " ".join(proc.cmdline()):
+                return proc
+        raise AssertionError(f"no {name} under the launcher")
+
+    def kill(self, role: str, proc: psutil.Process) -> None:
+        self.note_processes()
+        self.kills.append((role, proc.pid, len(self.trained())))
+        proc.kill()
+
+    def recovered(self, role: str, count: int) -> Callable[[], bool]:
+        return lambda: len(self.events("recovery", role)) >= count
+
+    def finish(self, timeout: float = 600) -> int:
+        code = self.launcher.wait(timeout=timeout)
+        time.sleep(0.5)
+        return code
+
+    def left_alive(self) -> list[str]:
+        left = []
+        for pid, created in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(proc.cmdline()[:6]))
+            except psutil.NoSuchProcess:
+                continue
+        return left
+
+
+def vllm_server(run: Run, replica: str) -> psutil.Process:
+    [server] = run.child(replica).children()  # `tidal inference` starts its vLLM server, nothing else
+    return server
+
+
+def reward_worker(run: Run) -> psutil.Process:
+    workers = [p for p in run.child("orchestrator").children() if "spawn_main" in " ".join(p.cmdline())]
+    assert workers, "the orchestrator runs no reward worker"
+    return workers[0]
+
+
+def check_every_step_once(run: Run, steps: int) -> None:
+    assert run.trained() == list(range(steps)), run.trained()  # a list: a step logged twice would show
+    orchestrator = read_metrics(run_layout.orchestrator_dir(run.out) / "metrics.jsonl")
+    assert [r["step"] for r in orchestrator] == list(range(steps))
+
+
+ROLE_STEPS = 12
+STEADY = ("--orchestrator.batch.zero-signal", "keep")
+"""The untrained tiny model's rewards rarely differ within a group: keeping zero-signal groups spares the
+run a step that finds none (an orchestrator failure of its own, which would be restarted too)."""
+
+
+@pytest.fixture(scope="module")
+def role_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One replica (so the run waits for it), async level 2: its vLLM server is killed at step 2; once it
+    is back, the trainer; once that is back, the orchestrator."""
+    run = Run.start(
+        tmp_path_factory.mktemp("restarts") / "roles",
+        "--max-steps", str(ROLE_STEPS), "--max-async-level", "2", "--inference.server.port", "18561",
+        *STEADY,
+    )  # fmt: skip
+    try:
+        run.wait_for(lambda: len(run.trained()) >= 2, "trained step 2")
+        run.kill("inference", vllm_server(run, "inference"))
+        run.wait_for(run.recovered("inference", 1), "inference recovery")
+        run.wait_for(lambda: len(run.trained()) >= 5, "trained step 5")
+        run.kill("trainer", run.child("trainer"))
+        run.wait_for(run.recovered("trainer", 1), "trainer recovery")
+        run.kill("orchestrator", run.child("orchestrator"))
+        run.wait_for(run.recovered("orchestrator", 1), "orchestrator recovery")
+        assert run.finish() == 0, run.output()[-4000:]
+    finally:
+        if run.launcher.poll() is None:
+            run.launcher.kill()
+    return run
+
+
+def test_the_run_trains_every_step_once_through_every_kill_and_leaves_no_process(role_run: Run) -> None:
+    check_every_step_once(role_run, ROLE_STEPS)
+    assert f"step {ROLE_STEPS}/{ROLE_STEPS}" in role_run.output()
+    assert not role_run.left_alive(), role_run.left_alive()
+    failures = role_run.events("failure")
+    assert [(e["role"], e["pid"]) for e in failures] == [(role, pid) for role, pid, _ in role_run.kills]
+    assert all(e["action"] != "stop" for e in failures)
+
+
+def test_a_killed_vllm_server_is_restarted_on_its_port_and_the_run_waits_for_it(role_run: Run) -> None:
+    [failure] = role_run.events("failure", "inference")
+    assert failure["cause"] == f"inference: its vLLM server (pid {failure['pid']}) died"
+    assert failure["action"] == "restarting it at http://127.0.0.1:18561"
+    [recovery] = role_run.events("recovery", "inference")
+    assert recovery["seconds_lost"] > 0  # the trainer may go on meanwhile with the batches made before
+    # requests and weight updates waited for it: the orchestrator's only failure is its own kill
+    killed = [pid for role, pid, _ in role_run.kills if role == "orchestrator"]
+    assert [e["pid"] for e in role_run.events("failure", "orchestrator")] == killed
+    assert "tidal rl: inference: its vLLM server" in role_run.output()
+    assert "tidal rl: inference recovered" in role_run.output()
+    # the returning server was brought to the trained weights before it served again (not the base model's)
+    log = (role_run.out / "logs" / "orchestrator.log").read_text()
+    [version] = re.findall(r"18561 back in rotation \(version (\d+)\)", log)
+    assert int(version) >= 1
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_the_batches_kept_since(
+    role_run: Run,
+) -> None:
+    [failure] = role_run.events("failure", "trainer")
+    assert failure["signal"] == "SIGKILL" and failure["action"].startswith(
+        "restarting it from its checkpoint"
+    )
+    trained_at_kill = next(n for role, _, n in role_run.kills if role == "trainer")
+    checkpoint = int(failure["action"].rsplit(" ", 1)[1])
+    assert 0 < checkpoint <= trained_at_kill  # ckpt.interval = 2: it redid at most the steps since
+    [recovery] = role_run.events("recovery", "trainer")
+    assert recovery["next_step"] == checkpoint
+    log = (role_run.out / "logs" / "trainer.log").read_text()
+    assert f"resumed from {run_layout.trainer_checkpoints_dir(role_run.out) / f'step_{checkpoint}'}" in log
+    assert "orchestrator: resuming" not in (role_run.out / "logs" / "orchestrator.log").read_text()
+
+
+def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_batch(role_run: Run) -> None:
+    [failure] = role_run.events("failure", "orchestrator")
+    assert failure["action"] == "restarting it from its own state"
+    log = (role_run.out / "logs" / "orchestrator.log").read_text()
+    [line] = [x for x in log.splitlines() if x.startswith("orchestrator: restarted at step")]
+    restarted = int(line.split()[4])
+    trained_at_kill = next(n for role, _, n in role_run.kills if role == "orchestrator")
+    assert trained_at_kill <= restarted <= trained_at_kill + 2 + 1  # at most max_async_level steps ahead
+    assert "resumed from" not in (role_run.out / "logs" / "trainer.log").read_text().split("trainer step")[-1]

@@ -249,3 +249,33 @@ def test_sbatch_runs_tidal_sft_over_both_nodes_with_the_losses_of_a_local_run(sl
         assert sharded[step] == pytest.approx(expected[step], rel=1e-4), step
     assert (out / "final" / "model.safetensors").exists()
     assert (out / "checkpoints" / "step_4" / "model_optim").is_dir()
+
+
+def test_a_killed_trainer_rank_is_restarted_in_place_inside_the_job(slurm, tmp_path):
+    """Issue 14 under Slurm: rank 1 of the 2-rank trainer on n2 is SIGKILLed; torchrun ends the other rank,
+    n2's `tidal node` restarts its trainer from the checkpoint in the same job, which completes with every
+    step trained once and the failure and recovery in events.jsonl."""
+    out = tmp_path / "run"
+    steps = 6
+    job = submit(slurm, out, steps, "--orchestrator.batch.zero-signal", "keep")
+    wait_for(lambda: len(trainer_steps(out)) >= 3, "trained step 3", out, job)
+    ranks = []
+    for pid in job_processes(job):
+        try:
+            proc = psutil.Process(pid)
+            if "trainer" in proc.cmdline()[:6] and proc.environ().get("LOCAL_RANK") == "1":
+                ranks.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    assert len(ranks) == 1, ranks
+    ranks[0].kill()
+    state = wait_ended(slurm, out, job)
+    log = job_log(out, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert trainer_steps(out) == list(range(steps))
+    assert "tidal node 1 (n2): trainer exited with code" in log and "restarting it from its checkpoint" in log
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["role"], e["node"]) for e in events] == [
+        ("failure", "trainer", "node 1 (n2)"),
+        ("recovery", "trainer", "node 1 (n2)"),
+    ]

@@ -5,7 +5,11 @@ One run serves the role tests (a vLLM server, then the trainer, then the orchest
 previous one recovered); the chaos test kills a process of every kind at random steps of a longer run.
 """
 
+import json
+import os
+import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +40,8 @@ class Run:
     """pid -> create time of every process seen under the launcher (pids are reused)."""
     kills: list[tuple[str, int, int]] = field(default_factory=list)
     """(role, pid, trained steps at the kill) of each kill."""
+    ticks: list[Callable[[], None]] = field(default_factory=list)
+    """Called while waiting (e.g. to read each batch as it appears)."""
 
     @staticmethod
     def start(out: Path, *args: str) -> "Run":
@@ -62,6 +68,8 @@ class Run:
         deadline = time.monotonic() + timeout
         while not condition():
             self.note_processes()
+            for tick in self.ticks:
+                tick()
             assert self.launcher.poll() is None, f"the run ended waiting for {what}:\n{self.output()[-4000:]}"
             assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s:\n{self.output()[-4000:]}"
             time.sleep(0.2)
@@ -89,9 +97,18 @@ class Run:
         return lambda: len(self.events("recovery", role)) >= count
 
     def finish(self, timeout: float = 600) -> int:
-        code = self.launcher.wait(timeout=timeout)
-        time.sleep(0.5)
-        return code
+        """Wait for the launcher's exit (its ticks go on meanwhile); its exit code."""
+        deadline = time.monotonic() + timeout
+        while self.launcher.poll() is None:
+            assert time.monotonic() < deadline, f"the run did not end in {timeout:.0f} s"
+            self.note_processes()
+            for tick in self.ticks:
+                tick()
+            time.sleep(0.2)
+        for tick in self.ticks:
+            tick()
+        time.sleep(0.5)  # for `left_alive`: what the launcher stopped has had its moment to go
+        return self.launcher.returncode
 
     def left_alive(self) -> list[str]:
         left = []
@@ -205,3 +222,120 @@ def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_
     trained_at_kill = next(n for role, _, n in role_run.kills if role == "orchestrator")
     assert trained_at_kill <= restarted <= trained_at_kill + 2 + 1  # at most max_async_level steps ahead
     assert "resumed from" not in (role_run.out / "logs" / "trainer.log").read_text().split("trainer step")[-1]
+
+
+# ---- the chaos test of issue 14 ----------------------------------------------------------------------
+
+CHAOS_STEPS = 50
+CHAOS_SEED = 14
+CHAOS_PLAN = ("inference_0 server", "trainer", "inference_1", "reward worker", "orchestrator", "trainer")
+"""The kills in order, one process each: a replica's vLLM server, the trainer, the other replica's
+`tidal inference` itself, an environment (reward) worker, the orchestrator, the trainer again. A replica
+takes one to two minutes to restart on these 2 cores: the replicas go early, so that the run outlasts
+their restarts, and may be down together for a while (the run then waits for them)."""
+
+
+@dataclass
+class TrainedRollouts:
+    """Reads each batch (`rollouts/step_<n>/rank_0.json`) as it appears, before it is pruned: which rollouts
+    every step trains, and any step whose batch was written twice."""
+
+    out: Path
+    ids: dict[int, list[str]] = field(default_factory=dict)
+    rewritten: list[int] = field(default_factory=list)
+    _seen: dict[int, int] = field(default_factory=dict)  # step -> inode of its batch file
+
+    def poll(self) -> None:
+        for step, path in run_layout.step_dirs(run_layout.rollouts_dir(self.out)):
+            try:
+                inode = (path / "rank_0.json").stat().st_ino
+                if self._seen.get(step) == inode:
+                    continue
+                batch = json.loads((path / "rank_0.json").read_text())
+            except (OSError, ValueError):  # pruned or replaced as we looked: the next poll sees what is there
+                continue
+            if step in self._seen:
+                self.rewritten.append(step)
+            self._seen[step] = inode
+            self.ids[step] = [i for micro in batch["micro_batches"] for i in micro["rollout_ids"]]
+
+
+def chaos_args(port: int) -> tuple[str, ...]:
+    return (
+        "--max-steps", str(CHAOS_STEPS), "--max-async-level", "2", "--deployment.num-replicas", "2",
+        "--inference.server.port", str(port), "--seed", str(CHAOS_SEED), *STEADY,
+    )  # fmt: skip
+
+
+def victim(run: Run, what: str) -> psutil.Process:
+    if what.endswith(" server"):
+        return vllm_server(run, what.split()[0])
+    if what == "reward worker":
+        return reward_worker(run)
+    return run.child(what)
+
+
+def role_of(what: str) -> str:
+    return {"reward worker": "reward_worker"}.get(what, what.split()[0])
+
+
+def is_replica(role: str) -> bool:
+    return role.startswith("inference")
+
+
+def final_reward(out: Path) -> float:
+    records = read_metrics(run_layout.orchestrator_dir(out) / "metrics.jsonl")
+    return statistics.mean(r["reward/mean"] for r in records[-10:])
+
+
+@pytest.mark.skipif(
+    os.environ.get("TIDAL_CHAOS") != "1", reason="two 50-step runs, about 10 minutes: TIDAL_CHAOS=1 runs it"
+)
+def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_without(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(CHAOS_SEED)
+    run = Run.start(tmp_path / "chaos", *chaos_args(18571))
+    rollouts = TrainedRollouts(run.out)
+    run.ticks.append(rollouts.poll)
+    try:
+        for what in CHAOS_PLAN:
+            role = role_of(what)
+            # one at a time: every earlier kill has recovered, but for the replicas' slow restarts
+            for other in {r for r, _, _ in run.kills if not is_replica(r)}:
+                count = sum(1 for r, _, _ in run.kills if r == other)
+                run.wait_for(run.recovered(other, count), f"{other} recovery", timeout=400)
+            target = len(run.trained()) + rng.randint(1, 3)
+            run.wait_for(lambda: len(run.trained()) >= target, f"step {target} before the next kill")  # noqa: B023
+            run.kill(role, victim(run, what))
+        code = run.finish(timeout=900)
+    finally:
+        if run.launcher.poll() is None:
+            run.launcher.kill()
+    assert code == 0, run.output()[-4000:]
+    check_every_step_once(run, CHAOS_STEPS)
+    assert not run.left_alive(), run.left_alive()
+    # no rollout trained twice: each step's batch written once, no rollout in two steps
+    assert not rollouts.rewritten and sorted(rollouts.ids) == list(range(CHAOS_STEPS))
+    trained = [i for step in range(CHAOS_STEPS) for i in rollouts.ids[step]]
+    assert len(trained) == len(set(trained))
+    # every kill is a failure in events.jsonl, followed by its recovery
+    failures, recoveries = run.events("failure"), run.events("recovery")
+    assert [(e["role"], e["pid"]) for e in failures] == [(role, pid) for role, pid, _ in run.kills]
+    assert all(e["action"] != "stop" for e in failures) and not any(
+        e.get("complete") is False for e in recoveries
+    )
+    assert sorted(e["role"] for e in recoveries) == sorted(role for role, _, _ in run.kills)
+    report = {}
+    for event in recoveries:
+        seconds = event.get("seconds_to_next_step", event["seconds_lost"])  # a reward worker: its replacement
+        report.setdefault(event["role"], []).append(seconds)
+    print("\nchaos: seconds from a kill to the next trained step: " + "; ".join(
+        f"{role} {', '.join(f'{s:.1f}' for s in seconds)}" for role, seconds in sorted(report.items())
+    ))  # fmt: skip
+
+    reference = Run.start(tmp_path / "reference", *chaos_args(18581))
+    assert reference.finish(timeout=900) == 0, reference.output()[-4000:]
+    with_kills, without = final_reward(run.out), final_reward(reference.out)
+    print(f"chaos: mean reward of the last 10 steps {with_kills:.3f} with kills, {without:.3f} without")
+    assert abs(with_kills - without) < 0.05

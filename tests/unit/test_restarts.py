@@ -3,6 +3,7 @@ orchestrator side that keeps a run going while a replica is down (real local HTT
 
 import asyncio
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -123,11 +124,13 @@ def test_the_sender_keeps_every_batch_from_the_trainer_checkpoint_on(tmp_path: P
     assert on_disk() == [6, 7]
 
 
-def servers_with_health(up: dict[str, bool]) -> tuple[list[str], object]:
-    """A handler: /health answers as `up` says, weight routes succeed (recording the version loaded),
-    completions answer."""
+def servers_with_health(
+    up: dict[str, bool], versions: dict[str, str] | None = None
+) -> tuple[list[str], object]:
+    """A handler: /health answers as `up` says, weight routes succeed (recording the version loaded in
+    `versions`: clear it for a server that restarts), completions answer."""
     calls: list[str] = []
-    versions: dict[str, str] = {}
+    versions = {} if versions is None else versions
 
     def handler(request: Seen) -> web.Response:
         calls.append(f"{request.server}{request.path}")
@@ -231,8 +234,8 @@ def test_with_its_only_replica_down_an_update_waits_for_it(tmp_path: Path) -> No
 
 
 def test_an_update_that_skipped_a_server_back_in_rotation_since_is_tried_again(tmp_path: Path) -> None:
-    """Both replicas were out of rotation at the fan-out; one is back by the health check that follows (it
-    caught up to the previous weights only): the update is sent again rather than failing the run."""
+    """Both replicas were out of rotation at the fan-out; one is back by the health check that follows and
+    catches up to this very step: the update counts as done, not failed, and is not sent to it again."""
     up = {"a": False, "b": True}
     calls, handler = servers_with_health(up)
 
@@ -268,3 +271,76 @@ def test_each_trained_sample_names_its_rollout_on_whichever_rank_it_lands() -> N
     for batch in batches:
         for micro in batch.micro_batches:
             assert len(micro.rollout_ids) == micro.num_samples
+
+
+def test_an_update_while_every_server_is_out_of_rotation_is_what_they_load_on_return(tmp_path: Path) -> None:
+    """The trainer goes on publishing while no replica is up (async level > 0): a returning replica must load
+    the newest weights, not the last ones a server took (pruned from disk by then: its catch-up would fail
+    for ever, and the run wait for ever)."""
+    up = {"a": False}
+    calls, handler = servers_with_health(up)
+
+    async def go() -> None:
+        async with client_over(handler, ("a",), health_interval=30.0) as (client, urls):
+            client.mark_down(client.servers[urls["a"]], "test")
+            report = await client.update_weights("/run/weights/step_9", 9)
+            assert not report.servers[0].ok
+            up["a"] = True
+            assert await client.check_health() == {urls["a"]: True}
+            assert await client.versions() == {urls["a"]: 9}
+
+    asyncio.run(go())
+
+
+def test_a_lora_policy_update_goes_on_without_a_replica_that_is_down(tmp_path: Path) -> None:
+    up = {"a": True, "b": False}
+    calls, handler = servers_with_health(up)
+    adapter = tmp_path / "weights" / "step_1"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / ".complete").touch()
+
+    async def go() -> None:
+        async with client_over(handler, health_interval=30.0, recovery_timeout=10.0) as (client, urls):
+            client.mark_down(client.servers[urls["b"]], "test")
+            watcher = PolicyWatcher(client, tmp_path)
+            await asyncio.wait_for(watcher.check_once(), 5)
+            assert watcher.version == 1 and calls.count("a/v1/load_lora_adapter") == 1
+            assert "b/v1/load_lora_adapter" not in calls and client.loaded_adapters() == ["policy-step-1"]
+
+    asyncio.run(go())
+
+
+def test_a_replica_that_died_during_the_update_comes_back_to_that_step(tmp_path: Path) -> None:
+    """The last replica in rotation dies as the update to step 2 reaches it (it was asked, and failed) and
+    step 1 is pruned meanwhile: it must come back on step 2, not be stuck replaying the missing step 1."""
+    up, versions = {"a": True}, dict[str, str]()
+    calls, handler = servers_with_health(up, versions)
+    pauses: list[str] = []
+
+    def dying(request: Seen) -> web.Response:
+        if request.path == "/pause":
+            pauses.append(request.server)
+            if len(pauses) == 2:
+                up["a"] = False  # dies as the second update starts
+        if request.path == "/update_weights" and not Path(request.json()["update_info"]["path"]).exists():
+            return reply(400, {"error": "no such directory"})
+        return handler(request)  # type: ignore[operator]
+
+    async def go() -> None:
+        watched = client_over(dying, ("a",), recovery_timeout=10.0, health_interval=0.05)
+        async with watched as (client, urls), client:
+            watcher = PolicyWatcher(client, tmp_path)
+            first = publish(tmp_path, 1)
+            await watcher.check_once()
+            publish(tmp_path, 2)
+            updating = asyncio.create_task(watcher.check_once())
+            await asyncio.sleep(0.5)
+            assert not updating.done() and not client.servers[urls["a"]].healthy
+            shutil.rmtree(first)  # the trainer's publisher keeps the newest few
+            versions.clear()  # restarted: it serves the base model
+            up["a"] = True
+            await asyncio.wait_for(updating, 5)
+            assert watcher.version == 2 and await client.versions() == {urls["a"]: 2}
+
+    asyncio.run(go())

@@ -445,11 +445,13 @@ class InferenceClient:
         Servers that are down now are updated by the health watch before they return to rotation.
         """
         async with self._weights_lock:
+            asked = any(s.healthy for s in self.servers.values())
             results = await asyncio.gather(
                 *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
             )
-            # A path that every server refused must not be replayed on returning ones.
-            if any(r.ok for r in results):
+            # A path that every server refused must not be replayed on returning ones; one that no server
+            # was in rotation to load is what they load when they return.
+            if any(r.ok for r in results) or not asked:
                 self._latest_weights = (version, str(path))
             return WeightUpdateReport(version=version, path=str(path), servers=tuple(results))
 
@@ -535,10 +537,11 @@ class InferenceClient:
         model use it. Servers that are down now load it before they return to rotation.
         """
         async with self._weights_lock:
+            asked = any(s.healthy for s in self.servers.values())
             results = await asyncio.gather(
                 *(self._adapter_or_skip(s, name, str(path), version) for s in self.servers.values())
             )
-            if any(r.ok for r in results):
+            if any(r.ok for r in results) or not asked:
                 self._policy_adapters[name] = (version, str(path))
                 self._policy_adapter = name
                 await self._unload_unused_adapters()

@@ -94,22 +94,25 @@ class PolicyWatcher:
         deadline = time.monotonic() + self.client.recovery_timeout
         failures: Counter[str] = Counter()
         while True:
-            if is_adapter_dir(path):
-                report = await self.client.update_adapter(adapter_name(step), path, step)
-            else:
-                report = await self.client.update_weights(path, step)
+            report = await self._fan_out(step, path)
             if report.all_ok:
                 return
             await self.client.check_health()  # a server that died during the update leaves rotation now
-            in_rotation = [s for s in report.servers if not s.ok and self.client.servers[s.url].healthy]
+            # failed, in rotation now and not caught up to this step on its return: ask it (again)
+            in_rotation = [s for s in report.servers if not s.ok and self._behind(s.url, step)]
             failures.update(s.url for s in in_rotation)
             refused = [s for s in in_rotation if failures[s.url] > 1]
             if refused:
                 raise RuntimeError(f"weight update to step {step} failed on {_failed(report, refused)}")
             if in_rotation:
                 continue
-            if any(s.ok for s in report.servers):
-                return
+            serving = [s for s in self.client.servers.values() if s.healthy and s.version == step]
+            if serving or any(s.ok for s in report.servers):
+                return  # this step is served; the others load it when they come back
+            if not any(s.healthy for s in self.client.servers.values()):
+                # once more with none to ask: a returning server then loads this step, not the one before
+                # (which may be pruned from disk by the time it is back)
+                await self._fan_out(step, path)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(
@@ -120,6 +123,15 @@ class PolicyWatcher:
                 await self.client.wait_healthy(left, count=1)
             except NoHealthyServer as exc:
                 raise RuntimeError(f"weight update to step {step}: {exc}") from None
+
+    async def _fan_out(self, step: int, path: Path) -> WeightUpdateReport:
+        if is_adapter_dir(path):
+            return await self.client.update_adapter(adapter_name(step), path, step)
+        return await self.client.update_weights(path, step)
+
+    def _behind(self, url: str, step: int) -> bool:
+        server = self.client.servers[url]
+        return server.healthy and server.version != step
 
     async def _loop(self) -> None:
         try:

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_tidal
 from tidal import run_layout
 from tidal.monitor.events import read_events
 from tidal.monitor.metrics import read_metrics
@@ -260,11 +260,22 @@ class TrainedRollouts:
             self.ids[step] = [i for micro in batch["micro_batches"] for i in micro["rollout_ids"]]
 
 
-def chaos_args(port: int) -> tuple[str, ...]:
+def chaos_args(model: Path, port: int) -> tuple[str, ...]:
     return (
         "--max-steps", str(CHAOS_STEPS), "--max-async-level", "2", "--deployment.num-replicas", "2",
-        "--inference.server.port", str(port), "--seed", str(CHAOS_SEED), *STEADY,
+        "--inference.server.port", str(port), "--seed", str(CHAOS_SEED), "--model.name", str(model), *STEADY,
     )  # fmt: skip
+
+
+def sft_warmup(out: Path) -> Path:
+    """The tiny model after a short reverse_text SFT (examples/reverse_text): its sampled reward is well
+    above 0 and RL moves it, so that rewards with and without kills can be compared."""
+    result = run_tidal(
+        "sft", "@", "examples/reverse_text/sft.toml", "--max-steps", "100", "--output-dir", str(out),
+        "--eval.num-examples", "20", timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "final"
 
 
 def victim(run: Run, what: str) -> psutil.Process:
@@ -289,13 +300,15 @@ def final_reward(out: Path) -> float:
 
 
 @pytest.mark.skipif(
-    os.environ.get("TIDAL_CHAOS") != "1", reason="two 50-step runs, about 10 minutes: TIDAL_CHAOS=1 runs it"
+    os.environ.get("TIDAL_CHAOS") != "1", reason="an SFT and two 50-step runs, 10-20 minutes: TIDAL_CHAOS=1"
 )
+@pytest.mark.timeout(2400)
 def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_without(
     tmp_path: Path,
 ) -> None:
     rng = random.Random(CHAOS_SEED)
-    run = Run.start(tmp_path / "chaos", *chaos_args(18571))
+    model = sft_warmup(tmp_path / "sft")
+    run = Run.start(tmp_path / "chaos", *chaos_args(model, 18571))
     rollouts = TrainedRollouts(run.out)
     run.ticks.append(rollouts.poll)
     try:
@@ -334,8 +347,14 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_
         f"{role} {', '.join(f'{s:.1f}' for s in seconds)}" for role, seconds in sorted(report.items())
     ))  # fmt: skip
 
-    reference = Run.start(tmp_path / "reference", *chaos_args(18581))
+    reference = Run.start(tmp_path / "reference", *chaos_args(model, 18581))
     assert reference.finish(timeout=900) == 0, reference.output()[-4000:]
     with_kills, without = final_reward(run.out), final_reward(reference.out)
-    print(f"chaos: mean reward of the last 10 steps {with_kills:.3f} with kills, {without:.3f} without")
-    assert abs(with_kills - without) < 0.05
+    first = statistics.mean(
+        r["reward/mean"] for r in read_metrics(run.out / "orchestrator" / "metrics.jsonl")[:5]
+    )
+    print(
+        f"chaos: mean reward of the first 5 steps {first:.3f}; of the last 10: {with_kills:.3f} with kills, "
+        f"{without:.3f} without"
+    )
+    assert abs(with_kills - without) < 0.1

@@ -109,16 +109,20 @@ def weights_dir(output_dir: Path) -> Path:
 def discard_after_checkpoint(output_dir: Path) -> int:
     """Before a resume: drop what a killed run produced past the trainer's latest checkpoint; returns its step.
 
-    Batches of that step and later (`rollouts/step_<n>`, n ≥ step) and weights published after it
-    (`weights/step_<n>`, n > step) belong to steps the resumed run does again. This must happen before
-    trainer and orchestrator start: a resumed trainer that found an old batch would train it at once and
-    publish weights that the orchestrator's own clean-up then deleted, and both would wait for ever.
+    Batches of that step and later (`rollouts/step_<n>`, n ≥ step), weights published after it
+    (`weights/step_<n>`, n > step) and the orchestrator's states past it belong to steps the resumed run
+    does again. This must happen before trainer and orchestrator start: a resumed trainer that found an old
+    batch would train it at once and publish weights that the orchestrator's own clean-up then deleted, and
+    both would wait for ever; an orchestrator restarted from its newest state would take a stale one.
     """
     step = trainer_resume_step(output_dir)
     stale = [p for n, p in step_dirs(rollouts_dir(output_dir)) if n >= step]
     stale += [p for n, p in step_dirs(weights_dir(output_dir)) if n > step]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
+    for state in saved_state_steps(output_dir):
+        if state > step:
+            (orchestrator_states_dir(output_dir) / f"step_{state}.json").unlink(missing_ok=True)
     return step
 
 

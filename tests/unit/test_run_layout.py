@@ -29,8 +29,15 @@ def test_discard_after_checkpoint_drops_batches_from_and_weights_after_the_check
     _make(run_layout.weights_dir(tmp_path), [1, 2, 3, 4])
     (run_layout.weights_dir(tmp_path) / "step_5.tmp").mkdir()  # a half-written publish is not a step
 
+    states = run_layout.orchestrator_states_dir(tmp_path)
+    states.mkdir(parents=True)
+    for step in (1, 2, 3, 4):
+        (states / f"step_{step}.json").write_text("{}")
+
     assert run_layout.discard_after_checkpoint(tmp_path) == 2
     assert _left(run_layout.rollouts_dir(tmp_path)) == [1]  # batch 2 is produced again
+    # the resumed orchestrator starts from state 2; a restart of it from its newest state must not find 4
+    assert sorted(run_layout.saved_state_steps(tmp_path)) == [1, 2]
     assert _left(run_layout.weights_dir(tmp_path)) == [1, 2]  # step 2's weights serve the resumed step 2
     assert _left(run_layout.trainer_checkpoints_dir(tmp_path)) == [1, 2]
 

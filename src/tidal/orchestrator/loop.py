@@ -398,7 +398,7 @@ class Orchestrator:
         step = own_resume_step(saved, sent)
         path = self.state_dir / f"step_{step}.json"
         if step > 0 and not path.exists():
-            raise UserError(f"resume_from = 'latest': batch {step} was not sent and {path} is missing")
+            raise UserError(f"resume_from = 'latest': the state to continue from, {path}, is missing")
         if step > 0:
             self.state = OrchestratorState(**json.loads(path.read_text()))
             self.tracker.load_state_dict(self.state.staleness)

@@ -111,6 +111,8 @@ class Orchestrator:
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
                 self._restore(sender)
+            if cfg.resume and cfg.resume_from == "latest":
+                await client.reclaim()  # the orchestrator before this one may have died mid-update
             await policy.start()
             self.lag.start()
             try:

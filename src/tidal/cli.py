@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from tidal.config.help import render_help
 from tidal import __version__
+from tidal.config.help import render_help
 from tidal.config.loader import ParsedArgs, load_config, parse_args
 from tidal.errors import UserError
 
@@ -106,7 +106,7 @@ def _usage() -> str:
     lines += [
         "",
         "Run `tidal <command> --help` for that command's main options, `--help-all` for all of them.",
-        "configs/debug/ holds the smallest config that starts each command alone (README, \"Debug configs\").",
+        'configs/debug/ holds the smallest config that starts each command alone (README, "Debug configs").',
     ]
     return "\n".join(lines)
 
@@ -168,7 +168,11 @@ def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
     try:
         parsed = parse_args(argv)
         if parsed.help:
-            print(render_help(name, command.summary, schema, _resolved(command, schema, parsed), parsed.help_all))
+            print(
+                render_help(
+                    name, command.summary, schema, _resolved(command, schema, parsed), parsed.help_all
+                )
+            )
             sys.stdout.flush()
             return 0
         config = load_config(schema, parsed.files, parsed.overrides)

@@ -45,7 +45,9 @@ def assert_same(dotted: str, literal: str, resolved: Any) -> None:
         assert resolved is KeyError, f"{dotted}: help says unset, the command resolves {resolved!r}"
         return
     assert resolved is not KeyError, f"{dotted}: help says {literal}, the command leaves it unset"
-    assert parse_value(literal) == resolved, f"{dotted}: help says {literal}, the command resolves {resolved!r}"
+    assert parse_value(literal) == resolved, (
+        f"{dotted}: help says {literal}, the command resolves {resolved!r}"
+    )
 
 
 def dry_run(*args: str) -> str:
@@ -157,7 +159,11 @@ def test_closed_pipe_ends_quietly(args):
     os.close(read_end)  # every write now fails with EPIPE, as once `head` has exited
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "tidal", *args], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, timeout=60
+            [sys.executable, "-m", "tidal", *args],
+            cwd=REPO,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=60,
         )
     finally:
         os.close(write_end)

@@ -60,7 +60,8 @@ def render_help(
         "",
         "Config files merge left to right, then --dotted.key overrides (booleans: --flag / --no-flag).",
         "Values are TOML literals; `unset` marks an option that is off or derived when not set.",
-        "Defaults are the ones this command resolves" + (" with the given files and flags." if resolved else "."),
+        "Defaults are the ones this command resolves"
+        + (" with the given files and flags." if resolved else "."),
         "--dry-run prints the resolved config and exits.",
         "",
         "options:" if full or main is None else "main options:",
@@ -86,9 +87,7 @@ def _fields(render: _Render, model: type[BaseModel], value: BaseModel | None, pr
             _option(render, key, info, doc, current, variants)
 
 
-def _table(
-    render: _Render, key: Key, doc: str, variants: list[type[BaseModel]], current: Any
-) -> None:
+def _table(render: _Render, key: Key, doc: str, variants: list[type[BaseModel]], current: Any) -> None:
     if not render.leads_to_wanted(key):
         render.left_out += _count_options(variants)
         return

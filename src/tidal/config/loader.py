@@ -199,7 +199,9 @@ def _blame(base: Key, problem: ConfigProblem, raw: RawConfig) -> UserError:
     for other in problem.also:
         other_key = (*base, *other.split("."))
         if source != CLI_SOURCE and raw.sources.get(other_key) == CLI_SOURCE:
-            where = f"{key_text(key)} from {source}" if source != "defaults" else f"{key_text(key)} by default"
+            where = (
+                f"{key_text(key)} from {source}" if source != "defaults" else f"{key_text(key)} by default"
+            )
             return config_error(CLI_SOURCE, key_text(other_key), f"{problem} ({where})")
     return config_error(source, key_text(key), str(problem))
 

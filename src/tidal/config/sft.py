@@ -114,7 +114,11 @@ class SFTConfig(TrainerRunConfig):
                 also=("max_steps",),
             )
         ckpt = self.ckpt
-        if ckpt.interval is not None and ckpt.interval > self.max_steps and "interval" not in ckpt.model_fields_set:
+        if (
+            ckpt.interval is not None
+            and ckpt.interval > self.max_steps
+            and "interval" not in ckpt.model_fields_set
+        ):
             # the default interval on a shorter run: say so in the resolved config instead of failing
             self.ckpt = ckpt.model_copy(update={"interval": None})
         elif ckpt.interval is not None and ckpt.interval > self.max_steps:

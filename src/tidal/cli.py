@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from tidal import __version__
 from tidal.config.help import render_help
 from tidal.config.loader import ParsedArgs, load_config, parse_args
-from tidal.errors import UserError
+from tidal.errors import USER_ERRNOS, UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,18 @@ def _resolved(command: Command, schema: type[BaseModel], parsed: ParsedArgs) -> 
         return None
 
 
+def os_error_line(exc: OSError, config: BaseModel | None) -> str:
+    """`<path>: <reason>`: the file the error names, else the run's output directory (a failed write()
+    names no file)."""
+    path = exc.filename or getattr(config, "output_dir", None)
+    reason = exc.strerror or first_line(exc)
+    return f"{path}: {reason}" if path is not None else reason
+
+
 def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
     schema = _load(command.schema)
     assert isinstance(schema, type) and issubclass(schema, BaseModel)
+    config: BaseModel | None = None
     try:
         parsed = parse_args(argv)
         if parsed.help:
@@ -188,6 +197,13 @@ def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
         if _is_main_rank():
             print(f"tidal {name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        # a full disk, a read-only or missing directory: the user's to fix, so one line naming the path
+        if _is_main_rank():
+            print(f"tidal {name}: error: {os_error_line(exc, config)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if _is_main_rank():
             print(f"tidal {name}: interrupted", file=sys.stderr)

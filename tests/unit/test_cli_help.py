@@ -169,3 +169,13 @@ def test_closed_pipe_ends_quietly(args):
         os.close(write_end)
     err = result.stderr.decode()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_every_debug_config_resolves():
+    """configs/debug/: one per part, CPU and GPU (tests/integration/test_debug_configs.py runs the CPU ones)."""
+    names = sorted(p.stem for p in (REPO / "configs" / "debug").glob("*.toml"))
+    assert {"sft", "trainer", "orchestrator", "inference", "eval", "rl"} <= set(names)
+    for name in names:
+        command = name.removesuffix("_gpu")
+        result = run_tidal(command, "@", f"configs/debug/{name}.toml", "--dry-run")
+        assert result.returncode == 0, (name, result.stderr)

@@ -259,6 +259,8 @@ def _schema_for(path: Path) -> str:
         ("sft", "tidal.config.sft:SFTConfig"),
         ("eval", "tidal.config.eval:EvalConfig"),
         ("infer", "tidal.config.inference:InferenceConfig"),
+        ("orchestrator", "tidal.config.rl:OrchestratorConfig"),
+        ("trainer", "tidal.config.rl:RLTrainerConfig"),
     ]:
         if stem.startswith(prefix):
             return schema

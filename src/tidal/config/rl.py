@@ -29,7 +29,7 @@ from tidal.config.slurm import SlurmConfig
 
 
 class FilesystemTransport(Config):
-    """Batches as files under `<output_dir>/rollouts/step_<n>/rank_<r>.npz` (written atomically)."""
+    """Batches as files under `<output_dir>/rollouts/step_<n>/rank_<r>.json` (written atomically)."""
 
     type: Literal["filesystem"] = "filesystem"
     poll_interval: float = Field(default=0.05, gt=0)
@@ -174,12 +174,28 @@ def fit_keep_last(
             f"keeps {transport.keep_last} rollout steps on disk but max_async_level = {max_async_level} lets "
             "the orchestrator write that many steps past the one the trainer reads next, which would be "
             f"deleted unread; set keep_last ≥ {max_async_level + 1} (or leave it unset)",
+            also=("max_async_level",),
         )
     return transport.model_copy(update={"keep_last": max_async_level + 1})
 
 
 class OrchestratorConfig(RunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
+
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "max_async_level",
+        "model.name",
+        "env",
+        "sampling",
+        "batch.num_prompts",
+        "batch.group_size",
+        "batch.seq_len",
+        "client.urls",
+        "transport.type",
+    )
 
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the trainer (rollouts/, weights/, orchestrator/)."""
@@ -288,6 +304,21 @@ the one setting, and every server's `inference.weights` is derived from it."""
 class RLTrainerConfig(TrainerRunConfig):
     """`tidal trainer`: consume batches, take one optimizer step per batch, publish weights."""
 
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "resume",
+        "device",
+        "model.name",
+        "optim.lr",
+        "scheduler",
+        "lora.rank",
+        "ckpt.interval",
+        "transport.type",
+        "publish.type",
+    )
+
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the orchestrator."""
     model: ModelConfig = ModelConfig()
@@ -333,6 +364,36 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
 
 class RLConfig(RunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
+
+    SET_ELSEWHERE = SET_FROM_THE_TOP
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "resume",
+        "max_async_level",
+        "model.name",
+        "model.dtype",
+        "deployment.type",
+        "deployment.num_replicas",
+        "deployment.num_trainer_ranks",
+        "deployment.trainer_gpus",
+        "deployment.inference_gpus",
+        "inference.vllm.max_model_len",
+        "inference.vllm.gpu_memory_utilization",
+        "orchestrator.env",
+        "orchestrator.online_eval.interval",
+        "orchestrator.sampling",
+        "orchestrator.batch.num_prompts",
+        "orchestrator.batch.group_size",
+        "orchestrator.batch.seq_len",
+        "trainer.optim.lr",
+        "trainer.scheduler",
+        "trainer.lora.rank",
+        "trainer.ckpt.interval",
+        "trainer.wandb.enabled",
+        "restarts.max_restarts",
+    )
 
     output_dir: Path = Path("outputs/rl")
     """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/."""
@@ -381,12 +442,15 @@ class RLConfig(RunConfig):
             self.transport = transport
         if self.trainer.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
-                "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"
+                "trainer.scheduler.warmup_steps",
+                f"warmup is longer than max_steps ({self.max_steps})",
+                also=("max_steps",),
             )
         if self.trainer.lora.enabled and self.trainer.publish.type == "nccl":
             raise ConfigProblem(
                 "trainer.publish.type",
                 "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
+                also=("trainer.lora.rank",),
             )
         restarts = self.restarts
         if (
@@ -411,5 +475,6 @@ class RLConfig(RunConfig):
                     "orchestrator.batch.seq_len",
                     f"packed rows ({longest} tokens) are shorter than inference.vllm.max_model_len "
                     f"({self.inference.vllm.max_model_len}): a long rollout could not be trained on",
+                    also=("inference.vllm.max_model_len",),
                 )
         return self

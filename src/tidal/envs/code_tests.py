@@ -142,7 +142,8 @@ class TestReport:
 
 def read_reports(output: str) -> tuple[bool, dict[int, dict[str, Any]]]:
     """(whether the solution loaded, the first report of each test case) from the harness's output."""
-    loaded, cases = False, {}
+    loaded = False
+    cases: dict[int, dict[str, Any]] = {}
     for line in output.splitlines():
         if not line.startswith(REPORT_MARK):
             continue

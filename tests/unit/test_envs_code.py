@@ -38,10 +38,10 @@ def score(env: CodeTestsEnv, index: int, reply: str, workers: int | None = 1) ->
 
 
 def test_extract_code_takes_the_last_fenced_block():
-    assert extract_code("```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
-    assert extract_code("```\nc = 3\n```") == "c = 3\n"
-    assert extract_code("def f(): pass") is None
-    assert extract_code("```python\nunfinished") is None
+    assert extract_code("```python\na = 1\n```\ntext\n```py\nb = 2\n```") == ("b = 2\n", True)
+    assert extract_code("```\nc = 3\n```") == ("c = 3\n", True)
+    assert extract_code(" def f(): pass\n") == ("def f(): pass", False)
+    assert extract_code("```python\nunfinished") == ("```python\nunfinished", False)
 
 
 def test_same_value_is_strict_about_types_and_tolerant_about_floats():
@@ -81,14 +81,17 @@ def test_scores_in_a_reward_worker_with_metrics():
     good = score(env, index, answer("def add(a, b):\n    return a + b"))
     assert good.reward == 1.0
     assert good.metrics == {
-        "code/found": 1.0,
+        "code/fenced": 1.0,
         "code/compiled": 1.0,
         "code/timed_out": 0.0,
         "reward/tests_passed": 1.0,
     }
     half = score(env, index, answer("def add(a, b):\n    return a + b if a <= 0 else 0"), workers=0)
     assert 0.0 < half.reward < 1.0  # without workers it runs in a thread: same result
-    assert score(env, index, "no code at all").metrics["code/found"] == 0.0
+    prose = score(env, index, "no code at all")
+    assert prose.metrics["code/fenced"] == prose.metrics["code/compiled"] == prose.reward == 0.0
+    assert score(env, index, "def add(a, b):\n    return a + b").reward == 1.0  # bare code counts
+    assert score(env, index, "").metrics["code/compiled"] == 0.0
     broken = score(env, index, answer("def add(a, b)\n    return a + b"))
     assert broken.metrics["code/compiled"] == 0.0 and broken.reward == 0.0
     missing = score(env, index, answer("def plus(a, b):\n    return a + b"))

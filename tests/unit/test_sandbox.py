@@ -1,12 +1,11 @@
 """The OS sandbox (bubblewrap) for model-written code: what it blocks, through tool_use rollouts and directly.
 
-These tests need bwrap. Outside CI they are skipped where it is missing (with how to install it); in CI
-(`CI=true`) a missing or broken bwrap fails them: `.ci/run` installs it.
+These tests need bwrap (the `needs_bwrap` fixture): outside CI they are skipped where it is missing (with how
+to install it); in CI (`CI=true`) a missing or broken bwrap fails them: `.ci/run` installs it.
 """
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
@@ -17,16 +16,6 @@ from tidal.envs import bwrap
 from tidal.envs.sandbox import PythonSandbox, SandboxUnavailable, resolve_mode
 from tidal.envs.tool_use import ToolUseEnv
 from tidal.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def needs_bwrap() -> None:
-    problem = bwrap.probe()
-    if problem is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the sandbox tests, but {problem} (.ci/run installs bubblewrap)")
-    pytest.skip(f"{problem}: apt-get install bubblewrap")
 
 
 def python_call(code: str) -> str:

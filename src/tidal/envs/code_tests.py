@@ -5,14 +5,14 @@ package's `data/code_tasks.json` by default: short function-writing tasks, each 
 solution and its tests). A test is a call and its expected result, `{"args": [...], "expected": ...}`.
 
 Scoring, off the event loop (in a reward worker, `call_off_loop`): the last fenced code block of the answer
-(```python or ```) is run with a harness in `PythonSandbox` (bubblewrap where it works): the harness loads
+(```python or ```), or the whole answer when it has none, is run with a harness in `PythonSandbox` (bubblewrap where it works): the harness loads
 it, calls the function on each test's arguments and reports each result as a JSON line on a file
 descriptor of its own (what the code prints goes nowhere). The expected values never enter the sandbox:
 the results are compared outside it, so code that forges reports gains nothing it did not compute. Tests
 that had not reported when the timeout killed the run count as failed.
 
 Reward: the fraction of the tests passed (`all_or_nothing = true`: 1 only when all pass). Metrics:
-`code/found` (a code block was there), `code/compiled` (it loaded and defined the function),
+`code/fenced` (the code came from a fenced block), `code/compiled` (it loaded and defined the function),
 `code/timed_out`, and `reward/tests_passed`.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from tidal.envs.base import Episode, SingleTurnEnv, Task, completion_text
 from tidal.envs.reward_pool import call_off_loop
-from tidal.envs.sandbox import PythonSandbox, resolve_mode
+from tidal.envs.sandbox import PythonSandbox, announce, resolve_mode
 
 TASKS_FILE = Path(__file__).with_name("data") / "code_tasks.json"
 SYSTEM_PROMPT = "Write the requested Python function. Reply with its code in one ```python block."
@@ -101,10 +101,11 @@ def load_tasks(path: Path) -> list[CodeTask]:
     return tasks
 
 
-def extract_code(text: str) -> str | None:
-    """The last fenced code block of a reply (```python, ```py or a bare ```), or None."""
+def extract_code(text: str) -> tuple[str, bool]:
+    """(code, whether it was fenced): the last fenced block of a reply (```python, ```py or a bare ```), else
+    the whole reply (models often answer with bare code; prose then fails to compile)."""
     blocks = _BLOCK.findall(text)
-    return blocks[-1] if blocks else None
+    return (blocks[-1], True) if blocks else (text.strip(), False)
 
 
 def harness_script(code: str, function: str, cases: list[list[Any]]) -> str:
@@ -118,9 +119,9 @@ def harness_script(code: str, function: str, cases: list[list[Any]]) -> str:
 
 @dataclass(frozen=True)
 class TestReport:
-    """What the hidden tests found: whether there was code, whether it loaded, how many tests passed."""
+    """What the hidden tests found: whether the code was fenced, whether it loaded, how many tests passed."""
 
-    found: bool
+    fenced: bool
     compiled: bool
     passed: int
     total: int
@@ -133,7 +134,7 @@ class TestReport:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "code/found": float(self.found),
+            "code/fenced": float(self.fenced),
             "code/compiled": float(self.compiled),
             "code/timed_out": float(self.timed_out),
             "reward/tests_passed": self.passed / self.total,
@@ -176,7 +177,9 @@ def same_value(value: Any, expected: Any) -> bool:
     return type(value) is type(expected) and value == expected
 
 
-def grade(output: str, tests: list[tuple[list[Any], Any]], timed_out: bool) -> TestReport:
+def grade(
+    output: str, tests: list[tuple[list[Any], Any]], timed_out: bool, fenced: bool = True
+) -> TestReport:
     """The report of one harness run from its output (pure)."""
     loaded, cases = read_reports(output)
     passed = sum(
@@ -184,16 +187,22 @@ def grade(output: str, tests: list[tuple[list[Any], Any]], timed_out: bool) -> T
         for index, (_, expected) in enumerate(tests)
         if index in cases and "value" in cases[index] and same_value(cases[index]["value"], expected)
     )
-    return TestReport(found=True, compiled=loaded, passed=passed, total=len(tests), timed_out=timed_out)
+    return TestReport(fenced=fenced, compiled=loaded, passed=passed, total=len(tests), timed_out=timed_out)
 
 
 def run_hidden_tests(
-    code: str, function: str, tests: list[tuple[list[Any], Any]], timeout: float, memory_mb: int, mode: str
+    code: str,
+    function: str,
+    tests: list[tuple[list[Any], Any]],
+    timeout: float,
+    memory_mb: int,
+    mode: str,
+    fenced: bool = True,
 ) -> TestReport:
     """Run the tests on `code` in the sandbox and grade them (synchronous: a reward worker calls it)."""
     box = PythonSandbox(timeout=timeout, memory_mb=memory_mb, max_output=256 * 1024, mode=mode)
     result = box.execute_sync(harness_script(code, function, [args for args, _ in tests]))
-    return grade(result.output, tests, result.timed_out)
+    return grade(result.output, tests, result.timed_out, fenced)
 
 
 class CodeTestsEnv(SingleTurnEnv):
@@ -220,6 +229,7 @@ class CodeTestsEnv(SingleTurnEnv):
             raise ValueError("timeout and memory_mb must be positive")
         self.timeout, self.memory_mb, self.all_or_nothing = timeout, memory_mb, all_or_nothing
         self.sandbox = resolve_mode(sandbox)
+        announce(self.sandbox)
 
     def num_tasks(self) -> int:
         return len(self.tasks)
@@ -232,12 +242,13 @@ class CodeTestsEnv(SingleTurnEnv):
     async def score(self, task: Task, episode: Episode) -> None:
         """Runs the hidden tests off the event loop; a reward worker returns the whole report."""
         spec = self.tasks[task.info["index"]]
-        code = extract_code(completion_text(episode))
-        if code is None:
-            report = TestReport(found=False, compiled=False, passed=0, total=len(spec.tests))
+        code, fenced = extract_code(completion_text(episode))
+        if not code:
+            report = TestReport(fenced=False, compiled=False, passed=0, total=len(spec.tests))
         else:
             report = await call_off_loop(
-                run_hidden_tests, code, spec.function, spec.tests, self.timeout, self.memory_mb, self.sandbox
+                run_hidden_tests,
+                *(code, spec.function, spec.tests, self.timeout, self.memory_mb, self.sandbox, fenced),
             )
         episode.metrics.update(report.metrics())
         episode.reward = report.reward(self.all_or_nothing)

@@ -187,6 +187,7 @@ class PythonSandbox:
         self.timeout = timeout
         self.max_output = max_output
         self.mode = resolve_mode(mode)
+        announce(self.mode)  # here too: the process that builds the environment says what its rollouts use
         self.limits = bwrap.Limits(
             cpu_seconds=int(timeout) + 1,  # a backstop: the wall-clock timeout normally fires first
             memory_mb=memory_mb,

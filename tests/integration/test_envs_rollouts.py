@@ -230,16 +230,17 @@ def test_tool_use_runs_the_python_tool_in_bwrap_between_real_model_turns(
     env.max_context_tokens = MAX_CONTEXT  # type: ignore[attr-defined]
     code = "import os; print(6 * 7, os.getcwd(), os.path.exists('/home'))"
     call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    task = Task(task_id="tool_use/short", messages=[{"role": "user", "content": "6*7?"}], answer="42")  # fits
 
     async def go() -> Episode:
         async with InferenceClient([inference_server.url]) as client:
             inner = ClientSampler(
                 client, tokenizer, SAMPLING.temperature, SAMPLING.max_tokens, 0, "tool-bwrap"
             )
-            return await run_episode(env, env.task(0), FirstTurnScripted(inner, call))
+            return await run_episode(env, task, FirstTurnScripted(inner, call))
 
     episode = asyncio.run(go())
-    assert episode.messages[3] == {"role": "tool", "content": "42 /tmp False\n"}  # run in the sandbox
-    assert episode.num_turns >= 2 and episode.messages[4]["role"] == "assistant"  # the server went on
+    assert episode.messages[2] == {"role": "tool", "content": "42 /tmp False\n"}  # run in the sandbox
+    assert episode.num_turns >= 2 and episode.messages[3]["role"] == "assistant"  # the server went on
     assert episode.metrics["tools/num_tool_calls"] >= 1
     assert 0 in episode.completion_mask and len(episode.context_ids) <= 512

@@ -146,7 +146,8 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     reverse_text: its heldout split (strings disjoint from train by a hash of the text). math: a hub
     dataset's `test` split when training uses `train`; the local generator, like wordle, alphabet_sort and
     tool_use, another seed (new instances of the same generator; a small task space may repeat some).
-    vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split).
+    vf: environments and code (a fixed list of tasks): the same tasks (set [[orchestrator.online_eval.env]]
+    to choose another split, or another `tasks_file`).
     """
     kwargs = dict(spec.kwargs)
     if spec.name == "reverse_text":
@@ -154,7 +155,7 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     elif spec.name == "math" and kwargs.get("dataset", "local") != "local":
         if kwargs.get("split", "train") == "train":
             kwargs["split"] = "test"
-    elif not spec.name.startswith("vf:"):
+    elif not spec.name.startswith("vf:") and spec.name != "code":
         kwargs["seed"] = int(kwargs.get("seed", 0)) + HELDOUT_SEED_OFFSET
     return EvalEnvSpec(name=spec.name, label=spec.label, kwargs=kwargs)
 

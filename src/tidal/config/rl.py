@@ -240,6 +240,11 @@ class OrchestratorConfig(RunConfig):
             self.online_eval = spec.model_copy(update=fill)
         return self
 
+    def environments(self) -> list[EnvSpec]:
+        """Every environment the run will build: those it trains on, and those it evaluates online."""
+        online = list(self.online_eval.env or []) if self.online_eval.interval is not None else []
+        return [*self.env, *online]
+
 
 PublishDtype = Literal["auto", "float32", "bfloat16", "float16"]
 

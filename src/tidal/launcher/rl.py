@@ -654,6 +654,9 @@ def main(config: RLConfig) -> int:
         raise UserError(
             f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'
         )  # TODO(issue 13): render and submit the job instead
+    from tidal.envs.registry import check_envs
+
+    check_envs(config.orchestrator.environments())  # a wrong name or argument: one line, before any server
     start = time.perf_counter()
     code = Launcher(config).run()
     if code == 0:

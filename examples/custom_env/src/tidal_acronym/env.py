@@ -70,7 +70,8 @@ class AcronymHintsEnv(MultiTurnEnv):
 
     def __init__(self, num_examples: int = 1000, seed: int = 0, num_words: int = 3, max_turns: int = 3):
         super().__init__()
-        self.num_examples, self.seed, self.num_words, self.max_turns = num_examples, seed, num_words, max_turns
+        self.num_examples, self.seed, self.num_words = num_examples, seed, num_words
+        self.max_turns = max_turns
 
     def default_rewards(self) -> list[tuple[RewardFn, float]]:
         return [(exact, 1.0), (turn_penalty, 1.0)]

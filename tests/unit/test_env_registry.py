@@ -146,9 +146,24 @@ def test_rl_and_eval_stop_with_one_line_before_any_server(modules, tmp_path, com
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (out / "logs").exists()  # no inference server (nor anything else) was started
+    if command == "rl":
+        assert "tidal rl: error: orchestrator.env.0: environment" in result.stderr
 
 
 def test_an_unknown_name_is_a_config_error(tmp_path):
     result = run_tidal("eval", "--env", '[{name = "chess"}]', "--output-dir", str(tmp_path))
     assert result.returncode == 2 and "unknown environment 'chess'" in result.stderr
     assert "built-in: alphabet_sort" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_online_eval_env_without_a_seed_argument_is_named_with_a_hint(modules, tmp_path):
+    """Online eval's default held-out tasks pass `seed`; a factory without one is caught before any server."""
+    path = os.pathsep.join(filter(None, [str(modules), os.environ.get("PYTHONPATH")]))
+    result = run_tidal(
+        "rl", "--orchestrator.env", '[{name = "hello_envs:make_hello"}]',
+        "--orchestrator.online-eval.interval", "1", "--output-dir", str(tmp_path / "out"), env={"PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "orchestrator.online_eval.env.0: environment 'hello_envs:make_hello'" in result.stderr
+    assert "give the environment a `seed` argument" in result.stderr
+    assert not (tmp_path / "out" / "logs").exists()

@@ -123,9 +123,19 @@ def check_env(spec: "EnvSpec") -> None:
     bind_kwargs(resolve_env(spec.name), dict(spec.kwargs))
 
 
-def check_envs(specs: "list[EnvSpec]") -> None:
-    for spec in specs:
-        check_env(spec)
+def check_envs(named: "list[tuple[str, EnvSpec]]") -> None:
+    """`check_env` of each (config key, spec); the first problem is a `UserError` naming its key."""
+    for key, spec in named:
+        try:
+            check_env(spec)
+        except UserError as exc:
+            hint = ""
+            if "online_eval.env" in key and "unexpected keyword argument 'seed'" in str(exc):
+                hint = (
+                    " (online eval draws held-out tasks with the training seed + an offset: give the "
+                    "environment a `seed` argument, or set [[orchestrator.online_eval.env]])"
+                )
+            raise UserError(f"{key}: {exc}{hint}") from None
 
 
 def build_env(spec: "EnvSpec") -> Environment:

@@ -656,7 +656,8 @@ def main(config: RLConfig) -> int:
         )  # TODO(issue 13): render and submit the job instead
     from tidal.envs.registry import check_envs
 
-    check_envs(config.orchestrator.environments())  # a wrong name or argument: one line, before any server
+    # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup
+    check_envs([(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()])
     start = time.perf_counter()
     code = Launcher(config).run()
     if code == 0:

@@ -118,11 +118,19 @@ def test_check_env_binds_arguments_without_building(modules):
         check_env(EnvSpec(name="hello_ep", kwargs={"nope": 2}))
 
 
-def test_an_entry_point_shadowing_a_builtin_is_an_error(modules):
+def test_ambiguous_entry_points_are_errors(modules):
     dist = modules / "hello_envs-1.0.dist-info"
-    (dist / "entry_points.txt").write_text("[tidal.environments]\nmath = hello_envs:Hello\n")
+    (dist / "entry_points.txt").write_text(
+        "[tidal.environments]\nmath = hello_envs:Hello\nhello_ep = hello_envs:Hello\n"
+    )
+    other = modules / "other_envs-1.0.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: other-envs\nVersion: 1.0\n")
+    (other / "entry_points.txt").write_text("[tidal.environments]\nhello_ep = hello_envs:make_hello\n")
     with pytest.raises(UserError, match="'math' is built in and also declared by an installed package"):
         load_env("math")
+    with pytest.raises(UserError, match="'hello_ep' is declared by several installed packages"):
+        load_env("hello_ep")
 
 
 @pytest.mark.parametrize(

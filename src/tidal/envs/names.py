@@ -24,10 +24,16 @@ _REFERENCE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A
 
 def installed_envs() -> dict[str, str]:
     """Entry-point name → `module:attr` of every installed package's `tidal.environments` entry."""
-    found: dict[str, str] = {}
+    return {name: values[0] for name, values in _entry_points().items()}
+
+
+def _entry_points() -> dict[str, list[str]]:
+    """Entry-point name → the distinct values declared for it (one, unless two packages claim the name)."""
+    found: dict[str, list[str]] = {}
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        # the same distribution can be seen twice (an editable install and a copy on the path): one name
-        found.setdefault(entry.name, entry.value)
+        values = found.setdefault(entry.name, [])
+        if entry.value not in values:  # one distribution seen twice (installed and on the path) is one name
+            values.append(entry.value)
     return found
 
 
@@ -58,12 +64,20 @@ def reference(name: str) -> str:
     problem = unknown_name(name)
     if problem is not None:
         raise UserError(problem)
-    installed = installed_envs()
+    declared = _entry_points().get(name, [])
     if name in BUILTIN_ENVS:
-        if installed.get(name, BUILTIN_ENVS[name]) != BUILTIN_ENVS[name]:
+        if any(value != BUILTIN_ENVS[name] for value in declared):
             raise UserError(
                 f"environment {name!r} is built in and also declared by an installed package "
-                f"({installed[name]}); name that one by {installed[name]}"
+                f"({declared[0]}); name that one by {declared[0]}"
             )
         return BUILTIN_ENVS[name]
-    return installed.get(name, name)
+    if len(declared) > 1:
+        raise UserError(
+            f"environment {name!r} is declared by several installed packages ({', '.join(declared)}); "
+            "name the one you mean by module:Class"
+        )
+    target = declared[0] if declared else name
+    if ":" not in target:
+        raise UserError(f"environment {name!r}: its entry point {target!r} names no object (module:attr)")
+    return target

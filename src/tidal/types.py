@@ -36,7 +36,7 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     failed: bool = False
     rollout_id: str = ""
-    """`<task position>/<index in its group>` (tidal.orchestrator.rollouts.rollout_id): one rollout has one
+    """`<task position>/<index in its group>` (tidal.rollout.sampler.rollout_id): one rollout has one
     id however often its step is made again."""
 
     def __post_init__(self) -> None:

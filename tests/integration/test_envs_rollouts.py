@@ -14,8 +14,8 @@ from tidal.envs.base import Episode, SingleTurnEnv, Task, Turn, run_episode
 from tidal.envs.mix import EnvMix
 from tidal.envs.registry import build_envs, load_env
 from tidal.inference.client import InferenceClient
-from tidal.inference.sampler import ClientSampler
 from tidal.orchestrator.rollouts import run_group
+from tidal.rollout.sampler import ClientSampler
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 
 pytestmark = pytest.mark.slow

@@ -240,7 +240,11 @@ def test_rl_sub_table_keys_tidal_rl_does_not_set_are_kept(tmp_path):
     assert roles.orchestrator.client.admin_token == "t" and roles.trainer.num_threads == 1
 
 
-SHIPPED_CONFIGS = sorted((REPO / "examples").glob("*/*.toml")) + sorted((REPO / "configs").glob("*/*.toml"))
+SHIPPED_CONFIGS = sorted(
+    p
+    for p in (REPO / "examples").glob("*/*.toml")
+    if p.name != "pyproject.toml"  # a package's, not a run's
+) + sorted((REPO / "configs").glob("*/*.toml"))
 
 
 SFT_OVERLAY_BASE = str(REPO / "configs/ci/sft_tiny.toml")
@@ -268,12 +272,28 @@ def _schema_for(path: Path) -> str:
 
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[str(p.relative_to(REPO)) for p in SHIPPED_CONFIGS])
-def test_every_shipped_config_validates(path):
+def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
     import importlib
 
+    if path.parent.name == "custom_env":  # names the example package's entry points: as if it were installed
+        installed_example_metadata(tmp_path, monkeypatch)
     module, name = _schema_for(path).split(":")
     base = [SFT_OVERLAY_BASE] if "_sft_" in path.stem else []
     load_config(getattr(importlib.import_module(module), name), [*base, str(path)], [])
+
+
+def installed_example_metadata(tmp_path, monkeypatch) -> None:
+    """What `pip install examples/custom_env` leaves for importlib.metadata: its dist-info, entry points."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "examples" / "custom_env" / "pyproject.toml").read_text())["project"]
+    dist = tmp_path / "tidal_acronym-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: 0.1.0\n")
+    entries = project["entry-points"]["tidal.environments"]
+    lines = [f"{name} = {value}" for name, value in entries.items()]
+    (dist / "entry_points.txt").write_text("[tidal.environments]\n" + "\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
 
 def test_eval_rejects_an_inference_model_it_would_replace_by_the_top_level_one(tmp_path):

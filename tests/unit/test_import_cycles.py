@@ -97,6 +97,32 @@ def test_no_two_modules_import_each_other() -> None:
 
 
 @pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        (
+            "tidal.eval",
+            "tidal.orchestrator",
+        ),  # both use tidal.rollout; the orchestrator's online eval uses eval
+        ("tidal.rollout", "tidal.orchestrator"),
+        ("tidal.rollout", "tidal.eval"),
+        ("tidal.envs", "tidal.orchestrator"),
+        ("tidal.envs", "tidal.eval"),
+    ],
+)
+def test_layers_import_downwards_only(package: str, forbidden: str) -> None:
+    graph = import_graph(SRC, module_level=False)
+    inside = lambda name, prefix: name == prefix or name.startswith(prefix + ".")  # noqa: E731
+    wrong = sorted(
+        (name, dep)
+        for name, deps in graph.items()
+        if inside(name, package)
+        for dep in deps
+        if inside(dep, forbidden)
+    )
+    assert not wrong, f"{package} must not import {forbidden}: {wrong}"
+
+
+@pytest.mark.parametrize(
     ("sources", "expect_cycle"),
     [
         ({"a": "import tidal.b", "b": "from tidal.c import x", "c": "from tidal import a"}, True),

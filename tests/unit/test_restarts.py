@@ -254,7 +254,7 @@ def test_an_update_that_skipped_a_server_back_in_rotation_since_is_tried_again(t
 
 def test_each_trained_sample_names_its_rollout_on_whichever_rank_it_lands() -> None:
     from tidal.orchestrator.batching import make_train_batches, make_train_samples
-    from tidal.orchestrator.rollouts import rollout_id
+    from tidal.rollout.sampler import rollout_id
     from tidal.types import Group, Rollout
 
     def one(position: int, index: int, length: int, failed: bool = False) -> Rollout:

@@ -2,7 +2,7 @@
 concurrently (awaiting rewards: async functions, reward workers, an environment's own `score`)."""
 
 from tidal.envs.base import Episode, SingleTurnEnv, Task, rewards_run_by
-from tidal.orchestrator.rollouts import scores_inline
+from tidal.rollout.guard import scores_inline
 
 
 class Env(SingleTurnEnv):

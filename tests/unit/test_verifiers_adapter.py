@@ -28,6 +28,7 @@ def test_verifiers_env_rewards_metrics_and_tokens():
     task = env.task(0)
     assert task.messages[0] == {"role": "system", "content": "Reverse the text character by character."}
     word = task.messages[1]["content"]
+    assert task.answer == word[::-1]  # the taskset's own answer field, kept for rollout records
 
     async def go():
         try:

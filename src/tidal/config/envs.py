@@ -6,14 +6,14 @@ from pydantic import Field, field_validator
 
 from tidal.config.base import Config
 
-BUILTIN_ENVS = ("reverse_text", "alphabet_sort", "math", "wordle", "tool_use", "code")
-
 
 class EnvSpec(Config):
     """One environment and its share of the tasks."""
 
     name: str
-    """Built-in environment (reverse_text, alphabet_sort, math, wordle, tool_use, code) or `vf:<id>` for a verifiers one."""
+    """A built-in environment (reverse_text, alphabet_sort, math, wordle, tool_use, code), one an installed package
+    declares (entry point group `tidal.environments`), `package.module:Class` (any importable Environment
+    class or factory) or `vf:<id>` for a verifiers one (docs/environments.md)."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight: tasks are drawn from the environments in proportion to their weights."""
     kwargs: dict[str, Any] = {}
@@ -24,10 +24,11 @@ class EnvSpec(Config):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in BUILTIN_ENVS and not name.startswith("vf:"):
-            raise ValueError(
-                f"unknown environment {name!r} (built-in: {', '.join(BUILTIN_ENVS)}; or vf:<id>)"
-            )
+        from tidal.envs.names import unknown_name  # imports no environment (nor torch)
+
+        problem = unknown_name(name)
+        if problem is not None:
+            raise ValueError(problem)
         return name
 
     @property

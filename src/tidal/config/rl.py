@@ -257,6 +257,13 @@ class OrchestratorConfig(RunConfig):
             self.online_eval = spec.model_copy(update=fill)
         return self
 
+    def environments(self) -> list[tuple[str, EnvSpec]]:
+        """Every environment the run will build, with its key: those it trains on, those it evaluates online."""
+        named = [(f"env.{i}", spec) for i, spec in enumerate(self.env)]
+        if self.online_eval.interval is not None:
+            named += [(f"online_eval.env.{i}", spec) for i, spec in enumerate(self.online_eval.env or [])]
+        return named
+
 
 PublishDtype = Literal["auto", "float32", "bfloat16", "float16"]
 

@@ -2,10 +2,12 @@
 
 An environment talks to the model only through a `Sampler` (token ids in, sampled ids + logprobs out), so
 multi-turn episodes keep the exact tokens of every model turn, and only model tokens are trained on
-(`completion_mask`). The orchestrator owns the sampler (routing, seeds, policy versions), the timeout and
-the failure accounting: an exception or a timeout fails that rollout only.
+(`completion_mask`). An environment also owns its group strategy (`rollout_group`: how the n rollouts of
+one task are sampled). The caller (`tidal.rollout`) owns the sampler (routing, seeds, policy versions), the
+timeout and the failure accounting: an exception or a timeout fails that rollout only.
 """
 
+import functools
 import inspect
 import math
 from abc import ABC, abstractmethod
@@ -46,6 +48,15 @@ class Sampler(Protocol):
 
     async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
         """n independent samples of one prompt in one request (one prefill): how single-turn groups run."""
+        ...
+
+
+class GroupSampler(Sampler, Protocol):
+    """The sampler of a whole group (`Environment.rollout_group`): one request for all of it, or a fork per
+    independent rollout."""
+
+    def fork(self, index: int) -> Sampler:
+        """The sampler of the group's `index`-th independent rollout: its own seed and server session."""
         ...
 
 
@@ -92,6 +103,8 @@ class Episode:
 
 
 RewardFn = Callable[[Task, Episode], float | Awaitable[float]]
+EpisodeWork = Callable[[], Awaitable[Episode]]
+"""A rollout not sampled yet: called (once) under the caller's timeout, it samples the episode."""
 
 
 class NonFiniteReward(ValueError):
@@ -185,6 +198,20 @@ class Environment(ABC):
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         """Run the episode; `score` is called by the caller afterwards (see `run_episode`)."""
 
+    async def rollout_group(self, task: Task, sampler: GroupSampler, n: int) -> list[Episode | EpisodeWork]:
+        """The group's n rollouts of `task`, unscored: each an `Episode` sampled already, or an `EpisodeWork`
+        that samples it. The caller runs each work under the rollout timeout and scores every episode; a
+        work that raises fails its rollout only, an exception raised here fails the whole group.
+
+        Default: n independent `rollout`s, the i-th through `sampler.fork(i)` (its own seed and session),
+        which the caller runs concurrently. `SingleTurnEnv` samples all n in one request instead.
+        """
+        return [functools.partial(self.rollout, task, sampler.fork(index)) for index in range(n)]
+
+    def env_of(self, task: Task) -> "Environment":
+        """The environment that rolls out and scores `task`: this one (a mix: the member it came from)."""
+        return self
+
     async def score(self, task: Task, episode: Episode) -> None:
         """Weighted sum of the reward functions; each one is also logged as a metric under its name.
 
@@ -210,7 +237,7 @@ class SingleTurnEnv(Environment):
         prompt = render_prompt(sampler.tokenizer, task.messages)
         return self.episode(task, prompt, await sampler.complete(prompt))
 
-    async def rollout_group(self, task: Task, sampler: Sampler, n: int) -> list[Episode]:
+    async def rollout_group(self, task: Task, sampler: GroupSampler, n: int) -> list[Episode | EpisodeWork]:
         """A whole group from one request: the prompt is prefilled once for all n samples."""
         prompt = render_prompt(sampler.tokenizer, task.messages)
         return [self.episode(task, prompt, turn) for turn in await sampler.complete_n(prompt, n)]

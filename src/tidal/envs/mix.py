@@ -2,14 +2,15 @@
 
 Pure and deterministic: position p picks its environment with an RNG seeded by (seed, p), so a resumed or
 repeated run sees the same sequence whatever order positions are asked in. Each task records its
-environment in `Task.info["env"]` (report metrics per environment from it) and `rollout`/`score` go to that
-environment.
+environment in `Task.info["env"]` (report metrics per environment from it) and `rollout`, `rollout_group`
+and `score` go to that environment (`env_of`), so a mixed single-turn environment keeps its one request
+per group.
 """
 
 import random
 from dataclasses import replace
 
-from tidal.envs.base import Environment, Episode, Sampler, Task
+from tidal.envs.base import Environment, Episode, EpisodeWork, GroupSampler, Sampler, Task
 
 
 class EnvMix(Environment):
@@ -51,6 +52,9 @@ class EnvMix(Environment):
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         return await self.env_of(task).rollout(task, sampler)
+
+    async def rollout_group(self, task: Task, sampler: GroupSampler, n: int) -> list[Episode | EpisodeWork]:
+        return await self.env_of(task).rollout_group(task, sampler, n)
 
     async def score(self, task: Task, episode: Episode) -> None:
         await self.env_of(task).score(task, episode)

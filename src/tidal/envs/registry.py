@@ -1,55 +1,141 @@
-"""Environments by name: `load_env("wordle", seed=1)`; `vf:<id>` loads a verifiers environment.
+"""Environments by name: `load_env("wordle", seed=1)` imports and builds what a name refers to.
 
-Entries are lazy `module:Class` references so that naming an environment never imports the others.
+A name (`tidal.envs.names`, the one source of names) is one of:
+- a built-in (`reverse_text`, `math`, ...);
+- an entry point that an installed package declares in the `tidal.environments` group
+  (`[project.entry-points."tidal.environments"] my_env = "my_pkg.env:MyEnv"`);
+- `package.module:Class`: any importable class, or factory function, that returns an `Environment`;
+- `vf:<id>`: an environment written for `verifiers` (`tidal.envs.verifiers_adapter`).
+
+`resolve_env` imports the one a name refers to and `check_env` also binds its arguments, which `tidal rl`
+and `tidal eval` do before any server starts: a wrong name, a failing import or a wrong argument is one
+line, not a traceback after vLLM's startup.
 """
 
 import importlib
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidal.envs.base import Environment
-from tidal.errors import UserError
+from tidal.envs.names import VERIFIERS_PREFIX, reference
+from tidal.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from tidal.config.envs import EnvSpec
 
-ENVS: dict[str, str] = {
-    "reverse_text": "tidal.envs.reverse_text:ReverseTextEnv",
-    "alphabet_sort": "tidal.envs.alphabet_sort:AlphabetSortEnv",
-    "math": "tidal.envs.math_env:MathEnv",
-    "wordle": "tidal.envs.wordle:WordleEnv",
-    "tool_use": "tidal.envs.tool_use:ToolUseEnv",
-    "code": "tidal.envs.code_tests:CodeTestsEnv",
-}
-VERIFIERS_PREFIX = "vf:"
+EnvFactory = Callable[..., Environment]
 
 
-def env_names() -> list[str]:
-    return sorted(ENVS)
+@dataclass(frozen=True)
+class Resolved:
+    """What builds an environment: a class or factory, and the name to report it under in errors."""
+
+    name: str
+    factory: EnvFactory
+    leading: tuple[str, ...] = ()
+    """Arguments the registry passes itself before the user's (a verifiers id)."""
+
+    def build(self, **kwargs: Any) -> Environment:
+        bind_kwargs(self, kwargs)
+        try:
+            env = self.factory(*self.leading, **kwargs)
+        except ValueError as exc:
+            raise UserError(f"environment {self.name!r}: {first_line(exc)}") from None
+        if not isinstance(env, Environment):
+            raise UserError(
+                f"environment {self.name!r}: its factory returned {type(env).__name__}, not a tidal Environment"
+            )
+        return env
+
+
+def resolve_env(name: str) -> Resolved:
+    """Import what builds environment `name`; a missing module, a module whose own import fails, a missing
+    attribute or something that is not an `Environment` is a one-line `UserError`."""
+    if name.startswith(VERIFIERS_PREFIX):
+        from tidal.envs.verifiers_adapter import resolve_verifiers_env
+
+        env_id = name[len(VERIFIERS_PREFIX) :]
+        return Resolved(name, resolve_verifiers_env(env_id), leading=(env_id,))
+    module_name, attr = reference(name).split(":")
+    module = import_env_module(name, module_name)
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise UserError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if inspect.isclass(target):
+        if not issubclass(target, Environment) or inspect.isabstract(target):
+            what = "an abstract Environment" if issubclass(target, Environment) else "not a tidal Environment"
+            raise UserError(
+                f"environment {name!r}: {module_name}:{attr} is {what} "
+                "(subclass tidal.envs.base.Environment and implement num_tasks, task and rollout)"
+            )
+    elif not callable(target):
+        raise UserError(
+            f"environment {name!r}: {module_name}:{attr} is neither an Environment class nor a factory"
+        )
+    return Resolved(name, target)
+
+
+def import_env_module(name: str, module_name: str) -> Any:
+    """`module_name` imported; not found (the module itself) and failing (its own code) are told apart."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UserError(
+                f"environment {name!r}: no module named {exc.name!r} (install its package, or put it on "
+                "PYTHONPATH)"
+            ) from None
+        raise UserError(f"environment {name!r}: importing {module_name} failed: {_described(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code may raise anything
+        raise UserError(f"environment {name!r}: importing {module_name} failed: {_described(exc)}") from None
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+def bind_kwargs(resolved: Resolved, kwargs: dict[str, Any]) -> None:
+    """A `UserError` naming the environment and its parameters if `kwargs` do not fit its signature."""
+    try:
+        signature = inspect.signature(resolved.factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call itself decide
+        return
+    try:
+        signature.bind(*resolved.leading, **kwargs)
+    except TypeError as exc:
+        parameters = [p for p in signature.parameters][len(resolved.leading) :]
+        raise UserError(
+            f"environment {resolved.name!r}: {exc} (arguments: {', '.join(parameters) or 'none'})"
+        ) from None
 
 
 def load_env(name: str, **kwargs: Any) -> Environment:
-    """Build environment `name` with `kwargs`; unknown names and arguments are one-line `UserError`s."""
-    if name.startswith(VERIFIERS_PREFIX):
-        from tidal.envs.verifiers_adapter import load_verifiers_env
-
-        return load_verifiers_env(name[len(VERIFIERS_PREFIX) :], **kwargs)
-    if name not in ENVS:
-        raise UserError(f"unknown environment {name!r} (built-in: {', '.join(env_names())}; or vf:<id>)")
-    module, attr = ENVS[name].split(":")
-    cls = getattr(importlib.import_module(module), attr)
-    try:
-        inspect.signature(cls).bind(**kwargs)
-    except TypeError as exc:
-        raise UserError(f"environment {name!r}: {exc} (arguments: {_parameters(cls)})") from None
-    try:
-        return cls(**kwargs)  # type: ignore[no-any-return]
-    except ValueError as exc:
-        raise UserError(f"environment {name!r}: {exc}") from None
+    """Build environment `name` with `kwargs`; every user mistake is a one-line `UserError`."""
+    return resolve_env(name).build(**kwargs)
 
 
-def _parameters(cls: type) -> str:
-    return ", ".join(inspect.signature(cls).parameters) or "none"
+def check_env(spec: "EnvSpec") -> None:
+    """Everything about `spec` that can fail without building it: the name, the import, the arguments."""
+    bind_kwargs(resolve_env(spec.name), dict(spec.kwargs))
+
+
+def check_envs(named: "list[tuple[str, EnvSpec]]") -> None:
+    """`check_env` of each (config key, spec); the first problem is a `UserError` naming its key."""
+    for key, spec in named:
+        try:
+            check_env(spec)
+        except UserError as exc:
+            hint = ""
+            if "online_eval.env" in key and "unexpected keyword argument 'seed'" in str(exc):
+                hint = (
+                    " (online eval draws held-out tasks with the training seed + an offset: give the "
+                    "environment a `seed` argument, or set [[orchestrator.online_eval.env]])"
+                )
+            raise UserError(f"{key}: {exc}{hint}") from None
 
 
 def build_env(spec: "EnvSpec") -> Environment:

@@ -22,9 +22,9 @@ import uuid
 from typing import Any
 
 from tidal.envs.base import Environment, Episode, Sampler, Task, Turn, check_reward, render_prompt
-from tidal.errors import UserError
-from tidal.inference.chat import continue_prompt
+from tidal.errors import UserError, first_line
 from tidal.inference.types import ChatMessage
+from tidal.rollout.chat import continue_prompt
 
 try:
     import verifiers.v1 as vf
@@ -146,7 +146,13 @@ class VerifiersEnv(Environment):
                 {"role": m.role, "content": content_text(getattr(m, "content", ""))}
                 for m in data.prompt or []
             ]
-        return Task(task_id=f"{self.name}/{index}", messages=messages, info={"vf_index": index})
+        answer = getattr(data, "answer", None)  # a field of the taskset's own TaskData, when it has one
+        return Task(
+            task_id=f"{self.name}/{index}",
+            messages=messages,
+            answer="" if answer is None else str(answer),
+            info={"vf_index": index},
+        )
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         interception = await self._interception()
@@ -221,12 +227,44 @@ def _seat_names(cls: Any) -> list[str]:
     return [name for name, field in cls.model_fields.items() if isinstance(field.default, vf.AgentConfig)]
 
 
-def load_verifiers_env(env_id: str, **kwargs: Any) -> VerifiersEnv:
-    """`load_env("vf:<id>", ...)`: the taskset package must be importable (installed, or on sys.path)."""
+def resolve_verifiers_env(env_id: str) -> type[VerifiersEnv]:
+    """`VerifiersEnv` once the taskset `env_id` is known to load: its module imports and exports one
+    environment; each failure is a one-line `UserError` (nothing of the taskset runs beyond its import)."""
     if vf is None:
         raise UserError("verifiers environments need the `verifiers` extra: pip install 'tidal[verifiers]'")
+    name = f"vf:{env_id}"
     try:
-        vf.import_taskset(env_id)
-    except ModuleNotFoundError:
-        raise UserError(f"verifiers environment {env_id!r} is not installed (pip install it first)") from None
-    return VerifiersEnv(env_id, **kwargs)
+        module = vf.import_taskset(env_id)
+    except ModuleNotFoundError as exc:
+        if _missing_is_taskset(exc, env_id):
+            raise UserError(
+                f"environment {name!r}: verifiers environment {env_id!r} is not installed "
+                "(pip install it, or put its module on PYTHONPATH)"
+            ) from None
+        raise UserError(f"environment {name!r}: importing it failed: {_described(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the taskset's own import may raise anything
+        raise UserError(f"environment {name!r}: importing it failed: {_described(exc)}") from None
+    try:
+        vf.taskset_config_type(env_id)  # the module exports one Taskset (what `env_config` needs)
+        vf.env_config_type(env_id)
+    except Exception as exc:  # noqa: BLE001 - verifiers reports a malformed module with several types
+        raise UserError(f"environment {name!r}: {module.__name__}: {first_line(exc)}") from None
+    return VerifiersEnv
+
+
+def _missing_is_taskset(exc: ModuleNotFoundError, env_id: str) -> bool:
+    """Whether the module that was not found is the taskset itself, not one its code imports."""
+    cause = exc.__cause__
+    missing = getattr(cause, "name", None) or ""
+    module = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    return missing in (module, f"verifiers.v1.tasksets.{module}") or module.startswith(missing + ".")
+
+
+def _described(exc: BaseException) -> str:
+    cause = exc.__cause__ if isinstance(exc, ModuleNotFoundError) and exc.__cause__ else exc
+    return f"{type(cause).__name__}: {first_line(cause)}"
+
+
+def load_verifiers_env(env_id: str, **kwargs: Any) -> VerifiersEnv:
+    """`load_env("vf:<id>", ...)`: the taskset package must be importable (installed, or on sys.path)."""
+    return resolve_verifiers_env(env_id)(env_id, **kwargs)

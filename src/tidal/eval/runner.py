@@ -9,6 +9,7 @@ written with whatever finished even when inference dies midway.
 """
 
 import asyncio
+import functools
 import json
 import logging
 import statistics
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.eval import EvalConfig, EvalEnvSpec
-from tidal.envs.base import Environment, Task, run_episode
+from tidal.envs.base import Environment, Episode, Task, run_episode
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
 from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed, is_infrastructure_error
-from tidal.inference.sampler import ClientSampler
+from tidal.rollout.guard import run_alone
+from tidal.rollout.sampler import ClientSampler, rollout_seed
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +52,12 @@ async def run_sample(
 ) -> RolloutRecord:
     """Fill `record` from one episode; environment exceptions and timeouts mark it failed, inference errors raise."""
     try:
-        episode = await asyncio.wait_for(run_episode(env, task, sampler), timeout)
-    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - environment code may raise anything
-        if is_infrastructure_error(exc):
-            raise
-        record.failed, record.error = True, f"{type(exc).__name__}: {exc}"[:500]
-        return record
+        episode = await run_alone(functools.partial(run_episode, env, task, sampler), timeout)
     finally:
         sampler.client.end_session(sampler.session_id)
+    if not isinstance(episode, Episode):
+        record.failed, record.error = True, f"{type(episode).__name__}: {episode}"[:500]
+        return record
     record.reward = episode.reward
     record.messages = episode.messages
     record.metrics = episode.summary_metrics()
@@ -67,8 +67,6 @@ async def run_sample(
 async def evaluate_env(
     client: InferenceClient, tokenizer: Any, env: Environment, spec: EvalEnvSpec, config: EvalConfig
 ) -> list[RolloutRecord]:
-    from tidal.orchestrator.rollouts import rollout_seed
-
     num_tasks = min(spec.num_tasks or config.num_tasks, env.num_tasks())
     gate = asyncio.Semaphore(config.max_concurrency)
     name = spec.display_name
@@ -194,12 +192,12 @@ def write_outputs(config: EvalConfig, results: EvalResults, seconds: float, erro
     return out
 
 
-async def evaluate(config: EvalConfig, url: str, results: EvalResults) -> None:
-    from tidal.envs.registry import build_env
+async def evaluate(
+    config: EvalConfig, url: str, envs: list[tuple[EvalEnvSpec, Environment]], results: EvalResults
+) -> None:
     from tidal.inference.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
-    envs = [(spec, build_env(spec)) for spec in config.env]
     async with (
         InferenceClient([url], timeout=config.timeout) as client,
         reward_workers(config.reward_workers),
@@ -215,7 +213,11 @@ async def evaluate(config: EvalConfig, url: str, results: EvalResults) -> None:
 
 
 def main(config: EvalConfig) -> int:
+    from tidal.envs.registry import build_env
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    # built before the server starts: a wrong name, import or argument is one line, not after vLLM's startup
+    envs = [(spec, build_env(spec)) for spec in config.env]
     server = None
     if config.server_url is None:
         from tidal.inference.server import start_server
@@ -233,7 +235,7 @@ def main(config: EvalConfig) -> int:
         url = config.server_url or (server.url if server else "")
         start, results = time.perf_counter(), EvalResults()
         try:
-            asyncio.run(evaluate(config, url, results))
+            asyncio.run(evaluate(config, url, envs, results))
         except (NoHealthyServer, ServerFailed) as exc:
             if results.reports:  # keep what finished before inference went away
                 write_outputs(config, results, time.perf_counter() - start, error=f"inference failed: {exc}")

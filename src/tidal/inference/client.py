@@ -210,7 +210,7 @@ class InferenceClient:
     async def chat(self, request: ChatRequest, session_id: str | None = None) -> Generation:
         """Messages in (rendered by the server's chat template); prompt ids, completion ids, logprobs out.
 
-        Continue a conversation with `tidal.inference.chat.continue_prompt` and `generate`, not by sending
+        Continue a conversation with `tidal.rollout.chat.continue_prompt` and `generate`, not by sending
         the grown message list: re-rendering could tokenise the model's own earlier turns differently.
         """
         body = {

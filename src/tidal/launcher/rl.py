@@ -665,6 +665,10 @@ def main(config: RLConfig) -> int:
         raise UserError(
             f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'
         )  # TODO(issue 13): render and submit the job instead
+    from tidal.envs.registry import check_envs
+
+    # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup
+    check_envs([(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()])
     start = time.perf_counter()
     code = Launcher(config).run()
     if code == 0:

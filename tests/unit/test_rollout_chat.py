@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.inference.chat import TemplateMismatch, continue_prompt, render
 from tidal.inference.types import ChatMessage
+from tidal.rollout.chat import TemplateMismatch, continue_prompt, render
 from tidal.testing.templates import QWEN3_STYLE_TEMPLATE, harmony_style_tokenizer
 from tidal.testing.tiny import CHAT_TEMPLATE, build_tokenizer
 

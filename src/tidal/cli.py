@@ -26,6 +26,8 @@ class Command:
     summary: str
     dry_run: str | None = None
     """`module:function(config) -> str` printing what --dry-run shows (default: the resolved config)."""
+    positional: str | None = None
+    """The key a first bare argument sets (`tidal plot outputs/rl` = `tidal plot --output-dir outputs/rl`)."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -72,6 +74,12 @@ COMMANDS: dict[str, Command] = {
         "tidal.config.rl:RLTrainerConfig",
         "tidal.trainer.rl:main",
         "RL trainer: one optimizer step per batch, then publish weights (FSDP2 under torchrun).",
+    ),
+    "plot": Command(
+        "tidal.config.plot:PlotConfig",
+        "tidal.monitor.plot:main",
+        "Draw an RL run (finished, running or crashed) as <output_dir>/plots/rl.png: `tidal plot <output_dir>`.",
+        positional="output_dir",
     ),
 }
 
@@ -121,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
     schema = _load(command.schema)
     assert isinstance(schema, type) and issubclass(schema, BaseModel)
+    if command.positional and argv and not argv[0].startswith(("-", "@")):
+        argv = [f"--{command.positional.replace('_', '-')}", *argv]
     try:
         parsed = parse_args(argv)
         if parsed.help:

@@ -142,6 +142,9 @@ class WandbRun:
 
     def finish(self, exit_code: int) -> None:
         self.run.finish(exit_code=exit_code)
+        # W&B's service writes the run's file behind finish(): stopping it waits until all is written, so an
+        # offline run is complete (ready for `wandb sync`) once `tidal rl` exits
+        self._wandb.teardown()
 
     def _save_state(self) -> None:
         self._state_file.parent.mkdir(parents=True, exist_ok=True)

@@ -183,3 +183,21 @@ def test_one_offline_wandb_run_across_a_resumed_launcher(wandb_env):
     assert json.loads(table.read_text())["data"][0][3] == "say hi"
     assert runs[1].history[0]["orchestrator/reward/mean"] == 0.9
     assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_waiting_for_inference_reports_what_it_still_waits_for(unused_url):
+    from tidal.launcher.process import wait_healthy
+
+    seen: list[list[str]] = []
+    left = wait_healthy({unused_url: None}, timeout=1.0, poll=0.2, on_poll=lambda w: seen.append(list(w)))
+    assert list(left) == [unused_url] and seen and all(w == [unused_url] for w in seen)
+
+
+@pytest.fixture
+def unused_url() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # closed again: nothing answers there

@@ -118,18 +118,24 @@ class WandbRun:
         self.last_step: int = int(state.get("last_step", -1))
         """The last step logged (by this launcher or the one before a resume); -1: none yet."""
         self._save_state()
-        self.run = wandb.init(
-            project=config.project,
-            entity=config.entity,
-            name=config.name or Path(output_dir).resolve().name,
-            group=config.group,
-            tags=config.tags or None,
-            mode=config.mode,
-            dir=str(output_dir),
-            id=self.run_id,
-            resume="allow",
-            config=run_config,
-        )
+        try:
+            self.run = wandb.init(
+                project=config.project,
+                entity=config.entity,
+                name=config.name or Path(output_dir).resolve().name,
+                group=config.group,
+                tags=config.tags or None,
+                mode=config.mode,
+                dir=str(output_dir),
+                id=self.run_id,
+                resume="allow",
+                config=run_config,
+            )
+        except Exception as exc:  # no network, no login, a bad entity: W&B's own message, on one line
+            message = " ".join(str(exc).split())
+            raise UserError(
+                f"wandb: could not start the W&B run ({message}); mode = 'offline' needs no server"
+            ) from None
 
     def log(self, entry: StepLog) -> None:
         payload: dict[str, Any] = {k: v for k, v in entry.metrics.items() if _loggable(v)}

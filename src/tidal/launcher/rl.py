@@ -164,7 +164,7 @@ class Launcher:
             self._stop_all()
             self.plot.stop()
             if self.reporter is not None:
-                self.reporter.close(code)
+                self._close_reporter(self.reporter, code)
             self.deaths.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -230,7 +230,7 @@ class Launcher:
             self._follow_progress()
             if TRAINER not in self.up and reporter is not None and first_step.due():
                 self._say(
-                    f"waiting for step 0: {first_step.elapsed():.0f} s since the trainer and the orchestrator "
+                    f"waiting for the first step: {first_step.elapsed():.0f} s since the trainer and the orchestrator "
                     f"started (loading the model, first rollouts); logs in {self.logs}/"
                 )
             if self.stop_signal is not None:
@@ -531,6 +531,12 @@ class Launcher:
 
     def _say(self, line: str) -> None:
         self.console.say(f"{self.prefix}: {line}")
+
+    def _close_reporter(self, reporter: StepReporter, code: int) -> None:
+        try:
+            reporter.close(code)
+        except Exception as exc:  # W&B failing at the end must not hide how the run ended
+            print(f"{self.prefix}: warning: closing the W&B run failed: {exc!r}", file=sys.stderr)
 
     def _open_wandb(self) -> "WandbRun | None":
         if not self.config.wandb.enabled:

@@ -218,7 +218,9 @@ def _time_panel(ax: Any, orch: list[dict[str, Any]], trainer: list[dict[str, Any
     for i, (label, (s, v)) in enumerate(lines):
         if s:
             ax.plot(s, v, color=f"C{i}", lw=1.5, label=label)
-    ax.set_ylim(bottom=0)
+    # the first step waits for model loading and the first rollouts: it would flatten every other step
+    later = [x for _, (s, v) in lines for x in v[1:]]
+    ax.set_ylim(0, max(later) * 1.15 if later and max(later) > 0 else None)
     ax.set_ylabel("seconds per step")
     ax.set_title("step time breakdown")
     _legend(ax, "upper left")

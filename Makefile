@@ -3,9 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidal-installed
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test lint format clean lock
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh constraints/cpu.txt constraints/cuda.txt
 	bash scripts/install.sh
 	touch $(STAMP)
 
@@ -25,6 +25,9 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 	$(VENV)/bin/ruff format src tests examples benchmarks
+
+lock:  # regenerate constraints/{cpu,cuda}.txt (the exact versions make install uses)
+	bash scripts/lock.sh
 
 clean:
 	rm -rf outputs .pytest_cache .mypy_cache .ruff_cache

@@ -469,21 +469,34 @@ def run_cell(
     args: argparse.Namespace,
     window: Window,
     tokenizer: Any,
-    bare_runs: dict[tuple[int, int, int], dict],
+    bare_runs: dict[tuple[int, int, int], list[dict]],
 ) -> dict:
     """Both clients on one cell; the bare run does not depend on the reward, so reward variants share it."""
     subset = urls[: cell.servers]
-    gc.collect()
     same = (cell.servers, cell.rollouts_in_flight, cell.turns)
     if same not in bare_runs:
-        bare_runs[same] = run_bare(cell, subset, args, window, tokenizer)
-    bare = bare_runs[same]
-    gc.collect()
-    with tempfile.TemporaryDirectory() as tmp:
-        tidal = asyncio.run(run_tidal(cell, subset, args, window, Path(tmp), None))
-    result = {**cell.key(), "tidal": tidal, "bare": bare}
+        bare_runs[same] = []
+    bares, tidals = bare_runs[same], []
+    for repeat in range(args.repeats):
+        # alternate the two clients, so a change in the machine's other load falls on both alike
+        if len(bares) <= repeat:
+            gc.collect()
+            bares.append(run_bare(cell, subset, args, window, tokenizer))
+        gc.collect()
+        with tempfile.TemporaryDirectory() as tmp:
+            tidals.append(asyncio.run(run_tidal(cell, subset, args, window, Path(tmp), None)))
+    result = {**cell.key(), "tidal": median_run(tidals), "bare": median_run(bares[: args.repeats])}
+    if args.repeats > 1:
+        result["repeats"] = {"tidal": tidals, "bare": bares[: args.repeats]}
     result["verdict"] = verdict(result)
     return result
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median request rate (of an even number, the lower middle one): one real run, so its
+    rate, CPU and lag figures belong together."""
+    ordered = sorted(runs, key=lambda r: r["requests_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def machine() -> str:
@@ -514,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
         help="orchestrator.client.http_workers: processes that send and parse generation requests",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each client per cell, alternating bare and tidal; the verdict takes each one's median run",
+    )
+    parser.add_argument(
         "--profile", help="cProfile the deciding cell's tidal run (else the first cell's) into this file"
     )
     args = parser.parse_args(argv)
@@ -525,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         procs,
     ):
         window = Window([p.pid for p in procs])
-        bare_runs: dict[tuple[int, int, int], dict] = {}
+        bare_runs: dict[tuple[int, int, int], list[dict]] = {}
         for cell in cells:
             try:
                 results.append(run_cell(cell, urls, args, window, tokenizer, bare_runs))
@@ -555,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             "multi_turn_timing": "warm-up + 2 episodes (turns x latency), window >= 3 episodes (`timing`)",
             "reward_workers": {"light": 0, "heavy": args.reward_workers},
             "http_workers": args.http_workers,
+            "repeats": args.repeats,
         },
         "cells": results,
     }

@@ -5,6 +5,9 @@ the same packed row (documents of random lengths, positions restarting per docum
 
 - `hf`: the plain transformers step — bf16 parameters, fused AdamW, SDPA (documents masked through the
   position-id resets), HF gradient checkpointing, the model's own loss on full logits;
+- `hf+none`: the same without checkpointing; `liger` / `liger+ckpt`: the same with Liger's kernels (RoPE,
+  RMSNorm, SwiGLU, and the fused linear cross-entropy that never builds full logits), without / with full
+  checkpointing — what TRL users run for speed (`pip install liger-kernel`);
 - `tidal`: `tidal.trainer.sft.train_step` after `parallelize` — FSDP2 bf16 compute over fp32 master weights,
   fp32 AdamW, varlen flash attention, activation checkpointing as configured, chunked head, grad clipping.
 
@@ -16,6 +19,7 @@ MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -96,12 +100,48 @@ def model_flops_per_token(name: str, num_params: int, seq: int) -> float:
     return 6 * num_params + 6 * c["num_hidden_layers"] * seq * c["num_attention_heads"] * c["head_dim"]
 
 
+HF_IMPLS = {
+    "hf": (False, True),
+    "hf+none": (False, False),
+    "liger": (True, False),
+    "liger+ckpt": (True, True),
+}
+"""transformers baselines: name -> (Liger kernels, full gradient checkpointing)."""
+
+
+@contextlib.contextmanager
+def liger_patches() -> Any:
+    """Liger replaces functions and classes of transformers' Qwen3 module for the whole process: put them
+    back afterwards, so the runs after a Liger one (hf, tidal) measure what they claim to."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    names = ("apply_rotary_pos_emb", "Qwen3RMSNorm", "Qwen3MLP")
+    saved = {n: getattr(modeling_qwen3, n) for n in names}
+    saved_forward = modeling_qwen3.Qwen3ForCausalLM.forward
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(modeling_qwen3, n, value)
+        modeling_qwen3.Qwen3ForCausalLM.forward = saved_forward  # type: ignore[method-assign]
+
+
 def hf_runner(
-    name: str, row: dict[str, list[int]], device: torch.device, seed: int
+    name: str, row: dict[str, list[int]], device: torch.device, seed: int, impl: str = "hf"
 ) -> tuple[Any, dict[str, Any]]:
-    """The plain transformers step; returns (step function returning the loss, facts about the run)."""
+    """A transformers step (Liger kernels or not, checkpointing or not, as `HF_IMPLS[impl]` says); returns
+    (step function returning the loss, facts about the run)."""
+    liger, checkpointing = HF_IMPLS[impl]
     model = build_model(name, torch.bfloat16, device, seed)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if liger:
+        # rope, RMSNorm, SwiGLU, and the fused linear cross-entropy (no full logits) that Liger users run
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(
+            rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=model
+        )
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     ids = torch.tensor([row["input_ids"]], device=device)  # [1, seq]
@@ -236,11 +276,20 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     seed, device = 0, info.device
     lengths = document_lengths(args.seq, layout, seed)
     row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed + info.rank)
-    if impl == "hf":
-        result = measure(
-            lambda: hf_runner(name, row, device, seed), device, args.warmup, args.steps, args.profile
-        )
-        options: dict[str, Any] = {"activation_checkpointing": "full"}
+    if impl in HF_IMPLS:
+        with liger_patches():
+            result = measure(
+                lambda: hf_runner(name, row, device, seed, impl),
+                device,
+                args.warmup,
+                args.steps,
+                args.profile,
+            )
+        liger, checkpointing = HF_IMPLS[impl]
+        options: dict[str, Any] = {
+            "liger": liger,
+            "activation_checkpointing": "full" if checkpointing else "none",
+        }
     else:
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
@@ -336,11 +385,17 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
     base = {
         (r["model"], r["seq"], r["docs"]): r for r in results if r["impl"] == "hf" and "tokens_per_s" in r
     }  # tidal rows on several GPUs compare their per-GPU tokens/s with it
+    liger: dict[tuple[Any, ...], float] = {}  # the fastest Liger run of each model, seq and layout
+    for r in results:
+        if r["impl"].startswith("liger") and "tokens_per_s" in r:
+            key = (r["model"], r["seq"], r["docs"])
+            liger[key] = max(liger.get(key, 0.0), r["tokens_per_s"])
     lines = [
-        f"{'model':11} {'seq':>6} {'docs':6} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5}"
+        f"{'model':11} {'seq':>6} {'docs':6} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5} "
+        f"{'x best liger':>12}"
     ]
     for r in results:
-        label = r["impl"] if r["impl"] == "hf" else f"tidal:{r['variant']}"
+        label = r["impl"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
         if r.get("gpus", 1) > 1:
             label += f" x{r['gpus']}gpu"
         if "tokens_per_s" not in r:
@@ -348,10 +403,12 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
             continue
         hf = base.get((r["model"], r["seq"], r["docs"]))
         ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf else "-"
+        best = liger.get((r["model"], r["seq"], r["docs"]))
+        vs_liger = f"{r['tokens_per_s'] / best:.2f}" if best else "-"
         peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         lines.append(
             f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r['tokens_per_s']:>8.0f} "
-            f"{r['mfu']:>6.1%} {peak:>8} {ratio:>5}"
+            f"{r['mfu']:>6.1%} {peak:>8} {ratio:>5} {vs_liger:>12}"
         )
     return lines
 
@@ -375,7 +432,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one packed row)")
     parser.add_argument("--docs", default="packed", help="document layouts, comma-separated: packed,single")
     parser.add_argument(
-        "--impls", default="hf,tidal:default", help="hf and/or tidal:<variant>, comma-separated"
+        "--impls",
+        default="hf,tidal:default",
+        help="comma-separated: hf (full checkpointing), hf+none, liger, liger+ckpt (transformers + Liger "
+        "kernels, without / with full checkpointing), tidal:<variant>",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
     parser.add_argument("--steps", type=int, default=4)
@@ -420,7 +480,7 @@ def main(argv: list[str]) -> None:
     quiet_transformers()
     info = setup(args.device)
     device = info.device
-    if info.world_size > 1 and "hf" in args.impls.split(","):
+    if info.world_size > 1 and set(args.impls.split(",")) & set(HF_IMPLS):
         raise SystemExit("under torchrun only tidal variants run (the hf baseline is single-GPU)")
     command = "python " + shlex.join(["benchmarks/trainer_mfu.py", *argv])
     if info.world_size > 1:

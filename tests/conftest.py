@@ -59,3 +59,16 @@ def interrupt_after_checkpoint(args: list[str], step: int, sig: int, timeout: fl
             break
     tail = proc.stdout.read()
     return proc.wait(timeout=timeout), tail
+
+
+@pytest.fixture(scope="session")
+def needs_bwrap() -> None:
+    """For tests of the bubblewrap sandbox: skipped without it, except in CI (`CI=true`), where they fail."""
+    from tidal.envs import bwrap
+
+    problem = bwrap.probe()
+    if problem is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the sandbox tests, but {problem} (.ci/run installs bubblewrap)")
+    pytest.skip(f"{problem}: apt-get install bubblewrap")

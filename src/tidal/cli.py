@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from tidal import __version__
 from tidal.config.help import render_help
-from tidal.config.loader import load_config, parse_args
-from tidal.errors import UserError
+from tidal.config.loader import ParsedArgs, load_config, parse_args
+from tidal.errors import USER_ERRNOS, UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Command:
     """`module:function(config) -> str` printing what --dry-run shows (default: the resolved config)."""
     positional: str | None = None
     """The key a first bare argument sets (`tidal plot outputs/rl` = `tidal plot --output-dir outputs/rl`)."""
+    as_run: str | None = None
+    """`module:function(config) -> config`: the config as the command runs it, where it derives values
+    beyond validation (--help shows those as the defaults)."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -36,6 +40,7 @@ COMMANDS: dict[str, Command] = {
         "tidal.launcher.rl:main",
         "Asynchronous RL: starts vLLM inference, the orchestrator and the trainer from one config.",
         dry_run="tidal.launcher.rl:dry_run",
+        as_run="tidal.launcher.rl:as_run",
     ),
     "node": Command(
         "tidal.config.node:NodeConfig",
@@ -98,14 +103,19 @@ def _as_toml(config: BaseModel) -> str:
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [
-        "usage: tidal <command> [@ config.toml ...] [--key.path value ...] [--dry-run] [--help]",
+        "usage: tidal <command> [@ config.toml ...] [--key.path value ...] [--dry-run] [--help | --help-all]",
+        "       tidal --version",
         "",
         "tidal: asynchronous RL post-training for LLMs (real vLLM inference, FSDP2 trainer, orchestrator).",
         "",
         "commands:",
     ]
     lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
-    lines += ["", "Run `tidal <command> --help` for that command's options."]
+    lines += [
+        "",
+        "Run `tidal <command> --help` for that command's main options, `--help-all` for all of them.",
+        'configs/debug/ holds the smallest config that starts each command alone (README, "Debug configs").',
+    ]
     return "\n".join(lines)
 
 
@@ -113,11 +123,35 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's when tidal runs uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tidal")
+    except PackageNotFoundError:
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    try:
+        _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader went away (`tidal rl --help | head`): nothing left to say, and Python's flush at exit
+        # would raise again on the closed pipe, so stdout is pointed at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+
+
+def _main(args: list[str]) -> None:
+    if not args or args[0] in ("-h", "--help", "--help-all"):
         print(_usage())
+        sys.stdout.flush()
         sys.exit(0 if args else 2)
+    if args[0] in ("-V", "--version"):
+        print(f"tidal {version()}")
+        sys.exit(0)
     name, rest = args[0], args[1:]
     command = COMMANDS.get(name)
     if command is None:
@@ -126,15 +160,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_command(name, command, rest))
 
 
+def _resolved(command: Command, schema: type[BaseModel], parsed: ParsedArgs) -> BaseModel | None:
+    """The config the command would run with, for --help's defaults; None while it does not validate."""
+    try:
+        config = load_config(schema, parsed.files, parsed.overrides)
+        derive = _load(command.as_run) if command.as_run else None
+        return derive(config) if callable(derive) else config
+    except UserError:
+        return None
+
+
+def os_error_line(exc: OSError, config: BaseModel | None) -> str:
+    """`<path>: <reason>`: the file the error names, else the run's output directory (a failed write()
+    names no file)."""
+    path = exc.filename or getattr(config, "output_dir", None)
+    reason = exc.strerror or first_line(exc)
+    return f"{path}: {reason}" if path is not None else reason
+
+
 def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
     schema = _load(command.schema)
     assert isinstance(schema, type) and issubclass(schema, BaseModel)
     if command.positional and argv and not argv[0].startswith(("-", "@")):
         argv = [f"--{command.positional.replace('_', '-')}", *argv]
+    config: BaseModel | None = None
     try:
         parsed = parse_args(argv)
         if parsed.help:
-            print(render_help(name, command.summary, schema))
+            print(
+                render_help(
+                    name, command.summary, schema, _resolved(command, schema, parsed), parsed.help_all
+                )
+            )
+            sys.stdout.flush()
             return 0
         config = load_config(schema, parsed.files, parsed.overrides)
         if parsed.dry_run:
@@ -149,6 +207,13 @@ def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
         if _is_main_rank():
             print(f"tidal {name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        # a full disk, a read-only or missing directory: the user's to fix, so one line naming the path
+        if _is_main_rank():
+            print(f"tidal {name}: error: {os_error_line(exc, config)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if _is_main_rank():
             print(f"tidal {name}: interrupted", file=sys.stderr)

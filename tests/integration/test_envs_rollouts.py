@@ -10,10 +10,11 @@ import pytest
 
 from tidal.config.envs import EnvSpec
 from tidal.config.rl import SamplingConfig
-from tidal.envs.base import Episode, SingleTurnEnv, Task
+from tidal.envs.base import Episode, SingleTurnEnv, Task, Turn, run_episode
 from tidal.envs.mix import EnvMix
 from tidal.envs.registry import build_envs, load_env
 from tidal.inference.client import InferenceClient
+from tidal.inference.sampler import ClientSampler
 from tidal.orchestrator.rollouts import run_group
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 
@@ -202,3 +203,44 @@ def test_verifiers_env_rollouts_through_run_group(inference_server, tokenizer, m
             assert "reward/exact" in rollout.metrics and "vf/reply_chars" in rollout.metrics
             assert rollout.reward == rollout.metrics["reward/exact"]
             assert all(rollout.completion_mask)  # one model turn: nothing inserted
+
+
+class FirstTurnScripted:
+    """The real server's sampler, but the first turn is `text` (the random tiny model never writes a tool call)."""
+
+    def __init__(self, inner: ClientSampler, text: str):
+        self.inner, self.text, self.tokenizer = inner, text, inner.tokenizer
+        self.scripted = False
+
+    async def complete(self, prompt_ids: list[int]) -> Turn:
+        if self.scripted:
+            return await self.inner.complete(prompt_ids)
+        self.scripted = True
+        ids = self.tokenizer(self.text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return Turn(list(prompt_ids), ids, [0.0] * len(ids), self.text, "stop")
+
+    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+        raise NotImplementedError  # multi-turn environments sample one turn at a time
+
+
+def test_tool_use_runs_the_python_tool_in_bwrap_between_real_model_turns(
+    inference_server, tokenizer, needs_bwrap
+):
+    env = load_env("tool_use", num_examples=5, sandbox="bwrap")
+    env.max_context_tokens = MAX_CONTEXT  # type: ignore[attr-defined]
+    code = "import os; print(6 * 7, os.getcwd(), os.path.exists('/home'))"
+    call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    task = Task(task_id="tool_use/short", messages=[{"role": "user", "content": "6*7?"}], answer="42")  # fits
+
+    async def go() -> Episode:
+        async with InferenceClient([inference_server.url]) as client:
+            inner = ClientSampler(
+                client, tokenizer, SAMPLING.temperature, SAMPLING.max_tokens, 0, "tool-bwrap"
+            )
+            return await run_episode(env, task, FirstTurnScripted(inner, call))
+
+    episode = asyncio.run(go())
+    assert episode.messages[2] == {"role": "tool", "content": "42 /tmp False\n"}  # run in the sandbox
+    assert episode.num_turns >= 2 and episode.messages[3]["role"] == "assistant"  # the server went on
+    assert episode.metrics["tools/num_tool_calls"] >= 1
+    assert 0 in episode.completion_mask and len(episode.context_ids) <= 512

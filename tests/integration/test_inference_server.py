@@ -12,6 +12,7 @@ from tidal.inference.chat import continue_prompt
 from tidal.inference.client import InferenceClient, RequestRejected
 from tidal.inference.server import ServerProcess
 from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, Generation, SamplingParams
+from tidal.testing import TINY_MODEL_NAME
 
 from .conftest import non_loopback_ip
 
@@ -202,6 +203,13 @@ def test_bad_requests_get_4xx(inference_server: ServerProcess, admin_token: str,
             assert (await client.versions())[inference_server.url] != 99
         response = httpx.post(inference_server.url + "/v1/completions", json={"model": "nope", "prompt": [5]})
         assert response.status_code == 404
+        messages = [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]
+        chat = {"model": TINY_MODEL_NAME, "messages": messages, "max_tokens": 2}
+        response = httpx.post(inference_server.url + "/v1/chat/completions", json=chat)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == (
+            "messages[1].role: 'robot' is not one of system, user, assistant, tool"
+        )
 
     asyncio.run(go())
 
@@ -331,3 +339,11 @@ def test_dev_routes_need_the_token_from_loopback_too(
     assert httpx.post(url + "/reset_prefix_cache", headers=token).status_code == 200
     assert httpx.get(url + "/is_sleeping", headers=token).json() == {"is_sleeping": False}
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_vllm_starts_through_its_current_entry_point(inference_server: ServerProcess) -> None:
+    """No deprecation warning for the server module in the log of every start (vLLM 0.3x warns when
+    started as `python -m vllm.entrypoints.openai.api_server`)."""
+    assert inference_server.launch.log_file is not None
+    log = Path(inference_server.launch.log_file).read_text()
+    assert log.strip() and "vllm.entrypoints.openai.api_server" not in log

@@ -6,10 +6,8 @@ previous one recovered); the chaos test kills a process of every kind at random 
 """
 
 import json
-import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_tidal
+from tests.conftest import REPO
 from tidal import run_layout
 from tidal.monitor.events import read_events
 from tidal.monitor.metrics import read_metrics
@@ -226,7 +224,7 @@ def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_
 
 # ---- the chaos test of issue 14 ----------------------------------------------------------------------
 
-CHAOS_STEPS = 50
+CHAOS_STEPS = 40
 CHAOS_SEED = 14
 CHAOS_PLAN = ("inference_0 server", "trainer", "inference_1", "reward worker", "orchestrator", "trainer")
 """The kills in order, one process each: a replica's vLLM server, the trainer, the other replica's
@@ -260,22 +258,12 @@ class TrainedRollouts:
             self.ids[step] = [i for micro in batch["micro_batches"] for i in micro["rollout_ids"]]
 
 
-def chaos_args(model: Path, port: int) -> tuple[str, ...]:
+def chaos_args(port: int, steps: int = CHAOS_STEPS, model: Path | None = None) -> tuple[str, ...]:
+    chosen = ("--model.name", str(model)) if model is not None else ()
     return (
-        "--max-steps", str(CHAOS_STEPS), "--max-async-level", "2", "--deployment.num-replicas", "2",
-        "--inference.server.port", str(port), "--seed", str(CHAOS_SEED), "--model.name", str(model), *STEADY,
+        "--max-steps", str(steps), "--max-async-level", "2", "--deployment.num-replicas", "2",
+        "--inference.server.port", str(port), "--seed", str(CHAOS_SEED), *chosen, *STEADY,
     )  # fmt: skip
-
-
-def sft_warmup(out: Path) -> Path:
-    """The tiny model after a short reverse_text SFT (examples/reverse_text): its sampled reward is well
-    above 0 and RL moves it, so that rewards with and without kills can be compared."""
-    result = run_tidal(
-        "sft", "@", "examples/reverse_text/sft.toml", "--max-steps", "100", "--output-dir", str(out),
-        "--eval.num-examples", "20", timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out / "final"
 
 
 def victim(run: Run, what: str) -> psutil.Process:
@@ -294,21 +282,13 @@ def is_replica(role: str) -> bool:
     return role.startswith("inference")
 
 
-def final_reward(out: Path) -> float:
-    records = read_metrics(run_layout.orchestrator_dir(out) / "metrics.jsonl")
-    return statistics.mean(r["reward/mean"] for r in records[-10:])
-
-
-@pytest.mark.skipif(
-    os.environ.get("TIDAL_CHAOS") != "1", reason="an SFT and two 50-step runs, 10-20 minutes: TIDAL_CHAOS=1"
-)
-@pytest.mark.timeout(2400)
-def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_without(
-    tmp_path: Path,
-) -> None:
+def run_chaos(
+    out: Path, port: int, steps: int = CHAOS_STEPS, model: Path | None = None
+) -> tuple[Run, TrainedRollouts]:
+    """A two-replica run at async level 2 whose processes are killed one at a time as `CHAOS_PLAN` says,
+    each 1-3 trained steps (drawn from `CHAOS_SEED`) after the previous one recovered; returns once it ended."""
     rng = random.Random(CHAOS_SEED)
-    model = sft_warmup(tmp_path / "sft")
-    run = Run.start(tmp_path / "chaos", *chaos_args(model, 18571))
+    run = Run.start(out, *chaos_args(port, steps, model))
     rollouts = TrainedRollouts(run.out)
     run.ticks.append(rollouts.poll)
     try:
@@ -326,6 +306,24 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_
         if run.launcher.poll() is None:
             run.launcher.kill()
     assert code == 0, run.output()[-4000:]
+    return run, rollouts
+
+
+def recovery_seconds(run: Run) -> dict[str, list[float]]:
+    """Per role, seconds from each kill to the trainer's next trained step (a reward worker: to its
+    replacement), from events.jsonl."""
+    report: dict[str, list[float]] = {}
+    for event in run.events("recovery"):
+        seconds = event.get("seconds_to_next_step", event["seconds_lost"])
+        report.setdefault(event["role"], []).append(seconds)
+    return report
+
+
+@pytest.mark.timeout(1500)
+def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_twice(tmp_path: Path) -> None:
+    """The run of issue 14's chaos test (its rewards against a run without kills, after an SFT warm-up, are
+    measured by benchmarks/chaos_rewards.py)."""
+    run, rollouts = run_chaos(tmp_path / "chaos", 18571)
     check_every_step_once(run, CHAOS_STEPS)
     assert not run.left_alive(), run.left_alive()
     # no rollout trained twice: each step's batch written once, no rollout in two steps
@@ -339,22 +337,6 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_rewards_as_
         e.get("complete") is False for e in recoveries
     )
     assert sorted(e["role"] for e in recoveries) == sorted(role for role, _, _ in run.kills)
-    report = {}
-    for event in recoveries:
-        seconds = event.get("seconds_to_next_step", event["seconds_lost"])  # a reward worker: its replacement
-        report.setdefault(event["role"], []).append(seconds)
     print("\nchaos: seconds from a kill to the next trained step: " + "; ".join(
-        f"{role} {', '.join(f'{s:.1f}' for s in seconds)}" for role, seconds in sorted(report.items())
+        f"{role} {', '.join(f'{s:.1f}' for s in seconds)}" for role, seconds in sorted(recovery_seconds(run).items())
     ))  # fmt: skip
-
-    reference = Run.start(tmp_path / "reference", *chaos_args(model, 18581))
-    assert reference.finish(timeout=900) == 0, reference.output()[-4000:]
-    with_kills, without = final_reward(run.out), final_reward(reference.out)
-    first = statistics.mean(
-        r["reward/mean"] for r in read_metrics(run.out / "orchestrator" / "metrics.jsonl")[:5]
-    )
-    print(
-        f"chaos: mean reward of the first 5 steps {first:.3f}; of the last 10: {with_kills:.3f} with kills, "
-        f"{without:.3f} without"
-    )
-    assert abs(with_kills - without) < 0.1

@@ -153,5 +153,5 @@ def test_bad_dataset_row_is_one_line_error(tmp_path):
         f'{{type = "file", path = "{data}"}}',
     )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].endswith("row 1: no assistant message to train on")
+    assert result.stderr.strip().splitlines()[-1].endswith(f"{data}:1: no assistant message to train on")
     assert "Traceback" not in result.stderr

@@ -134,7 +134,21 @@ BAD_CONFIGS = [
     ("cli_wrong_type", BASE, ["--max-steps", "abc"], ["command line", "max_steps"]),
     ("cli_combination", BASE, ["--scheduler.warmup-steps", "99"], ["command line", "scheduler.warmup_steps"]),
     ("stray_argument", BASE, ["oops"], ["unexpected argument"]),
+    (
+        # the file's interval is fine; the flag made it too long: blame the flag, name the file's key
+        "flag_breaks_file_key",
+        BASE.replace("max_steps = 20", "max_steps = 100") + "[ckpt]\ninterval = 50\n",
+        ["--max-steps", "40"],
+        ["command line: max_steps:", "exceeds max_steps 40", "ckpt.interval from", "bad.toml"],
+    ),
+    ("file_key_too_long", BASE + "[ckpt]\ninterval = 50\n", [], ["bad.toml: ckpt.interval:", "exceeds"]),
 ]
+
+
+def test_default_checkpoint_interval_is_on_and_fits_any_max_steps():
+    assert load_config(SFTConfig, [], [("data.train.type", "builtin")]).ckpt.interval == 50
+    short = load_config(SFTConfig, [], [("data.train.type", "builtin"), ("max_steps", 3)])
+    assert short.ckpt.interval is None  # the default on a shorter run resolves to unset, as --dry-run shows
 
 
 @pytest.mark.parametrize("name,text,extra,fragments", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
@@ -245,6 +259,8 @@ def _schema_for(path: Path) -> str:
         ("sft", "tidal.config.sft:SFTConfig"),
         ("eval", "tidal.config.eval:EvalConfig"),
         ("infer", "tidal.config.inference:InferenceConfig"),
+        ("orchestrator", "tidal.config.rl:OrchestratorConfig"),
+        ("trainer", "tidal.config.rl:RLTrainerConfig"),
     ]:
         if stem.startswith(prefix):
             return schema

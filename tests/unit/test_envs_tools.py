@@ -50,8 +50,9 @@ def test_calculator_is_bounded():
         calculate("1 / 0")
 
 
-def test_python_sandbox_limits():
-    box = PythonSandbox(timeout=2, memory_mb=256)
+@pytest.mark.parametrize("mode", ["process", "auto"])
+def test_python_sandbox_limits(mode):
+    box = PythonSandbox(timeout=2, memory_mb=256, mode=mode)
 
     async def run_all():
         return await asyncio.gather(
@@ -71,7 +72,8 @@ def test_python_sandbox_limits():
     assert "timed out" in spin or "killed by signal" in spin
     assert "MemoryError" in memory
     assert "disabled" in network or "Network is unreachable" in network or "Errno" in network
-    assert "tidal-sandbox-" in cwd
+    assert ("tidal-sandbox-" in cwd) if box.mode == "process" else cwd.strip() == "/tmp"
+    assert memory.startswith("error:") and network.startswith("error:") and spin.startswith("error:")
     assert len(huge) < 5000 and "characters cut" in huge
     assert empty == "(no output)"
 

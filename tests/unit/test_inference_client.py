@@ -183,6 +183,49 @@ def test_failed_load_closes_the_update_and_resumes() -> None:
     asyncio.run(go())
 
 
+class UpdateSessions:
+    """A server that keeps vLLM's weight-update session and pause state: a second start while a session is
+    open, or a finish without one, is refused (vLLM 0.32 raises in the worker)."""
+
+    def __init__(self, active: bool, paused: bool):
+        self.active, self.paused, self.version = active, paused, 0
+
+    def __call__(self, request: Seen) -> web.Response:
+        if request.path == "/start_weight_update":
+            if self.active:
+                return reply(
+                    500, {"error": "start_weight_update called while a weight update is already active"}
+                )
+            self.active = True
+        elif request.path == "/finish_weight_update":
+            if not self.active:
+                return reply(500, {"error": "finish_weight_update called without a matching start"})
+            self.active = False
+            self.version = int(request.json().get("weight_version") or self.version)
+        elif request.path in ("/pause", "/resume"):
+            self.paused = request.path == "/pause"
+        return reply(200, {"weight_version": str(self.version)})
+
+
+@pytest.mark.parametrize("active", [True, False], ids=["session-left-open", "no-session"])
+def test_reclaim_closes_a_dead_clients_update_and_resumes_so_the_next_update_loads(active: bool) -> None:
+    """An orchestrator killed between start_weight_update and finish (or before resume) leaves the server
+    so; the restarted one reclaims it first, or every update it tries is refused and it dies again."""
+    left = UpdateSessions(active=active, paused=True)
+
+    async def go() -> None:
+        async with client_over(left, ("a",)) as (client, _):
+            if active:
+                assert not (await client.update_weights("/w/step_3", 3)).all_ok  # what happened before
+                left.paused = True
+            await client.reclaim()
+            assert not left.active and not left.paused
+            report = await client.update_weights("/w/step_3", 3)
+            assert report.all_ok and left.version == 3 and not left.paused
+
+    asyncio.run(go())
+
+
 def test_admin_calls_carry_the_token_and_generation_calls_do_not() -> None:
     seen: list[tuple[str, str | None]] = []
 

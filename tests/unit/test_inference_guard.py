@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tidal.inference.guard import AccessPolicy, AdminGuard
+from tidal.inference.guard import AccessPolicy, AdminGuard, chat_problem
 from tidal.transport.weight_checks import WEIGHTS_BROKEN
 
 LOCAL, REMOTE = "127.0.0.1", "192.0.2.7"
@@ -190,3 +190,45 @@ def test_the_value_check_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_
     guard, seen = _guard(monkeypatch)
     body = update_body(checkpoint(tmp_path / "nan", w=torch.full((2,), float("nan"))))
     assert asyncio.run(_call(guard, "/update_weights", body))[0] == 200 and seen == [body]
+
+
+def test_chat_messages_with_an_unknown_role_are_refused_by_index() -> None:
+    def body(*roles: Any) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": r, "content": "x"} for r in roles]}).encode()
+
+    assert chat_problem(body("system", "user", "assistant", "tool")) is None
+    assert chat_problem(body("user", "robot")) == (
+        "messages[1].role: 'robot' is not one of system, user, assistant, tool"
+    )
+    assert chat_problem(body(None)) is not None and chat_problem(b'{"messages": [42]}') is not None
+    assert chat_problem(b"not json") is None  # vLLM answers that one itself
+
+
+def test_guard_answers_400_for_a_bad_role_and_passes_good_chats_with_their_body() -> None:
+    seen: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = AdminGuard(app)
+
+    async def call(payload: dict[str, Any]) -> int:
+        sent: list[Any] = []
+        data = json.dumps(payload).encode()
+        messages = [{"type": "http.request", "body": data, "more_body": False}]
+
+        async def receive() -> Any:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "client": ("127.0.0.1", 1)}
+        await guard(scope, receive, send)
+        return int(sent[0]["status"])
+
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    assert asyncio.run(call(good)) == 200 and json.loads(seen[0]) == good
+    assert asyncio.run(call({"messages": [{"role": "robot", "content": "hi"}]})) == 400 and len(seen) == 1

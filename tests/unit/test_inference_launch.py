@@ -26,7 +26,7 @@ def test_defaults_wire_in_tidal_and_keep_sampling_explicit(monkeypatch: pytest.M
     monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
     launch = build_launch(config(), "/models/tiny", "cpu")
     argv = launch.argv
-    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == "/models/tiny"
+    assert argv[1:4] == ["-m", "tidal.inference.vllm_main", "--model"] and argv[4] == "/models/tiny"
     assert flag(argv, "--generation-config") == "vllm"
     assert flag(argv, "--logprobs-mode") == "processed_logprobs"
     assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "filesystem"}
@@ -112,3 +112,11 @@ def test_value_check_is_on_for_tidal_inference_and_off_under_tidal_rl_unless_set
         RLConfig.model_validate({"inference": {"weights": {"check_finite": True}}}), on_gpu=False, num_cpus=2
     ).inference
     assert build_launch(asked, "m", "cpu").env["TIDAL_CHECK_FINITE"] == "1"
+
+
+def test_vllm_is_served_through_its_current_entry_point_without_the_deprecated_module() -> None:
+    """vLLM 0.3x warns on every start of `vllm.entrypoints.openai.api_server`; tidal takes the launcher."""
+    pytest.importorskip("vllm.entrypoints.launchers.api_server.entry")
+    from tidal.inference import vllm_main
+
+    assert vllm_main.server_module() == vllm_main.CURRENT

@@ -263,3 +263,16 @@ def test_the_lag_monitor_times_gc_pauses_while_it_runs_and_not_after():
     assert 0 < seen["event_loop/gc_max_s"] < seen["event_loop/gc_s"], seen  # two pauses, the longest < sum
     gc.collect()  # after stop(): not counted
     assert monitor.take_gc() == {"event_loop/gc_s": 0.0, "event_loop/gc_max_s": 0.0}
+
+
+def test_rollouts_longer_than_seq_len_warn_and_stop_the_run_only_when_none_is_left(
+    tmp_path, tokenizer_dir, capsys
+):
+    orch = orchestrator(tmp_path, tokenizer_dir, ScriptedEnv(lambda task, sample: 0.0), seq_len=8)
+    orch._warn_too_long(3, dropped=0, kept=5)
+    assert capsys.readouterr().out == ""
+    orch._warn_too_long(3, dropped=2, kept=5)
+    out = capsys.readouterr().out
+    assert "step 3: dropped 2 rollout(s) longer than orchestrator.batch.seq_len (8 tokens" in out
+    with pytest.raises(UserError, match="step 4: every rollout is longer than orchestrator.batch.seq_len"):
+        orch._warn_too_long(4, dropped=6, kept=0)

@@ -7,6 +7,7 @@ import torch
 
 from tidal.orchestrator.batching import (
     balance_across_ranks,
+    drop_too_long,
     make_train_batches,
     make_train_samples,
     pack_for_ranks,
@@ -203,3 +204,11 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     loaded = TrainBatch.from_dict(torch.load(tmp_path / "b.pt", weights_only=True))
     assert loaded == batch
     assert isinstance(loaded.micro_batches[0], MicroBatch)
+
+
+def test_samples_longer_than_seq_len_are_dropped_and_counted_not_cut():
+    short, exact, long = sample([1, 2]), sample([1, 2, 3, 4]), sample([1, 2, 3, 4, 5])
+    kept, dropped = drop_too_long([short, long, exact], seq_len=4)
+    assert kept == [short, exact] and dropped == 1
+    [[mb]] = pack_for_ranks(kept, world_size=1, seq_len=4, micro_batch_size=2, pad_id=PAD)  # packs, no error
+    assert mb.num_loss_tokens == short.loss_mask[1:].count(1) + exact.loss_mask[1:].count(1)

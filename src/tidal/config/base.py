@@ -19,6 +19,13 @@ class Config(BaseModel):
     """Why a key that is not a field is unknown here, by key (e.g. it belongs to another command's table):
     said instead of a spelling suggestion, which would point at the wrong key."""
 
+    SET_ELSEWHERE: ClassVar[dict[tuple[str, ...], str]] = {}
+    """Keys of a command's config that the command sets itself (and refuses when written), by key path, with
+    where to set them instead: `--help` leaves them out."""
+
+    HELP_MAIN: ClassVar[tuple[str, ...] | None] = None
+    """Dotted keys (or tables) that `--help` shows; `--help-all` shows every key. None: `--help` shows all."""
+
 
 def type_or(default: str, *others: str) -> Discriminator:
     """A union's discriminator that reads `type` and falls back to `default` when it is not written, so
@@ -38,11 +45,15 @@ class ConfigProblem(ValueError):
     """An inconsistent combination of fields, raised from validators with the key path that is wrong.
 
     `key` is relative to the model whose validator raised it; the loader joins it to that model's location.
+    `also`: the other keys (relative the same way) whose values make `key` wrong; the error is blamed on
+    where the latest-set of them came from (a flag beats a file: `--max-steps 40`, not the file's
+    ckpt.interval).
     """
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()):
         super().__init__(message)
         self.key = key
+        self.also = also
 
 
 def shadowed_key(config: Config, table: dict[tuple[str, ...], str]) -> tuple[str, str] | None:

@@ -104,8 +104,9 @@ class SchedulerConfig(Config):
 class CheckpointConfig(Config):
     """Full training-state checkpoints for `--resume`."""
 
-    interval: int | None = Field(default=None, gt=0)
-    """Save every N steps (None: only when stopped by a signal)."""
+    interval: int | None = Field(default=50, gt=0)
+    """Save every N steps, so a run killed without warning (out of memory, a lost node) resumes from the last
+    one; None: only when stopped by a signal (SIGTERM, SIGINT) and at the end."""
     keep_last: int = Field(default=2, gt=0)
     """How many checkpoints to keep on disk."""
 

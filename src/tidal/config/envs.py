@@ -6,14 +6,14 @@ from pydantic import Field, field_validator
 
 from tidal.config.base import Config
 
-BUILTIN_ENVS = ("reverse_text", "alphabet_sort", "math", "wordle", "tool_use")
+BUILTIN_ENVS = ("reverse_text", "alphabet_sort", "math", "wordle", "tool_use", "code")
 
 
 class EnvSpec(Config):
     """One environment and its share of the tasks."""
 
     name: str
-    """Built-in environment (reverse_text, alphabet_sort, math, wordle, tool_use) or `vf:<id>` for a verifiers one."""
+    """Built-in environment (reverse_text, alphabet_sort, math, wordle, tool_use, code) or `vf:<id>` for a verifiers one."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight: tasks are drawn from the environments in proportion to their weights."""
     kwargs: dict[str, Any] = {}

@@ -29,6 +29,19 @@ class EvalSamplingConfig(Config):
 class EvalConfig(Config):
     """`tidal eval`: run environments against a model, k samples per task; report avg@k and pass@k per env."""
 
+    SET_ELSEWHERE = {("inference", "model"): "model"}
+    HELP_MAIN = (
+        "output_dir",
+        "seed",
+        "model.name",
+        "server_url",
+        "env",
+        "num_tasks",
+        "k",
+        "sampling",
+        "inference.vllm.max_model_len",
+    )
+
     output_dir: Path = Path("outputs/eval")
     """Where eval.json, eval.md and rollouts.jsonl go."""
     seed: int = 0
@@ -64,7 +77,7 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EvalConfig":
-        if shadowed_key(self, {("inference", "model"): "model"}) is not None:
+        if shadowed_key(self, self.SET_ELSEWHERE) is not None:
             raise ConfigProblem(
                 "inference.model", "`tidal eval` serves the top-level [model]; set that instead"
             )
@@ -73,7 +86,9 @@ class EvalConfig(Config):
             raise ConfigProblem("env", problem)
         if self.sampling.temperature == 0 and self.k > 1:
             raise ConfigProblem(
-                "k", "greedy sampling (temperature 0) gives the same answer k times; use k = 1"
+                "k",
+                "greedy sampling (temperature 0) gives the same answer k times; use k = 1",
+                also=("sampling.temperature",),
             )
         return self
 

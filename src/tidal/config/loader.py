@@ -33,6 +33,7 @@ class ParsedArgs:
     files: list[str] = field(default_factory=list)
     overrides: list[tuple[str, Any]] = field(default_factory=list)
     help: bool = False
+    help_all: bool = False
     dry_run: bool = False
 
 
@@ -57,6 +58,8 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
                 parsed.files.append(arg[1:])
         elif arg in ("-h", "--help"):
             parsed.help = True
+        elif arg == "--help-all":
+            parsed.help = parsed.help_all = True
         elif arg == "--dry-run":
             parsed.dry_run = True
         elif arg.startswith("--") and len(arg) > 2:
@@ -173,8 +176,7 @@ def _describe(schema: type[BaseModel], raw: RawConfig, error: Any) -> UserError:
     ctx = error.get("ctx") or {}
     problem = ctx.get("error")
     if isinstance(problem, ConfigProblem):
-        key = (*key, *problem.key.split("."))
-        return config_error(_source_for(key, raw), ".".join(key), str(problem))
+        return _blame(key, problem, raw)
     dotted = ".".join(key)
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -187,6 +189,25 @@ def _describe(schema: type[BaseModel], raw: RawConfig, error: Any) -> UserError:
     if "input" in error and not isinstance(error["input"], dict):
         message += f" (got {error['input']!r})"
     return config_error(_source_for(key, raw), dotted, message)
+
+
+def _blame(base: Key, problem: ConfigProblem, raw: RawConfig) -> UserError:
+    """A combination problem, reported where the user wrote the part that made it one: the command line when
+    any key involved came from it (overrides apply last), else the key's file."""
+    key = (*base, *problem.key.split("."))
+    source = _source_for(key, raw)
+    for other in problem.also:
+        other_key = (*base, *other.split("."))
+        if source != CLI_SOURCE and raw.sources.get(other_key) == CLI_SOURCE:
+            where = (
+                f"{key_text(key)} from {source}" if source != "defaults" else f"{key_text(key)} by default"
+            )
+            return config_error(CLI_SOURCE, key_text(other_key), f"{problem} ({where})")
+    return config_error(source, key_text(key), str(problem))
+
+
+def key_text(key: Key) -> str:
+    return ".".join(key)
 
 
 def _clean_loc(loc: Sequence[Any], data: Any) -> Key:

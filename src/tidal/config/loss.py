@@ -8,7 +8,7 @@ from tidal.config.base import Config, ConfigProblem
 
 
 class LossConfig(Config):
-    """Importance-weighted policy gradient against the inference logprobs (DESIGN.md, "The RL step")."""
+    """Importance-weighted policy gradient against the inference logprobs (README, "Commands", the RL step; the code: trainer/loss.py)."""
 
     ratio_type: Literal["token", "sequence"] = "token"
     """`token`: ratio exp(logπ − logμ) per token. `sequence` (GSPO): exp of the mean of logπ − logμ over the

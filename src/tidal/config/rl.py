@@ -29,7 +29,7 @@ from tidal.config.slurm import SlurmConfig
 
 
 class FilesystemTransport(Config):
-    """Batches as files under `<output_dir>/rollouts/step_<n>/rank_<r>.npz` (written atomically)."""
+    """Batches as files under `<output_dir>/rollouts/step_<n>/rank_<r>.json` (written atomically)."""
 
     type: Literal["filesystem"] = "filesystem"
     poll_interval: float = Field(default=0.05, gt=0)
@@ -146,7 +146,8 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     reverse_text: its heldout split (strings disjoint from train by a hash of the text). math: a hub
     dataset's `test` split when training uses `train`; the local generator, like wordle, alphabet_sort and
     tool_use, another seed (new instances of the same generator; a small task space may repeat some).
-    vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split).
+    vf: environments and code (a fixed list of tasks): the same tasks (set [[orchestrator.online_eval.env]]
+    to choose another split, or another `tasks_file`).
     """
     kwargs = dict(spec.kwargs)
     if spec.name == "reverse_text":
@@ -154,7 +155,7 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     elif spec.name == "math" and kwargs.get("dataset", "local") != "local":
         if kwargs.get("split", "train") == "train":
             kwargs["split"] = "test"
-    elif not spec.name.startswith("vf:"):
+    elif not spec.name.startswith("vf:") and spec.name != "code":
         kwargs["seed"] = int(kwargs.get("seed", 0)) + HELDOUT_SEED_OFFSET
     return EvalEnvSpec(name=spec.name, label=spec.label, kwargs=kwargs)
 
@@ -174,6 +175,7 @@ def fit_keep_last(
             f"keeps {transport.keep_last} rollout steps on disk but max_async_level = {max_async_level} lets "
             "the orchestrator write that many steps past the one the trainer reads next, which would be "
             f"deleted unread; set keep_last ≥ {max_async_level + 1} (or leave it unset)",
+            also=("max_async_level",),
         )
     return transport.model_copy(update={"keep_last": max_async_level + 1})
 
@@ -189,6 +191,21 @@ class SamplesConfig(Config):
 
 class OrchestratorConfig(RunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
+
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "max_async_level",
+        "model.name",
+        "env",
+        "sampling",
+        "batch.num_prompts",
+        "batch.group_size",
+        "batch.seq_len",
+        "client.urls",
+        "transport.type",
+    )
 
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the trainer (rollouts/, weights/, orchestrator/)."""
@@ -298,6 +315,21 @@ the one setting, and every server's `inference.weights` is derived from it."""
 class RLTrainerConfig(TrainerRunConfig):
     """`tidal trainer`: consume batches, take one optimizer step per batch, publish weights."""
 
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "resume",
+        "device",
+        "model.name",
+        "optim.lr",
+        "scheduler",
+        "lora.rank",
+        "ckpt.interval",
+        "transport.type",
+        "publish.type",
+    )
+
     output_dir: Path = Path("outputs/rl")
     """Run directory shared with the orchestrator."""
     model: ModelConfig = ModelConfig()
@@ -356,6 +388,36 @@ class MonitorConfig(Config):
 class RLConfig(RunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
 
+    SET_ELSEWHERE = SET_FROM_THE_TOP
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "resume",
+        "max_async_level",
+        "model.name",
+        "model.dtype",
+        "deployment.type",
+        "deployment.num_replicas",
+        "deployment.num_trainer_ranks",
+        "deployment.trainer_gpus",
+        "deployment.inference_gpus",
+        "inference.vllm.max_model_len",
+        "inference.vllm.gpu_memory_utilization",
+        "orchestrator.env",
+        "orchestrator.online_eval.interval",
+        "orchestrator.sampling",
+        "orchestrator.batch.num_prompts",
+        "orchestrator.batch.group_size",
+        "orchestrator.batch.seq_len",
+        "trainer.optim.lr",
+        "trainer.scheduler",
+        "trainer.lora.rank",
+        "trainer.ckpt.interval",
+        "trainer.wandb.enabled",
+        "restarts.max_restarts",
+    )
+
     output_dir: Path = Path("outputs/rl")
     """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/."""
     resume: bool = False
@@ -407,12 +469,15 @@ class RLConfig(RunConfig):
             self.transport = transport
         if self.trainer.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
-                "trainer.scheduler.warmup_steps", f"warmup is longer than max_steps ({self.max_steps})"
+                "trainer.scheduler.warmup_steps",
+                f"warmup is longer than max_steps ({self.max_steps})",
+                also=("max_steps",),
             )
         if self.trainer.lora.enabled and self.trainer.publish.type == "nccl":
             raise ConfigProblem(
                 "trainer.publish.type",
                 "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
+                also=("trainer.lora.rank",),
             )
         restarts = self.restarts
         if (
@@ -437,5 +502,6 @@ class RLConfig(RunConfig):
                     "orchestrator.batch.seq_len",
                     f"packed rows ({longest} tokens) are shorter than inference.vllm.max_model_len "
                     f"({self.inference.vllm.max_model_len}): a long rollout could not be trained on",
+                    also=("inference.vllm.max_model_len",),
                 )
         return self

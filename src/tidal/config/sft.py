@@ -53,6 +53,25 @@ class SFTEvalConfig(Config):
 class SFTConfig(TrainerRunConfig):
     """`tidal sft`: fine-tune a causal LM on the assistant turns of chat conversations."""
 
+    HELP_MAIN = (
+        "output_dir",
+        "max_steps",
+        "seed",
+        "resume",
+        "device",
+        "model.name",
+        "data.train",
+        "data.batch_size",
+        "data.seq_len",
+        "optim.lr",
+        "scheduler",
+        "lora.rank",
+        "ckpt.interval",
+        "deployment.type",
+        "deployment.num_trainer_ranks",
+        "wandb.enabled",
+    )
+
     output_dir: Path = Path("outputs/sft")
     """Where metrics.jsonl, checkpoints/ and final/ (with LoRA also final_adapter/) are written."""
     model: ModelConfig = ModelConfig()
@@ -92,10 +111,21 @@ class SFTConfig(TrainerRunConfig):
             raise ConfigProblem(
                 "scheduler.warmup_steps",
                 f"warmup ({self.scheduler.warmup_steps} steps) is longer than max_steps ({self.max_steps})",
+                also=("max_steps",),
             )
-        if self.ckpt.interval is not None and self.ckpt.interval > self.max_steps:
+        ckpt = self.ckpt
+        if (
+            ckpt.interval is not None
+            and ckpt.interval > self.max_steps
+            and "interval" not in ckpt.model_fields_set
+        ):
+            # the default interval on a shorter run: say so in the resolved config instead of failing
+            self.ckpt = ckpt.model_copy(update={"interval": None})
+        elif ckpt.interval is not None and ckpt.interval > self.max_steps:
             raise ConfigProblem(
                 "ckpt.interval",
-                f"checkpoint interval {self.ckpt.interval} exceeds max_steps {self.max_steps}: no checkpoint would be written",
+                f"checkpoint interval {ckpt.interval} exceeds max_steps {self.max_steps}: no checkpoint would "
+                "be written",
+                also=("max_steps",),
             )
         return self

@@ -19,6 +19,7 @@ ENVS: dict[str, str] = {
     "math": "tidal.envs.math_env:MathEnv",
     "wordle": "tidal.envs.wordle:WordleEnv",
     "tool_use": "tidal.envs.tool_use:ToolUseEnv",
+    "code": "tidal.envs.code_tests:CodeTestsEnv",
 }
 VERIFIERS_PREFIX = "vf:"
 

@@ -37,7 +37,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from tidal.envs.base import Episode, RewardFn, Task, call_inline, reward_name, rewards_run_by
+from tidal.envs.base import (
+    Episode,
+    RewardFn,
+    Task,
+    call_inline,
+    reward_name,
+    reward_runner,
+    rewards_run_by,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +117,36 @@ class RewardPool:
             raise RuntimeError("the reward pool is closed")
         if not self._sends(fn):
             return await call_inline(fn, task, episode)
-        reply = await self._call(fn, task, episode)
-        if reply is None:
+        try:
+            reply = await self._call(fn, (task, episode), as_reward=True)
+        except _CannotSend as exc:
+            self._run_inline(fn, f"its task or episode cannot be sent to a worker ({exc})")
             return await call_inline(fn, task, episode)
         kind, value = pickle.loads(reply)
-        if kind == "ok":
-            return float(value)
-        if kind == "raised":
-            raise value
-        if kind == "raised_unpicklable":
-            raise _stand_in(*value)
-        self._run_inline(fn, f"a worker could not load it ({value}); is its module importable there?")
-        return await call_inline(fn, task, episode)
+        if kind == "unloadable":
+            self._run_inline(fn, f"a worker could not load it ({value}); is its module importable there?")
+            return await call_inline(fn, task, episode)
+        return float(_result(kind, value))
+
+    async def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` computed in a worker, for work whose result is more than a reward (a test report):
+        any picklable value comes back; an exception of `fn` is raised here. `fn` must be a module-level
+        function (TypeError otherwise, or when an argument cannot be sent)."""
+        if self._closed:
+            raise RuntimeError("the reward pool is closed")
+        problem = unsendable(fn)
+        if problem is not None:
+            raise TypeError(f"{reward_name(fn)!r} cannot run in a reward worker: {problem}")
+        try:
+            reply = await self._call(fn, args, as_reward=False)
+        except _CannotSend as exc:
+            raise TypeError(
+                f"the arguments of {reward_name(fn)!r} cannot be sent to a worker: {exc}"
+            ) from None
+        kind, value = pickle.loads(reply)
+        if kind == "unloadable":
+            raise TypeError(f"a reward worker could not load {reward_name(fn)!r}: {value}")
+        return _result(kind, value)
 
     def pids(self) -> list[int]:
         """Process ids of the live workers (for tests and diagnostics)."""
@@ -164,20 +190,17 @@ class RewardPool:
             "reward function %r runs on the event loop, not in a reward worker: %s", reward_name(fn), reason
         )
 
-    async def _call(self, fn: RewardFn, task: Task, episode: Episode) -> bytes | None:
-        """The pickled reply of a worker; None when the call cannot be sent (`fn` then runs inline)."""
+    async def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], as_reward: bool) -> bytes:
+        """The pickled reply of a worker to `fn(*args)`; `_CannotSend` when the call does not pickle."""
         name = reward_name(fn)
         worker = await self._acquire()
         try:
             # pickled only once a worker is free: a burst of finished rollouts is then spread over the
             # loop's iterations instead of all pickled in one
-            payload = pickle.dumps((fn, task, episode), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((fn, args, as_reward), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable object in episode.info
             self._idle.put_nowait(worker)
-            self._run_inline(
-                fn, f"its task or episode cannot be sent to a worker ({type(exc).__name__}: {exc})"
-            )
-            return None
+            raise _CannotSend(f"{type(exc).__name__}: {exc}") from None
         worker.busy = True
         try:
             reply = await worker.call(payload)
@@ -357,23 +380,45 @@ def serve(conn: Connection, parent_pid: int) -> None:
 
 
 def answer(payload: bytes) -> bytes:
-    """The pickled reply to one pickled `(fn, task, episode)`: ("ok", value), ("raised", exception),
-    ("raised_unpicklable", (type name, message)) or ("unloadable", why)."""
+    """The pickled reply to one pickled `(fn, args, as_reward)`: ("ok", value), ("raised", exception),
+    ("raised_unpicklable", (type name, message)) or ("unloadable", why). A reward's value is a float."""
     try:
-        fn, task, episode = pickle.loads(payload)
+        fn, args, as_reward = pickle.loads(payload)
     except Exception as exc:  # noqa: BLE001 - e.g. the function's module is not importable here
         return pickle.dumps(("unloadable", f"{type(exc).__name__}: {exc}"))
     try:
-        value = fn(task, episode)
+        value = fn(*args)
         if inspect.isawaitable(value):
             with contextlib.suppress(AttributeError):
                 value.close()  # type: ignore[attr-defined]
             raise TypeError(f"reward function {reward_name(fn)!r} returned an awaitable; make it `async def`")
-        return pickle.dumps(("ok", float(value)))
+        return pickle.dumps(("ok", float(value) if as_reward else value))
     except Exception as exc:  # noqa: BLE001 - the reward's failure is the caller's to count
         return _raised(exc)
     except BaseException as exc:  # sys.exit() in a reward fails that rollout, not the orchestrator
         return pickle.dumps(("raised_unpicklable", (type(exc).__name__, str(exc))))
+
+
+def _result(kind: str, value: Any) -> Any:
+    """The value of an "ok" reply; the exception of a "raised" one is raised."""
+    if kind == "ok":
+        return value
+    if kind == "raised":
+        raise value
+    raise _stand_in(*value)
+
+
+class _CannotSend(Exception):
+    """A call whose function or arguments do not pickle."""
+
+
+async def call_off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` off the event loop: in a reward worker where the caller runs them (`reward_workers`), else
+    in a thread. For environments whose reward needs more than a float back (`tidal.envs.code_tests`)."""
+    runner = reward_runner()
+    if isinstance(runner, RewardPool):
+        return await runner.apply(fn, *args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _raised(exc: BaseException) -> bytes:

@@ -1,26 +1,36 @@
-"""Tools for `tool_use`: an arithmetic calculator (AST-checked, bounded) and a sandboxed Python executor.
+"""Tools for `tool_use` and the sandbox model-written code runs in: an arithmetic calculator (AST-checked,
+bounded) and `PythonSandbox`.
 
-The executor runs the code in a fresh `python -I` subprocess, in its own temporary directory and process
+`PythonSandbox` runs the code in a fresh `python -I -S` subprocess (the code on its stdin), in its own process
 group, with rlimits on CPU time, address space, file size and process count, and a wall-clock timeout that
-kills the group. Network: the child first tries to enter new user+network namespaces (no interfaces but a
-down loopback); where unprivileged namespaces are not allowed, a prelude replaces the socket constructors so
-the code cannot open connections. That fallback stops accidents and naive code, not a determined attacker
-(ctypes can still make syscalls): run untrusted models in a container too.
+kills the group. Where bubblewrap works (`tidal.envs.bwrap`) the subprocess runs inside it: its own pid and
+network namespaces (no network), a read-only root holding only the system directories and Python, a private
+/tmp, as an unprivileged user of its own. Where it does not, the in-process limits alone are the fallback (`sandbox =
+"auto"`, the default, warns once per process; `"bwrap"` requires the OS sandbox): the child runs in a
+temporary directory, tries to enter new user+network namespaces, and a prelude replaces the socket
+constructors. That fallback stops accidents and naive code, not a determined attacker (the code can read
+whatever the user can, and ctypes can still make syscalls).
 """
 
 import ast
 import asyncio
 import contextlib
 import ctypes
+import logging
 import operator
 import os
 import resource
 import signal
 import sys
 import tempfile
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
+from tidal.envs import bwrap
 from tidal.envs.tools import Tool, truncate
+
+logger = logging.getLogger(__name__)
 
 _BINARY = {
     ast.Add: operator.add,
@@ -80,8 +90,12 @@ CALCULATOR = Tool(
     fn=calculate,
 )
 
-# Runs before the user's code in the child: if the network namespace could not be entered, no socket can
-# be created from Python.
+SANDBOX_MODES = ("auto", "bwrap", "process")
+"""`bwrap`: the OS sandbox, required (an environment that asks for it fails at construction when it cannot
+run here); `process`: the in-process limits only; `auto`: bwrap where it works, else `process`, warned."""
+
+# The fallback's network guard, first in the child: when the network namespace could not be entered, no
+# socket can be created from Python.
 _NO_NETWORK_PRELUDE = """
 import socket as _s, _socket as _ss
 def _blocked(*a, **k):
@@ -92,52 +106,185 @@ for _m in (_s, _ss):
             setattr(_m, _n, _blocked)
 del _s, _ss, _m, _n, _blocked
 """
+# Last in the child: the code comes on stdin (nothing of it is written to the host) and runs as __main__.
+_RUN_STDIN = """
+import sys as _sys
+_code = _sys.stdin.read()
+del _sys
+exec(compile(_code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+_announced: set[str] = set()
+
+
+class SandboxUnavailable(ValueError):
+    """`sandbox = "bwrap"` was asked for where bwrap cannot run (a ValueError: environments turn it into a
+    one-line user error)."""
+
+
+def resolve_mode(mode: str) -> str:
+    """`bwrap` or `process` for a setting of `sandbox`; raises SandboxUnavailable for `bwrap` without it."""
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"sandbox must be one of {', '.join(SANDBOX_MODES)}, not {mode!r}")
+    if mode == "process":
+        return mode
+    problem = bwrap.probe()
+    if problem is None:
+        return "bwrap"
+    if mode == "bwrap":
+        raise SandboxUnavailable(
+            f'sandbox = "bwrap" but {problem} (install bubblewrap, or set sandbox = "auto" to allow '
+            "the in-process limits)"
+        )
+    return "process"
+
+
+def announce(mode: str) -> None:
+    """One log line per process and mode: which sandbox model-written code runs in."""
+    if mode in _announced:
+        return
+    _announced.add(mode)
+    if mode == "bwrap":
+        logger.info(
+            "code sandbox: bubblewrap (no network, read-only system directories only, private /tmp, limits)"
+        )
+    else:
+        reason = bwrap.probe() or 'sandbox = "process"'
+        logger.warning(
+            "code sandbox: in-process limits only (%s): the code can read every file this user can; "
+            'install bubblewrap (or set sandbox = "bwrap" to require it)',
+            reason,
+        )
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How one run ended: what it printed (capped), its exit status (negative: killed by that signal)."""
+
+    output: str
+    returncode: int | None
+    timed_out: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or self.returncode != 0
 
 
 class PythonSandbox:
-    """`run(code)` → stdout + stderr (truncated) of the code, or why it was stopped."""
+    """Runs Python code in a fresh interpreter under bwrap, or under the in-process limits (`mode`).
 
-    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4000):
+    `run(code)` → stdout + stderr (truncated) of the code, prefixed `error:` when it failed (an exception,
+    a signal, the timeout); `execute(code)` → the `Execution`; `execute_sync` for reward workers.
+    """
+
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        memory_mb: int = 512,
+        max_output: int = 4000,
+        mode: str = "auto",
+        max_processes: int = 64,
+    ):
         self.timeout = timeout
-        self.memory_mb = memory_mb
         self.max_output = max_output
+        self.mode = resolve_mode(mode)
+        announce(self.mode)  # here too: the process that builds the environment says what its rollouts use
+        self.limits = bwrap.Limits(
+            cpu_seconds=int(timeout) + 1,  # a backstop: the wall-clock timeout normally fires first
+            memory_mb=memory_mb,
+            max_processes=max_processes,
+        )
 
     async def run(self, code: str) -> str:
+        result = await self.execute(code)
+        text = truncate(result.output, self.max_output) if result.output.strip() else "(no output)"
+        if result.timed_out:
+            return f"error: timed out after {self.timeout:g} s\n{text}"
+        if result.returncode is not None and result.returncode < 0:
+            return f"error: killed by signal {-result.returncode}\n{text}"
+        if result.returncode:
+            return f"error: exit status {result.returncode}\n{text}"
+        return text
+
+    def execute_sync(self, code: str) -> Execution:
+        """`execute` from synchronous code (a reward worker); in a thread when this one runs an event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.execute(code))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.execute(code)).result()
+
+    async def execute(self, code: str) -> Execution:
+        announce(self.mode)
+        if self.mode == "bwrap":
+            return await self._execute_bwrap(code)
         with tempfile.TemporaryDirectory(prefix="tidal-sandbox-") as workdir:
-            script = Path(workdir) / "main.py"
-            script.write_text(_NO_NETWORK_PRELUDE + "\n" + code)
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", str(script),
+            return await self._communicate(
+                [sys.executable, "-I", "-S", "-c", _NO_NETWORK_PRELUDE + _RUN_STDIN],
+                code,
                 cwd=workdir,
                 env={"PATH": "/usr/bin:/bin", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
                 preexec_fn=self._limit,
-            )  # fmt: skip
-            try:
-                output, _ = await asyncio.wait_for(process.communicate(), self.timeout)
-            except TimeoutError:
-                return f"error: timed out after {self.timeout:g} s"
-            finally:
-                _kill_group(process.pid)  # whatever the code started in its group goes too
-                await process.wait()  # reap it, so its pipes close on this event loop
-        text = output.decode(errors="replace")
-        if process.returncode and process.returncode < 0:
-            text += f"\n[killed by signal {-process.returncode}]"
-        return truncate(text, self.max_output) if text.strip() else "(no output)"
+            )
+
+    async def _execute_bwrap(self, code: str) -> Execution:
+        python = os.path.realpath(sys.executable)
+        argv = [
+            *bwrap.bwrap_argv(str(bwrap.find_bwrap()), python, os.geteuid() == 0),
+            *bwrap.tmp_argv(self.limits),
+            python, "-I", "-S", "-c", bwrap.sandbox_prelude(self.limits, bwrap.run_as_uid()) + _RUN_STDIN,
+        ]  # fmt: skip
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+        return await self._communicate(argv, code, cwd="/", env=env, preexec_fn=None)
+
+    async def _communicate(
+        self, argv: list[str], code: str, cwd: str, env: dict[str, str], preexec_fn: Any
+    ) -> Execution:
+        """Start `argv` in a process group of its own, feed it `code`, keep the first `max_output` bytes it
+        prints (the rest is read and dropped), kill the group at the timeout or once it has exited."""
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+        kept = bytearray()
+        timed_out = False
+        try:
+            await asyncio.wait_for(self._exchange(process, code.encode(), kept), self.timeout)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            _kill_group(process.pid)  # whatever the code started in its group goes too
+            await process.wait()  # reap it, so its pipes close on this event loop
+        return Execution(kept.decode(errors="replace"), process.returncode, timed_out)
+
+    async def _exchange(self, process: asyncio.subprocess.Process, code: bytes, kept: bytearray) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may exit before reading
+            process.stdin.write(code)
+            await process.stdin.drain()
+            process.stdin.close()
+        limit = self.max_output + 1024  # a little more than is shown, so that truncation says how much
+        while chunk := await process.stdout.read(65536):
+            kept += chunk[: max(0, limit - len(kept))]
+        await process.wait()
 
     def _limit(self) -> None:
-        """In the child, before exec: resource limits, then a network namespace if the kernel allows it."""
-        cpu = int(self.timeout) + 1  # a backstop: the wall-clock timeout normally fires first
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        memory = self.memory_mb * 1024 * 1024
+        """The fallback, in the child before exec: resource limits, then a network namespace if allowed."""
+        limits = self.limits
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
+        memory = limits.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024 * 1024, 16 * 1024 * 1024))
+        file_size = limits.max_file_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
         _unshare_network()
 
 
@@ -153,6 +300,7 @@ def _kill_group(pid: int) -> None:
 
 
 def python_tool(sandbox: PythonSandbox | None = None) -> Tool:
+    """The `python` tool: runs the model's code in `sandbox`; a failed run's result starts with `error:`."""
     box = sandbox or PythonSandbox()
 
     async def python(code: str) -> str:

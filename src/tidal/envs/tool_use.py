@@ -43,7 +43,8 @@ def correct_answer(task: Task, episode: Episode) -> float:
 
 
 class ToolUseEnv(ToolEnv):
-    """Reward: exact final answer in `<answer>` tags; tools: `calculator`, `python`."""
+    """Reward: exact final answer in `<answer>` tags; tools: `calculator`, `python` (run in `sandbox`: auto,
+    bwrap or process, see `tidal.envs.sandbox`)."""
 
     name = "tool_use"
     max_turns = 6
@@ -54,8 +55,10 @@ class ToolUseEnv(ToolEnv):
         seed: int = 0,
         python_timeout: float = 5.0,
         python_memory_mb: int = 512,
+        sandbox: str = "auto",
     ):
-        tools = [CALCULATOR, python_tool(PythonSandbox(timeout=python_timeout, memory_mb=python_memory_mb))]
+        box = PythonSandbox(timeout=python_timeout, memory_mb=python_memory_mb, mode=sandbox)
+        tools = [CALCULATOR, python_tool(box)]
         super().__init__(tools)
         self.tool_timeout = python_timeout + 5.0
         self.num_examples, self.seed = num_examples, seed

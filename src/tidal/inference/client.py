@@ -503,6 +503,19 @@ class InferenceClient:
             raise
         await self._admin(server, "/finish_weight_update", {"weight_version": str(version)})
 
+    async def reclaim(self) -> None:
+        """Take the servers over from a client that died mid-update (a killed orchestrator, restarted): on
+        every healthy server, close the weight-update session it may have left open (vLLM refuses to start
+        another) and resume the generation it may have left paused. Any weights half-loaded then are
+        replaced by the next update, which the version it left behind still asks for."""
+
+        async def one(server: ServerState) -> None:
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):  # refused where no session is open
+                await self._admin(server, "/finish_weight_update")
+            await self.resume(server)
+
+        await asyncio.gather(*(one(s) for s in self.servers.values() if s.healthy))
+
     async def pause(self, server: ServerState, mode: PauseMode | None = None) -> None:
         """New requests queue until `resume`; `wait` lets in-flight ones finish first, `keep` freezes them."""
         await self._admin(server, f"/pause?mode={mode or self.pause_mode}")

@@ -16,6 +16,9 @@ server started from, and (unless turned off) that every value is finite. A bad u
 tensor and the old weights keep serving. If a load still fails midway and the workers could not restore
 the previous weights (their error carries `WEIGHTS_BROKEN`), the server answers 503 on `/health` and on
 generation until an update succeeds, so clients and the launcher take it out of rotation.
+
+A chat request whose messages carry a role outside `CHAT_ROLES` is a 400 naming the message: vLLM would
+pass it to the chat template, which renders an unknown role as nothing or as garbage, and answer 200.
 """
 
 import asyncio
@@ -75,6 +78,25 @@ ADMIN_ROUTES = frozenset(
         "/v1/unload_lora_adapter",
     }
 )
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_problem(body: bytes) -> str | None:
+    """Why a `/v1/chat/completions` body must not reach vLLM (a message role it would render wrongly), or
+    None; a body that is not JSON is left for vLLM to refuse."""
+    try:
+        messages = json.loads(body or b"{}").get("messages")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(messages, list):
+        return None
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            return f"messages[{index}].role: {role!r} is not one of {', '.join(CHAT_ROLES)}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,13 @@ class AdminGuard:
         if path == "/update_weights":
             await self._update_weights(scope, receive, send)
             return
+        if path == "/v1/chat/completions" and scope.get("method") == "POST":
+            body = await _read_body(receive)
+            problem = chat_problem(body)
+            if problem is not None:
+                await _reply(send, 400, problem, kind="BadRequestError")
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
     async def _update_weights(self, scope: Scope, receive: Receive, send: Send) -> None:

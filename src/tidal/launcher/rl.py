@@ -650,6 +650,17 @@ def _on_gpu() -> bool:
     return vllm_flavour() == "cuda"
 
 
+def as_run(config: RLConfig) -> RLConfig:
+    """The config with the [inference], [orchestrator] and [trainer] tables each process of a local run gets
+    (split_config's derived values, e.g. `inference.weights.check_finite = "auto"` resolved): what --help
+    shows as defaults. Cluster runs split on their nodes; their config is returned as it is."""
+    if config.deployment.type != "local":
+        return config
+    roles = split_config(config, _on_gpu())
+    update = {"inference": roles.inference, "orchestrator": roles.orchestrator, "trainer": roles.trainer}
+    return config.model_copy(update=update)
+
+
 def dry_run(config: RLConfig) -> str:
     """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
     on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes

@@ -41,6 +41,13 @@ def make_train_samples(
     return samples
 
 
+def drop_too_long(samples: Sequence[TrainSample], seq_len: int) -> tuple[list[TrainSample], int]:
+    """The samples that fit a packed row of `seq_len` tokens, and how many did not. A longer one is dropped
+    rather than cut: the reward was earned by the whole completion, and a cut one would credit a part."""
+    kept = [s for s in samples if len(s) <= seq_len]
+    return kept, len(samples) - len(kept)
+
+
 def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     """Sample indices per rank: longest first, each to the rank with the fewest tokens so far (ties: lowest rank).
 

@@ -27,7 +27,7 @@ from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
-from tidal.orchestrator.batching import make_train_batches, make_train_samples
+from tidal.orchestrator.batching import drop_too_long, make_train_batches, make_train_samples
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
@@ -113,6 +113,8 @@ class Orchestrator:
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
                 self._restore(sender)
+            if cfg.resume and cfg.resume_from == "latest":
+                await client.reclaim()  # the orchestrator before this one may have died mid-update
             await policy.start()
             self.lag.start()
             try:
@@ -138,8 +140,9 @@ class Orchestrator:
         if cfg.online_eval.interval and step % cfg.online_eval.interval == 0:
             evaluated = await self._online_eval(client, step, policy.version)
         groups, advantages, stats = await self._collect(client, step)
-        samples = make_train_samples(groups, advantages)
         b = cfg.batch
+        samples, too_long = drop_too_long(make_train_samples(groups, advantages), b.seq_len)
+        self._warn_too_long(step, too_long, len(samples))
         try:
             batches = make_train_batches(
                 step, samples, b.num_trainer_ranks, b.seq_len, b.micro_batch_size, self.tokenizer.pad_token_id
@@ -150,7 +153,8 @@ class Orchestrator:
         replicas = self._replica_metrics(client, elapsed)
         # log, save the state past this step, send: whenever this process dies, a restart from its newest
         # state neither sends a batch twice nor skips one, and logs each step once (`_restore`)
-        self._log(step, groups, stats, policy, elapsed, waited, {**evaluated, **replicas})
+        extra = {**evaluated, **replicas, "rollouts/dropped_too_long": float(too_long)}
+        self._log(step, groups, stats, policy, elapsed, waited, extra)
         self._keep_samples(step, groups)
         self.state.step = step + 1
         self._save_state()
@@ -301,6 +305,23 @@ class Orchestrator:
             position = self.state.position
             self.state.position += 1
         return position, self.env.task(position % self.env.num_tasks())
+
+    def _warn_too_long(self, step: int, dropped: int, kept: int) -> None:
+        """A rollout longer than a packed row cannot be trained on: warn, and stop only when none is left."""
+        if not dropped:
+            return
+        seq_len = self.config.batch.seq_len
+        advice = "raise orchestrator.batch.seq_len or lower orchestrator.sampling.max_tokens"
+        if not kept:
+            raise UserError(
+                f"step {step}: every rollout is longer than orchestrator.batch.seq_len ({seq_len} tokens, "
+                f"prompt + completion): nothing to train on; {advice}"
+            )
+        print(
+            f"orchestrator: warning: step {step}: dropped {dropped} rollout(s) longer than "
+            f"orchestrator.batch.seq_len ({seq_len} tokens, prompt + completion); {advice}",
+            flush=True,
+        )
 
     def _log(
         self,

@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tidal.errors import UserError
+from tidal.errors import UserError, write_error
 from tidal.trainer import manifest
 from tidal.trainer.parallel import DistInfo, barrier
 
@@ -90,6 +91,24 @@ def save_checkpoint(
     """Save everything needed to continue after `step` completed steps; returns the checkpoint dir.
 
     `extra` must be JSON-able (scheduler state, data position): it is stored as plain data."""
+    try:
+        return _save(root, step, model, optimizer, extra, info, keep_last)
+    except (Exception, CheckpointException) as exc:  # dcp's exception is a BaseException
+        problem = write_error(root / f"step_{step}.tmp", exc)
+        if problem is None:
+            raise
+        raise problem from None
+
+
+def _save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    info: DistInfo,
+    keep_last: int,
+) -> Path:
     final = root / f"step_{step}"
     staging = root / f"step_{step}.tmp"
     if info.is_main:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from tidal.errors import write_error
 from tidal.trainer.parallel import DistInfo, barrier
 from tidal.transport.weights import save_hf_checkpoint
 
@@ -27,6 +28,12 @@ def export_model(
     state_dict = full_state_dict(model)
     if info.is_main:
         hf_config = model.config  # type: ignore[attr-defined]
-        save_hf_checkpoint(target, state_dict, hf_config, tokenizer, dtype)
+        try:
+            save_hf_checkpoint(target, state_dict, hf_config, tokenizer, dtype)
+        except Exception as exc:
+            problem = write_error(target, exc)
+            if problem is None:
+                raise
+            raise problem from None
     barrier(info)
     return target

@@ -1,0 +1,254 @@
+"""code: the model writes a Python function; the reward runs hidden unit tests on it in the sandbox.
+
+The building block of SWE-style environments, kept small: single-turn, tasks from a JSON file (the
+package's `data/code_tasks.json` by default: short function-writing tasks, each with its reference
+solution and its tests). A test is a call and its expected result, `{"args": [...], "expected": ...}`.
+
+Scoring, off the event loop (in a reward worker, `call_off_loop`): the last fenced code block of the answer
+(```python or ```), or the whole answer when it has none, is run with a harness in `PythonSandbox` (bubblewrap where it works): the harness loads
+it, calls the function on each test's arguments and reports each result as a JSON line on a file
+descriptor of its own (what the code prints goes nowhere). The expected values never enter the sandbox:
+the results are compared outside it, so code that forges reports gains nothing it did not compute. Tests
+that had not reported when the timeout killed the run count as failed.
+
+Reward: the fraction of the tests passed (`all_or_nothing = true`: 1 only when all pass). Metrics:
+`code/fenced` (the code came from a fenced block), `code/compiled` (it loaded and defined the function),
+`code/timed_out`, and `reward/tests_passed`.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.envs.base import Episode, SingleTurnEnv, Task, completion_text
+from tidal.envs.reward_pool import call_off_loop
+from tidal.envs.sandbox import PythonSandbox, announce, resolve_mode
+
+TASKS_FILE = Path(__file__).with_name("data") / "code_tasks.json"
+SYSTEM_PROMPT = "Write the requested Python function. Reply with its code in one ```python block."
+REPORT_MARK = "@@tidal-test@@"
+_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+# Runs in the sandbox; CODE, FUNCTION and CASES are prepended as literals. Reports go to a duplicate of the
+# original stdout; the solution's own stdout and stderr are sent to /dev/null.
+_HARNESS = """
+import json as _json, os as _os
+_reports = _os.fdopen(_os.dup(1), "w")
+_null = _os.open(_os.devnull, _os.O_WRONLY)
+_os.dup2(_null, 1)
+_os.dup2(_null, 2)
+
+
+def _report(fields):
+    _reports.write(MARK + _json.dumps(fields) + "\\n")
+    _reports.flush()
+
+
+def _why(exc):
+    return (type(exc).__name__ + ": " + str(exc))[:200]
+
+
+_solution = {"__name__": "solution"}
+try:
+    exec(compile(CODE, "solution.py", "exec"), _solution)
+    _function = _solution[FUNCTION]
+    if not callable(_function):
+        raise TypeError(FUNCTION + " is not a function")
+except BaseException as _exc:
+    _report({"loaded": False, "error": _why(_exc)})
+    raise SystemExit(1)
+_report({"loaded": True})
+for _case, _args in enumerate(CASES):
+    try:
+        _line = _json.dumps({"case": _case, "value": _function(*_args)})
+    except BaseException as _exc:
+        _line = _json.dumps({"case": _case, "error": _why(_exc)})
+    _reports.write(MARK + _line + "\\n")
+    _reports.flush()
+"""
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A function to write and its hidden tests (`(args, expected)` pairs)."""
+
+    id: str
+    function: str
+    prompt: str
+    tests: list[tuple[list[Any], Any]]
+
+
+def load_tasks(path: Path) -> list[CodeTask]:
+    """The tasks of a JSON file; a malformed one is a ValueError naming the file and the task."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read code tasks from {path}: {exc}") from None
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{path} must hold a non-empty JSON list of tasks")
+    tasks = []
+    for index, item in enumerate(raw):
+        try:
+            tests = [(list(t["args"]), t["expected"]) for t in item["tests"]]
+            tasks.append(CodeTask(str(item["id"]), str(item["function"]), str(item["prompt"]), tests))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: task {index} lacks {exc} (id, function, prompt, tests)") from None
+        if not tests:
+            raise ValueError(f"{path}: task {item['id']!r} has no tests")
+    return tasks
+
+
+def extract_code(text: str) -> tuple[str, bool]:
+    """(code, whether it was fenced): the last fenced block of a reply (```python, ```py or a bare ```), else
+    the whole reply (models often answer with bare code; prose then fails to compile)."""
+    blocks = _BLOCK.findall(text)
+    return (blocks[-1], True) if blocks else (text.strip(), False)
+
+
+def harness_script(code: str, function: str, cases: list[list[Any]]) -> str:
+    """The program the sandbox runs: the harness with the solution, the function's name and the arguments."""
+    header = (
+        f"CODE = {code!r}\nFUNCTION = {function!r}\nMARK = {REPORT_MARK!r}\n"
+        f"CASES = __import__('json').loads({json.dumps(cases)!r})\n"
+    )
+    return header + _HARNESS
+
+
+@dataclass(frozen=True)
+class TestReport:
+    """What the hidden tests found: whether the code was fenced, whether it loaded, how many tests passed."""
+
+    fenced: bool
+    compiled: bool
+    passed: int
+    total: int
+    timed_out: bool = False
+
+    def reward(self, all_or_nothing: bool) -> float:
+        if all_or_nothing:
+            return float(self.passed == self.total)
+        return self.passed / self.total
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "code/fenced": float(self.fenced),
+            "code/compiled": float(self.compiled),
+            "code/timed_out": float(self.timed_out),
+            "reward/tests_passed": self.passed / self.total,
+        }
+
+
+def read_reports(output: str) -> tuple[bool, dict[int, dict[str, Any]]]:
+    """(whether the solution loaded, the first report of each test case) from the harness's output."""
+    loaded = False
+    cases: dict[int, dict[str, Any]] = {}
+    for line in output.splitlines():
+        if not line.startswith(REPORT_MARK):
+            continue
+        try:
+            fields = json.loads(line[len(REPORT_MARK) :])
+        except json.JSONDecodeError:
+            continue  # a line cut by the output cap or the timeout
+        if not isinstance(fields, dict):
+            continue
+        if "loaded" in fields:
+            loaded = loaded or fields["loaded"] is True
+        elif isinstance(fields.get("case"), int):
+            cases.setdefault(fields["case"], fields)
+    return loaded, cases
+
+
+def same_value(value: Any, expected: Any) -> bool:
+    """Equality after JSON: numbers within 1e-9 when either is a float, bools never equal to numbers,
+    lists and objects compared element by element."""
+    if isinstance(expected, bool) or isinstance(value, bool):
+        return type(value) is type(expected) and value == expected
+    if isinstance(expected, int | float) and isinstance(value, int | float):
+        if isinstance(expected, float) or isinstance(value, float):
+            return math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-9)
+        return value == expected
+    if isinstance(expected, list) and isinstance(value, list):
+        return len(value) == len(expected) and all(map(same_value, value, expected))
+    if isinstance(expected, dict) and isinstance(value, dict):
+        return value.keys() == expected.keys() and all(same_value(value[k], expected[k]) for k in expected)
+    return type(value) is type(expected) and value == expected
+
+
+def grade(
+    output: str, tests: list[tuple[list[Any], Any]], timed_out: bool, fenced: bool = True
+) -> TestReport:
+    """The report of one harness run from its output (pure)."""
+    loaded, cases = read_reports(output)
+    passed = sum(
+        1
+        for index, (_, expected) in enumerate(tests)
+        if index in cases and "value" in cases[index] and same_value(cases[index]["value"], expected)
+    )
+    return TestReport(fenced=fenced, compiled=loaded, passed=passed, total=len(tests), timed_out=timed_out)
+
+
+def run_hidden_tests(
+    code: str,
+    function: str,
+    tests: list[tuple[list[Any], Any]],
+    timeout: float,
+    memory_mb: int,
+    mode: str,
+    fenced: bool = True,
+) -> TestReport:
+    """Run the tests on `code` in the sandbox and grade them (synchronous: a reward worker calls it)."""
+    box = PythonSandbox(timeout=timeout, memory_mb=memory_mb, max_output=256 * 1024, mode=mode)
+    result = box.execute_sync(harness_script(code, function, [args for args, _ in tests]))
+    return grade(result.output, tests, result.timed_out, fenced)
+
+
+class CodeTestsEnv(SingleTurnEnv):
+    """Write the function the prompt names; reward: hidden tests passed, run in the sandbox."""
+
+    name = "code"
+
+    def __init__(
+        self,
+        num_examples: int | None = None,
+        tasks_file: str | None = None,
+        timeout: float = 10.0,
+        memory_mb: int = 512,
+        sandbox: str = "auto",
+        all_or_nothing: bool = False,
+    ):
+        super().__init__([])
+        self.tasks = load_tasks(Path(tasks_file) if tasks_file else TASKS_FILE)
+        if num_examples is not None:
+            if not 0 < num_examples <= len(self.tasks):
+                raise ValueError(f"num_examples = {num_examples}, but there are {len(self.tasks)} tasks")
+            self.tasks = self.tasks[:num_examples]
+        if timeout <= 0 or memory_mb <= 0:
+            raise ValueError("timeout and memory_mb must be positive")
+        self.timeout, self.memory_mb, self.all_or_nothing = timeout, memory_mb, all_or_nothing
+        self.sandbox = resolve_mode(sandbox)
+        announce(self.sandbox)
+
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def task(self, index: int) -> Task:
+        spec = self.tasks[index]
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": spec.prompt}]
+        return Task(task_id=f"code/{spec.id}", messages=messages, info={"index": index})
+
+    async def score(self, task: Task, episode: Episode) -> None:
+        """Runs the hidden tests off the event loop; a reward worker returns the whole report."""
+        spec = self.tasks[task.info["index"]]
+        code, fenced = extract_code(completion_text(episode))
+        if not code:
+            report = TestReport(fenced=False, compiled=False, passed=0, total=len(spec.tests))
+        else:
+            report = await call_off_loop(
+                run_hidden_tests,
+                *(code, spec.function, spec.tests, self.timeout, self.memory_mb, self.sandbox, fenced),
+            )
+        episode.metrics.update(report.metrics())
+        episode.reward = report.reward(self.all_or_nothing)

@@ -1,0 +1,135 @@
+"""The `code` environment: code extraction, grading (pure), the shipped tasks' references, scoring in a
+reward worker through the sandbox, and solutions that hang, crash or forge reports."""
+
+import asyncio
+import json
+
+import pytest
+
+from tidal.envs.base import Episode
+from tidal.envs.code_tests import (
+    REPORT_MARK,
+    TASKS_FILE,
+    CodeTestsEnv,
+    extract_code,
+    grade,
+    load_tasks,
+    run_hidden_tests,
+    same_value,
+)
+from tidal.envs.reward_pool import reward_workers
+from tidal.errors import UserError
+
+
+def answer(code: str) -> str:
+    return f"Here it is:\n```python\n{code}\n```\n"
+
+
+def score(env: CodeTestsEnv, index: int, reply: str, workers: int | None = 1) -> Episode:
+    task = env.task(index)
+    episode = Episode(prompt_ids=[1], messages=[*task.messages, {"role": "assistant", "content": reply}])
+
+    async def go():
+        async with reward_workers(workers):
+            await env.score(task, episode)
+
+    asyncio.run(go())
+    return episode
+
+
+def test_extract_code_takes_the_last_fenced_block():
+    assert extract_code("```python\na = 1\n```\ntext\n```py\nb = 2\n```") == ("b = 2\n", True)
+    assert extract_code("```\nc = 3\n```") == ("c = 3\n", True)
+    assert extract_code(" def f(): pass\n") == ("def f(): pass", False)
+    assert extract_code("```python\nunfinished") == ("```python\nunfinished", False)
+
+
+def test_same_value_is_strict_about_types_and_tolerant_about_floats():
+    assert same_value(2.5, 2.5000000000001) and same_value(3, 3.0)
+    assert not same_value(True, 1) and not same_value(1, True) and not same_value("1", 1)
+    assert same_value([1, [2, "a"]], [1, [2, "a"]]) and not same_value([1, 2], [1, 2, 3])
+    assert same_value({"a": 1}, {"a": 1}) and not same_value({"a": 1}, {"b": 1})
+    assert same_value(None, None) and not same_value(None, 0)
+
+
+def test_grade_counts_only_reported_correct_values():
+    tests = [([1], 1), ([2], 4), ([3], 9)]
+    lines = [
+        REPORT_MARK + json.dumps({"loaded": True}),
+        REPORT_MARK + json.dumps({"case": 0, "value": 1}),
+        REPORT_MARK + json.dumps({"case": 1, "error": "ValueError: x"}),
+        REPORT_MARK + '{"case": 2, "val',  # cut by the timeout
+        "noise",
+    ]
+    report = grade("\n".join(lines), tests, timed_out=True)
+    assert (report.compiled, report.passed, report.total, report.timed_out) == (True, 1, 3, True)
+    assert report.reward(all_or_nothing=False) == pytest.approx(1 / 3) and report.reward(True) == 0.0
+
+
+def test_every_shipped_reference_passes_its_hidden_tests():
+    raw = json.loads(TASKS_FILE.read_text())
+    tasks = load_tasks(TASKS_FILE)
+    assert 10 <= len(tasks) <= 20 and len({t.id for t in tasks}) == len(tasks)
+    for spec, item in zip(tasks, raw, strict=True):
+        report = run_hidden_tests(item["reference"], spec.function, spec.tests, 10.0, 512, "auto")
+        assert report.compiled and report.passed == report.total, spec.id
+
+
+def test_scores_in_a_reward_worker_with_metrics():
+    env = CodeTestsEnv(timeout=5.0)
+    index = next(i for i, t in enumerate(env.tasks) if t.id == "add")
+    good = score(env, index, answer("def add(a, b):\n    return a + b"))
+    assert good.reward == 1.0
+    assert good.metrics == {
+        "code/fenced": 1.0,
+        "code/compiled": 1.0,
+        "code/timed_out": 0.0,
+        "reward/tests_passed": 1.0,
+    }
+    half = score(env, index, answer("def add(a, b):\n    return a + b if a <= 0 else 0"), workers=0)
+    assert 0.0 < half.reward < 1.0  # without workers it runs in a thread: same result
+    prose = score(env, index, "no code at all")
+    assert prose.metrics["code/fenced"] == prose.metrics["code/compiled"] == prose.reward == 0.0
+    assert score(env, index, "def add(a, b):\n    return a + b").reward == 1.0  # bare code counts
+    assert score(env, index, "").metrics["code/compiled"] == 0.0
+    broken = score(env, index, answer("def add(a, b)\n    return a + b"))
+    assert broken.metrics["code/compiled"] == 0.0 and broken.reward == 0.0
+    missing = score(env, index, answer("def plus(a, b):\n    return a + b"))
+    assert missing.metrics["code/compiled"] == 0.0 and missing.reward == 0.0
+    strict = CodeTestsEnv(timeout=5.0, all_or_nothing=True)
+    assert score(strict, index, answer("def add(a, b):\n    return a + b if a <= 0 else 0")).reward == 0.0
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import time\ndef add(a, b):\n    time.sleep(60)",  # every test hangs
+        "def add(a, b):\n    while True: pass",
+        "import os\ndef add(a, b):\n    os._exit(0)",
+        "raise SystemExit(0)",
+        "x = bytearray(10 * 1024**3)\ndef add(a, b):\n    return a + b",
+        # forged reports on stdout are not read; only the harness's own descriptor is
+        f'print({REPORT_MARK!r} + \'{{"case": 0, "value": 3}}\')\ndef add(a, b):\n    return -1',
+    ],
+)
+def test_hostile_or_broken_solutions_score_zero_and_the_caller_goes_on(code):
+    env = CodeTestsEnv(timeout=2.0)
+    index = next(i for i, t in enumerate(env.tasks) if t.id == "add")
+    episode = score(env, index, answer(code))
+    assert episode.reward == 0.0
+    if "sleep" in code or "while True" in code:
+        assert episode.metrics["code/timed_out"] == 1.0
+
+
+def test_bad_settings_are_one_line_errors(tmp_path):
+    from tidal.envs.registry import load_env
+
+    with pytest.raises(UserError, match="num_examples = 99, but there are"):
+        load_env("code", num_examples=99)
+    bad = tmp_path / "tasks.json"
+    bad.write_text('[{"id": "x", "prompt": "p", "tests": []}]')
+    with pytest.raises(UserError, match="task 0 lacks 'function'"):
+        load_env("code", tasks_file=str(bad))
+    with pytest.raises(UserError, match="cannot read code tasks"):
+        load_env("code", tasks_file=str(tmp_path / "missing.json"))
+    assert load_env("code", num_examples=3).num_tasks() == 3

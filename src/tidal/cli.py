@@ -27,6 +27,8 @@ class Command:
     summary: str
     dry_run: str | None = None
     """`module:function(config) -> str` printing what --dry-run shows (default: the resolved config)."""
+    positional: str | None = None
+    """The key a first bare argument sets (`tidal plot outputs/rl` = `tidal plot --output-dir outputs/rl`)."""
     as_run: str | None = None
     """`module:function(config) -> config`: the config as the command runs it, where it derives values
     beyond validation (--help shows those as the defaults)."""
@@ -77,6 +79,12 @@ COMMANDS: dict[str, Command] = {
         "tidal.config.rl:RLTrainerConfig",
         "tidal.trainer.rl:main",
         "RL trainer: one optimizer step per batch, then publish weights (FSDP2 under torchrun).",
+    ),
+    "plot": Command(
+        "tidal.config.plot:PlotConfig",
+        "tidal.monitor.plot:main",
+        "Draw an RL run (finished, running or crashed) as <output_dir>/plots/rl.png: `tidal plot <output_dir>`.",
+        positional="output_dir",
     ),
 }
 
@@ -173,6 +181,8 @@ def os_error_line(exc: OSError, config: BaseModel | None) -> str:
 def run_command(name: str, command: Command, argv: Sequence[str]) -> int:
     schema = _load(command.schema)
     assert isinstance(schema, type) and issubclass(schema, BaseModel)
+    if command.positional and argv and not argv[0].startswith(("-", "@")):
+        argv = [f"--{command.positional.replace('_', '-')}", *argv]
     config: BaseModel | None = None
     try:
         parsed = parse_args(argv)

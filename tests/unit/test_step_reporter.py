@@ -4,12 +4,17 @@ import json
 from pathlib import Path
 
 from tidal import run_layout
-from tidal.launcher.rl import StepReporter
 from tidal.monitor.metrics import MetricsLogger
+from tidal.monitor.progress import StepReporter
 
 
 def _trainer_record(step: int) -> dict:
     return {"loss": 0.1 * step, "tokens_per_s": 1000.0, "time/wait_for_data": 0.0}
+
+
+def _step(line: str) -> str:
+    """`step 3 [4/6]` of a console line `12:00:00 step 3 [4/6] | ...` (its time left out)."""
+    return line.split(" | ")[0].split(" ", 1)[1]
 
 
 def _loggers(out: Path) -> tuple[MetricsLogger, MetricsLogger]:
@@ -41,7 +46,7 @@ def test_prints_each_step_once_and_follows_a_resumed_rewrite(tmp_path, capsys):
         _log_step(orch, trainer, step)
     reporter.poll()
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" | ")[0] for line in lines] == ["step 4/6", "step 5/6"]
+    assert [_step(line) for line in lines] == ["step 3 [4/6]", "step 4 [5/6]"]
     assert "reward 0.400" in lines[1]
 
 
@@ -55,7 +60,7 @@ def test_a_half_written_or_foreign_line_is_skipped(tmp_path, capsys):
     with trainer.path.open("a") as fh:
         fh.write('{"step": 3')  # no newline yet: the writer is mid-line
     reporter.poll()
-    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()] == ["step 1/3", "step 3/3"]
+    assert [_step(line) for line in capsys.readouterr().out.splitlines()] == ["step 0 [1/3]", "step 2 [3/3]"]
 
 
 def test_truncate_keeps_earlier_steps_and_drops_a_torn_line(tmp_path):
@@ -81,4 +86,4 @@ def test_a_redone_step_logged_before_the_next_poll_is_still_reported(tmp_path, c
     trainer.truncate_after(1)  # resumed from the checkpoint at step 2
     trainer.log(2, {**_trainer_record(2), "loss": 9.0})
     reporter.poll()
-    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()] == ["step 3/6"]
+    assert [_step(line) for line in capsys.readouterr().out.splitlines()] == ["step 2 [3/6]"]

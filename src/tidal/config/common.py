@@ -118,10 +118,26 @@ class WandbConfig(Config):
     """Log metrics to W&B as well as metrics.jsonl."""
     project: str = "tidal"
     """W&B project."""
+    entity: str | None = None
+    """W&B team or user that owns the project (default: your W&B default entity)."""
     name: str | None = None
     """Run name (default: the output directory's name)."""
+    group: str | None = None
+    """W&B group, to show related runs together (e.g. the runs of one sweep)."""
+    tags: list[str] = []
+    """W&B tags of the run."""
     mode: Literal["online", "offline"] = "offline"
     """`offline` writes under <output_dir>/wandb and needs no network; sync later with `wandb sync`."""
+
+    @model_validator(mode="after")
+    def _check_enabled(self) -> "WandbConfig":
+        given = sorted(self.model_fields_set - {"enabled"})
+        if given and "enabled" not in self.model_fields_set:
+            # W&B settings without `enabled` would be ignored without a word
+            raise ConfigProblem(
+                "enabled", f"W&B settings are given ({', '.join(given)}) but W&B is off; set enabled = true"
+            )
+        return self
 
 
 class LogConfig(Config):

@@ -180,6 +180,15 @@ def fit_keep_last(
     return transport.model_copy(update={"keep_last": max_async_level + 1})
 
 
+class SamplesConfig(Config):
+    """Rollouts kept as text for people to read: <output_dir>/samples.jsonl (and the W&B `samples` table)."""
+
+    interval: int | None = Field(default=10, gt=0)
+    """Keep samples of every Nth step (step 0 included); None: none."""
+    num: int = Field(default=8, gt=0)
+    """Rollouts kept per such step, taken across the step's groups (one per group first)."""
+
+
 class OrchestratorConfig(RunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
@@ -228,6 +237,7 @@ class OrchestratorConfig(RunConfig):
     client: ClientConfig = ClientConfig()
     transport: RolloutTransport = FilesystemTransport()
     log: LogConfig = LogConfig()
+    samples: SamplesConfig = SamplesConfig()
 
     @model_validator(mode="after")
     def _check_envs(self) -> "OrchestratorConfig":
@@ -350,6 +360,7 @@ class RLTrainerConfig(TrainerRunConfig):
 # where the user sets them instead: a value written in the sub-table would be overwritten without a word.
 SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     **{(role, key): key for role in ("orchestrator", "trainer") for key in RunConfig.model_fields},
+    ("trainer", "wandb"): "wandb",
     ("orchestrator", "model"): "model",
     ("trainer", "model"): "model",
     ("inference", "model"): "model",
@@ -368,6 +379,17 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("trainer", "publish", "host"): "deployment",
     ("trainer", "publish", "inference_world_size"): "deployment` and `inference.vllm",
 }
+
+
+class MonitorConfig(Config):
+    """What `tidal rl` shows while it runs: the console's step lines and the plot it redraws."""
+
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """`bar`: a progress bar with step time and ETA; `lines`: one timestamped line per step; `auto`: the bar
+    when stdout is a terminal, lines otherwise (a log file, a batch job)."""
+    plot_interval: int | None = Field(default=5, gt=0)
+    """Redraw <output_dir>/plots/rl.png every N trained steps (by `tidal plot`, beside the run) and at the
+    end; None: only at the end."""
 
 
 class RLConfig(RunConfig):
@@ -420,6 +442,10 @@ class RLConfig(RunConfig):
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for inference to become healthy (at the start, and for a restarted replica)."""
     restarts: RestartsConfig = RestartsConfig()
+    wandb: WandbConfig = WandbConfig()
+    """One W&B run for the whole `tidal rl`: trainer and orchestrator metrics, online eval and the rollout
+    samples table, logged by the launcher (README, "Monitoring")."""
+    monitor: MonitorConfig = MonitorConfig()
     slurm: SlurmConfig = SlurmConfig()
     """The batch job of `deployment.type = "slurm"` (partition, account, time, setup commands, …)."""
 

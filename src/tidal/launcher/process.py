@@ -268,11 +268,13 @@ def wait_healthy(
     timeout: float,
     should_stop: Callable[[], bool] = lambda: False,
     poll: float = 0.5,
+    on_poll: Callable[[dict[str, ManagedProcess | None]], None] | None = None,
 ) -> dict[str, ManagedProcess | None]:
     """Poll `<url>/health` of every target until each answered 200 once; returns the ones that did not
     (empty: all healthy) when `timeout` s pass or `should_stop()` says so. A target's process that ends
     meanwhile raises `ProcessEnded` at once: waiting for it would only run out the clock. A target
-    without a process (None) runs elsewhere (another node of a cluster run): only its URL is polled."""
+    without a process (None) runs elsewhere (another node of a cluster run): only its URL is polled.
+    `on_poll` is called after each round with the targets still waited for."""
     import httpx
 
     waiting = dict(targets)
@@ -287,6 +289,8 @@ def wait_healthy(
             except httpx.HTTPError:
                 pass
         if waiting:
+            if on_poll is not None:
+                on_poll(waiting)
             time.sleep(poll)
     return waiting
 

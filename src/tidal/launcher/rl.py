@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import tomli_w
 from pydantic import BaseModel
@@ -37,10 +37,17 @@ from tidal.launcher.restarts import (
     missing_batches,
 )
 from tidal.launcher.split import RoleConfigs, split_config
+from tidal.monitor.console import Console
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
+from tidal.monitor.progress import BackgroundPlot, StepReporter
+
+if TYPE_CHECKING:
+    from tidal.monitor.wandb_run import WandbRun
 
 POLL_SECONDS = 0.5
+STATUS_SECONDS = 15.0
+"""How often the launcher says what it still waits for (vLLM loading, the first step)."""
 
 
 def write_config(config: BaseModel, path: Path) -> Path:
@@ -65,38 +72,6 @@ def trainer_argv(
     return torchrun_argv(
         "trainer", config_path, num_ranks, num_nodes, rendezvous, run_id, local_addr, is_host
     )
-
-
-class StepReporter:
-    """Tails the orchestrator's and trainer's metrics.jsonl and prints one line per finished step.
-
-    On `--resume` the files already hold the earlier run's steps (printed by that run): reading starts at
-    their current end, and a resumed child's rewrite of its file is followed (tidal.monitor.metrics.MetricsTail).
-    The summary must never stop the run it reports on: a line it cannot parse is skipped.
-    """
-
-    def __init__(self, output_dir: Path, max_steps: int):
-        self.max_steps = max_steps
-        self._orchestrator = MetricsTail(run_layout.orchestrator_dir(output_dir) / "metrics.jsonl")
-        self._trainer = MetricsTail(run_layout.trainer_dir(output_dir) / "metrics.jsonl")
-        self._orch: dict[int, dict[str, Any]] = {}
-
-    def poll(self) -> None:
-        # the orchestrator writes step n before the trainer can train on it: read it first
-        for record in self._orchestrator.new_records():
-            self._orch[record["step"]] = record
-        for record in self._trainer.new_records():
-            print(self._line(record), flush=True)
-
-    def _line(self, record: dict[str, Any]) -> str:
-        orch = self._orch.get(record["step"], {})
-        return (
-            f"step {record['step'] + 1}/{self.max_steps} | reward {orch.get('reward/mean', float('nan')):.3f}"
-            f" | off-policy {orch.get('off_policy/max', '?')} | loss {record.get('loss', float('nan')):+.4f}"
-            f" | trainer {record.get('tokens_per_s', 0) / 1e3:.1f}k tok/s"
-            f" | inference {orch.get('tokens_per_s', 0):.0f} tok/s"
-            f" | trainer waited {record.get('time/wait_for_data', 0):.2f} s"
-        )
 
 
 @dataclass(frozen=True)
@@ -159,6 +134,10 @@ class Launcher:
         """Failures restarted from whose recovery is not complete yet."""
         self._trained = MetricsTail(run_layout.trainer_dir(self.out) / "metrics.jsonl")
         self._produced = MetricsTail(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
+        self.console = Console(config.max_steps, config.monitor.progress)
+        self.reporter: StepReporter | None = None
+        """On the orchestrator's node: the console's steps, the W&B run, the plot."""
+        self.plot = BackgroundPlot(self.out, config.monitor.plot_interval)
 
     def run(self) -> int:
         if ORCHESTRATOR in self.here:
@@ -169,7 +148,7 @@ class Launcher:
             # before any trainer starts (the other trainer nodes wait for this one's rendezvous): the
             # checkpoint is verified (not found broken once vLLM is up), and trainer and orchestrator must
             # not race over a killed run's leftovers
-            run_layout.prepare_resume(self.out, lambda line: print(f"tidal rl: {line}", flush=True))
+            run_layout.prepare_resume(self.out, self._say)
         on_gpu = _on_gpu()
         addresses = self.node.addresses if self.node is not None else None
         roles = split_config(self.config, on_gpu, addresses=addresses)
@@ -177,10 +156,15 @@ class Launcher:
         paths = self._write_configs(roles, local)
         env = self._device_env(roles, on_gpu, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        code = 1
         try:
-            return self._supervise(roles, local, paths, env)
+            code = self._supervise(roles, local, paths, env)
+            return code
         finally:
             self._stop_all()
+            self.plot.stop()
+            if self.reporter is not None:
+                self._close_reporter(self.reporter, code)
             self.deaths.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -198,7 +182,7 @@ class Launcher:
         stop_together([c for c in self.children if c not in self.replicas])
         stop_together(self.replicas)
         took = ", ".join(f"{c.name} {c.stop_seconds:.1f} s" for c in self.children)
-        print(f"{self.prefix}: stopped {took}", flush=True)
+        self._say(f"stopped {took}")
 
     def _supervise(
         self, roles: RoleConfigs, local: list[int], paths: dict[str, Path], env: dict[str, dict[str, str]]
@@ -222,9 +206,9 @@ class Launcher:
             waiting.update({url: None for url in urls if url not in waiting})
         if local:
             what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
-            print(
-                f"{self.prefix}: starting {what} ({roles.inference.model.name}); logs in {logs}/", flush=True
-            )
+            self._say(f"starting {what} ({roles.inference.model.name}); logs in {logs}/")
+        if ORCHESTRATOR in self.here:  # while vLLM loads: W&B takes seconds to start too
+            self.reporter = StepReporter(self.out, self.config.max_steps, self.console, self._open_wandb())
         self._wait_healthy(waiting)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
@@ -237,12 +221,18 @@ class Launcher:
                 "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), env["orchestrator"]
             )
         self._say_started(len(urls), local)
-        reporter = StepReporter(self.out, self.config.max_steps) if ORCHESTRATOR in self.here else None
+        reporter = self.reporter
         marked = False
+        first_step = _Reminder(STATUS_SECONDS)
         while True:
             if reporter is not None:
-                reporter.poll()
+                self.plot.after(reporter.poll())
             self._follow_progress()
+            if TRAINER not in self.up and reporter is not None and first_step.due():
+                self._say(
+                    f"waiting for the first step: {first_step.elapsed():.0f} s since the trainer and the orchestrator "
+                    f"started (loading the model, first rollouts); logs in {self.logs}/"
+                )
             if self.stop_signal is not None:
                 print(f"{self.prefix}: signal {self.stop_signal}: stopping every process", file=sys.stderr)
                 return 128 + self.stop_signal
@@ -287,17 +277,14 @@ class Launcher:
         if self.node is None:
             are = "are" if len(local) > 1 else "is"
             what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
-            print(f"{self.prefix}: {what} {are} up; trainer and orchestrator started", flush=True)
+            self._say(f"{what} {are} up; trainer and orchestrator started")
         elif started:
-            print(
-                f"{self.prefix}: {' and '.join(started)} started"
-                + (f" ({num_replicas} inference replicas up)" if ORCHESTRATOR in self.here else ""),
-                flush=True,
+            self._say(
+                f"{' and '.join(started)} started"
+                + (f" ({num_replicas} inference replicas up)" if ORCHESTRATOR in self.here else "")
             )
         else:
-            print(
-                f"{self.prefix}: {len(local)} inference replica(s) up; serving until the run ends", flush=True
-            )
+            self._say(f"{len(local)} inference replica(s) up; serving until the run ends")
 
     def _main_nodes_done(self) -> bool:
         """Whether every node with the trainer or the orchestrator has finished this run."""
@@ -342,8 +329,23 @@ class Launcher:
     def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
         """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
         node's) that exits meanwhile fails the run at once."""
+        reminder = _Reminder(STATUS_SECONDS)
+
+        def still_waiting(left: dict[str, ManagedProcess | None]) -> None:
+            if reminder.due():
+                names = ", ".join(c.name if c is not None else url for url, c in left.items())
+                self._say(
+                    f"waiting for vLLM ({names}) to load: {reminder.elapsed():.0f} s "
+                    f"(startup_timeout {self.config.startup_timeout:.0f} s)"
+                )
+
         try:
-            left = wait_healthy(waiting, self.config.startup_timeout, lambda: self.stop_signal is not None)
+            left = wait_healthy(
+                waiting,
+                self.config.startup_timeout,
+                lambda: self.stop_signal is not None,
+                on_poll=still_waiting,
+            )
         except ProcessEnded as ended:
             raise UserError(self._failure(ended.child)) from None
         if left and self.stop_signal is None:
@@ -416,10 +418,7 @@ class Launcher:
             pid=failure.pid or failure.child.pid, action=action, restart=count,
         )  # fmt: skip
         window = f"{self.policy.window:.0f} s"
-        print(
-            f"{self.prefix}: {failure.cause}; {action} (restart {count} of {limit} within {window})",
-            flush=True,
-        )
+        self._say(f"{failure.cause}; {action} (restart {count} of {limit} within {window})")
         self.recoveries.append(Recovery(role, failure.when))
 
     def _stop_run(self, failure: "Failure", reason: str | None) -> NoReturn:
@@ -531,7 +530,22 @@ class Launcher:
         return step
 
     def _say(self, line: str) -> None:
-        print(f"{self.prefix}: {line}", flush=True)
+        self.console.say(f"{self.prefix}: {line}")
+
+    def _close_reporter(self, reporter: StepReporter, code: int) -> None:
+        try:
+            reporter.close(code)
+        except Exception as exc:  # W&B failing at the end must not hide how the run ended
+            print(f"{self.prefix}: warning: closing the W&B run failed: {exc!r}", file=sys.stderr)
+
+    def _open_wandb(self) -> "WandbRun | None":
+        if not self.config.wandb.enabled:
+            return None
+        from tidal.monitor.wandb_run import WandbRun
+
+        run = WandbRun(self.config.wandb, self.out, self.config.model_dump(mode="json"))
+        self._say(f"W&B run {run.run_id} ({self.config.wandb.mode}) in {self.out}/wandb/")
+        return run
 
     def _follow_progress(self) -> None:
         """Read the steps logged since the last call: which roles got going, which recoveries are done."""
@@ -561,10 +575,9 @@ class Launcher:
             self.recoveries.remove(recovery)
             record = recovery.record()
             self.events.write("recovery", **record)
-            print(
-                f"{self.prefix}: {recovery.role} recovered: back {record['seconds_lost']:.1f} s after it "
-                f"failed; step {record['next_step'] + 1} trained {record['seconds_to_next_step']:.1f} s after",
-                flush=True,
+            self._say(
+                f"{recovery.role} recovered: back {record['seconds_lost']:.1f} s after it "
+                f"failed; step {record['next_step']} trained {record['seconds_to_next_step']:.1f} s after"
             )
 
     def _end_recoveries(self) -> None:
@@ -587,6 +600,25 @@ class Failure:
     """The child's return code (negative: a signal); None for a server (not our child) or no exit."""
     pid: int | None = field(default=None, compare=False)
     """The server's pid when it is the server that died."""
+
+
+class _Reminder:
+    """Due every `seconds` from its creation: for the launcher's "still waiting" lines."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self._next = self.start + seconds
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
 
 
 def _wall(monotonic: float) -> float:
@@ -670,10 +702,27 @@ def main(config: RLConfig) -> int:
     # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup
     check_envs([(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()])
     start = time.perf_counter()
-    code = Launcher(config).run()
-    if code == 0:
-        from tidal.monitor.plot import plot_rl_run
-
-        plot = plot_rl_run(config.output_dir)
-        print(f"tidal rl: done in {time.perf_counter() - start:.0f} s; plot: {plot}", flush=True)
+    launcher = Launcher(config)
+    code = 1
+    try:
+        code = launcher.run()
+    finally:
+        # a failed or stopped run gets its plot too: the steps it made are what one looks at then
+        plot = final_plot(config.output_dir)
+        took = f"done in {time.perf_counter() - start:.0f} s" if code == 0 else "steps so far"
+        if plot is not None:
+            launcher.console.say(f"tidal rl: {took}; plot: {plot}")
     return code
+
+
+def final_plot(output_dir: Path) -> Path | None:
+    """plots/rl.png of what the run logged; None when it logged no step (or drawing failed: said why)."""
+    from tidal.monitor.plot import plot_rl_run
+
+    if not (run_layout.orchestrator_dir(output_dir) / "metrics.jsonl").exists():
+        return None
+    try:
+        return plot_rl_run(output_dir)
+    except Exception as exc:  # the plot must not hide how the run ended
+        print(f"tidal rl: warning: could not draw the plot: {exc!r}", file=sys.stderr)
+        return None

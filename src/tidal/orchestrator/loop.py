@@ -31,6 +31,7 @@ from tidal.orchestrator.batching import drop_too_long, make_train_batches, make_
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
+from tidal.orchestrator.samples import is_sample_step, pick_rollouts, sample_record
 from tidal.orchestrator.stats import (
     ReplicaCounts,
     StepStats,
@@ -83,6 +84,7 @@ class Orchestrator:
         self.tracker = StalenessTracker(config.max_async_level)
         self.state_dir = run_layout.orchestrator_states_dir(self.out)
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
+        self.samples = MetricsLogger(run_layout.samples_path(self.out))
         self.lag = LoopLagMonitor()
         self._replicas_before: list[ReplicaCounts] | None = None
 
@@ -153,6 +155,7 @@ class Orchestrator:
         # state neither sends a batch twice nor skips one, and logs each step once (`_restore`)
         extra = {**evaluated, **replicas, "rollouts/dropped_too_long": float(too_long)}
         self._log(step, groups, stats, policy, elapsed, waited, extra)
+        self._keep_samples(step, groups)
         self.state.step = step + 1
         self._save_state()
         sender.send(step, batches)
@@ -375,6 +378,18 @@ class Orchestrator:
             flush=True,
         )
 
+    def _keep_samples(self, step: int, groups: list[Group]) -> None:
+        """Some of the step's rollouts as text, every `samples.interval` steps."""
+        spec = self.config.samples
+        if not is_sample_step(step, spec.interval):
+            return
+
+        def decode(ids: list[int]) -> str:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+        for rollout in pick_rollouts(groups, spec.num):
+            self.samples.log(step, sample_record(rollout, decode))
+
     # ---- state -------------------------------------------------------------------------------------
 
     def _save_state(self) -> None:
@@ -408,6 +423,7 @@ class Orchestrator:
             self.state = OrchestratorState(**json.loads(path.read_text()))
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
+        self.samples.truncate_after(step - 1)
         sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
@@ -424,6 +440,7 @@ class Orchestrator:
             self.state = OrchestratorState(**json.loads(path.read_text()))
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
+        self.samples.truncate_after(step - 1)
         print(f"orchestrator: restarted at step {step} from its own state", flush=True)
 
 

@@ -38,7 +38,7 @@ Slim = Literal["completions", "chat"]
 """Which answer shape the worker reduces: `/v1/completions` or `/v1/chat/completions`."""
 
 _HEADER = 4  # bytes of a frame's length
-DELIVER_AT_ONCE = 2
+DELIVER_AT_ONCE = 1
 """Answers handed to their callers per loop iteration: a frame can hold hundreds, and the work each one
 wakes (a group's scoring, the next request) would otherwise all run in one iteration, holding the loop."""
 _EXIT_WAIT = 2.0

@@ -11,6 +11,10 @@ the same packed row (documents of random lengths, positions restarting per docum
 - `tidal`: `tidal.trainer.sft.train_step` after `parallelize` — FSDP2 bf16 compute over fp32 master weights,
   fp32 AdamW, varlen flash attention, activation checkpointing as configured, chunked head, grad clipping.
 
+`--docs rl`: tidal's RL step (`tidal.trainer.rl.rl_step`: logprobs, entropy, importance ratios, the RL loss)
+on RL-shaped samples (groups of 8 completions of 32-256 tokens after 64-192-token prompts) packed as the
+orchestrator packs them, tokens/s counting real tokens; compare it with `--docs single`.
+
 MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/H200 dense bf16), as in NOTES.md.
 
     python benchmarks/trainer_mfu.py --models qwen3-4b --seq 16384 --out benchmarks/results/trainer_mfu_h200.json
@@ -193,6 +197,79 @@ def tidal_runner(
     return step, facts
 
 
+def rl_samples(seq: int, vocab: int, seed: int) -> list[Any]:
+    """RL-shaped data, the samples the orchestrator packs: groups of 8 completions of one prompt, prompts of
+    64-192 tokens and completions of 32-256 (benchmarks/async_overlap.py samples up to 256 new tokens), loss
+    and inference logprobs on the completion only, until the next sample would not fit one row of `seq`."""
+    from tidal.types import TrainSample
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    samples: list[TrainSample] = []
+    total = 0
+    while True:
+        prompt = torch.randint(0, vocab, (randint(64, 192),), generator=gen).tolist()
+        for index in range(8):
+            completion = torch.randint(0, vocab, (randint(32, 256),), generator=gen).tolist()
+            if total + len(prompt) + len(completion) > seq:
+                return samples
+            logprobs = (-torch.rand(len(completion), generator=gen) * 3).tolist()
+            samples.append(
+                TrainSample(
+                    input_ids=prompt + completion,
+                    loss_mask=[0] * len(prompt) + [1] * len(completion),
+                    inference_logprobs=[0.0] * len(prompt) + logprobs,
+                    advantage=float(torch.randn(1, generator=gen)),
+                    policy_version=0,
+                    rollout_id=f"{len(samples)}/{index}",
+                )
+            )
+            total += len(prompt) + len(completion)
+
+
+def tidal_rl_runner(
+    name: str, seq: int, info: Any, seed: int, overrides: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """tidal's RL training step (`tidal.trainer.rl.rl_step`: logprobs, entropy, importance ratios, the RL
+    loss) on one RL-shaped batch packed as the orchestrator packs it; returns (step function, run facts)."""
+    from types import SimpleNamespace
+
+    from tidal.config.common import OptimConfig, SchedulerConfig
+    from tidal.config.loss import LossConfig
+    from tidal.config.perf import PerfConfig
+    from tidal.orchestrator.batching import make_train_batches
+    from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
+    from tidal.trainer.parallel import parallelize, resolve_checkpointing
+    from tidal.trainer.rl import rl_step
+
+    samples = rl_samples(seq, CONFIGS[name]["vocab_size"], seed + info.rank)
+    [batch] = make_train_batches(0, samples, 1, seq, 1, pad_id=0)  # each rank packs its own samples
+    model = build_model(name, torch.float32, info.device, seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    perf = PerfConfig(**overrides)
+    scorer = parallelize(model, info, perf)
+    state_dtype = resolve_state_dtype(perf.optimizer_state, info.device)
+    optim = OptimConfig(lr=1e-5)
+    optimizer = build_optimizer(model, optim, state_dtype)
+    scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
+    config = SimpleNamespace(temperature=1.0, loss=LossConfig(), optim=optim)  # what rl_step reads
+    facts = {
+        "num_params": num_params,
+        "activation_checkpointing": resolve_checkpointing(perf, info),
+        "num_tokens": sum(len(s) for s in samples),
+        "num_samples": len(samples),
+        "num_micro_batches": len(batch.micro_batches),
+    }
+
+    def step() -> float:
+        return float(rl_step(scorer, optimizer, scheduler, batch, info, config)["loss"])  # type: ignore[arg-type]
+
+    return step, facts
+
+
 def measure(
     make: Any, device: torch.device, warmup: int, steps: int, profile: bool = False
 ) -> dict[str, Any]:
@@ -274,9 +351,22 @@ def profile_step(step: Any, device: torch.device) -> dict[str, Any]:
 def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: Any) -> dict[str, Any]:
     """One measurement; under torchrun every rank trains its own row (data parallel, FSDP2 sharded)."""
     seed, device = 0, info.device
-    lengths = document_lengths(args.seq, layout, seed)
+    lengths = document_lengths(args.seq, "packed" if layout == "rl" else layout, seed)
     row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed + info.rank)
-    if impl in HF_IMPLS:
+    if layout == "rl" and impl in HF_IMPLS:
+        return {"model": name, "seq": args.seq, "impl": impl, "variant": impl, "docs": layout,
+                "error": "the RL-shaped case runs tidal's RL step only"}  # fmt: skip
+    if layout == "rl":
+        options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
+        result = measure(
+            lambda: tidal_rl_runner(name, args.seq, info, seed, options),
+            device,
+            args.warmup,
+            args.steps,
+            args.profile,
+        )
+        lengths = []
+    elif impl in HF_IMPLS:
         with liger_patches():
             result = measure(
                 lambda: hf_runner(name, row, device, seed, impl),
@@ -305,8 +395,8 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     }  # fmt: skip
     if info.world_size > 1 and result.get("peak_mem_gib") is not None:
         record["peak_mem_gib"] = max_over_ranks(result["peak_mem_gib"], device)
-    if "step_s" in result:  # per GPU
-        record["tokens_per_s"] = args.seq / result["step_s"]
+    if "step_s" in result:  # per GPU; the RL case counts its real tokens (its row is not quite full)
+        record["tokens_per_s"] = result.get("num_tokens", args.seq) / result["step_s"]
         flops = model_flops_per_token(name, result["num_params"], args.seq)
         record["mfu"] = flops * record["tokens_per_s"] / PEAK_FLOPS
     return record
@@ -410,6 +500,15 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
             f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r['tokens_per_s']:>8.0f} "
             f"{r['mfu']:>6.1%} {peak:>8} {ratio:>5} {vs_liger:>12}"
         )
+    singles = {
+        (r["model"], r["seq"], r["variant"]): r["tokens_per_s"]
+        for r in results
+        if r["docs"] == "single" and r["impl"] == "tidal" and "tokens_per_s" in r
+    }
+    for r in results:  # the RL-shaped case against one document, same model, tokens per step and variant
+        single = singles.get((r["model"], r["seq"], r["variant"]))
+        if r["docs"] == "rl" and "tokens_per_s" in r and single:
+            lines.append(f"{r['model']} tidal:{r['variant']}: rl / single = {r['tokens_per_s'] / single:.2f}")
     return lines
 
 
@@ -430,7 +529,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,qwen3-4b", help="comma-separated")
     parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one packed row)")
-    parser.add_argument("--docs", default="packed", help="document layouts, comma-separated: packed,single")
+    parser.add_argument(
+        "--docs",
+        default="packed",
+        help="layouts, comma-separated: packed, single, rl (RL-shaped samples through tidal's RL step)",
+    )
     parser.add_argument(
         "--impls",
         default="hf,tidal:default",

@@ -3,14 +3,14 @@ without kills, after an SFT warm-up, on the CPU and the tiny model.
 
 What runs (all real processes): a short reverse_text SFT (`examples/reverse_text/sft.toml`, 100 steps) so
 that the sampled reward is well above 0 and RL moves it; then, from that model, the chaos run of
-`tests/integration/test_restarts.py` (two replicas, `max_async_level = 2`, six SIGKILLs one at a time at
-steps drawn from a fixed seed: a vLLM server, the trainer, the other replica's `tidal inference`, a reward
-worker, the orchestrator, the trainer) and the same run without kills. It checks what the test checks
+`tests/integration/test_restarts.py` (two replicas, `max_async_level = 2`, six SIGKILLs at steps drawn
+from a fixed seed, as its `CHAOS_PLAN` says: both replicas at once, then the trainer, a reward worker, the
+orchestrator, the trainer) and the same run without kills. It checks what the test checks
 (every step trained once, no rollout twice, every kill in events.jsonl with its recovery) and reports the
 mean sampled reward of the first 5 and last 10 steps of both runs, the wall times, and the seconds from
 each kill to the trainer's next trained step per role.
 
-    python benchmarks/chaos_rewards.py --out benchmarks/results/chaos_rewards_cpu.json   # 10-20 minutes
+    python benchmarks/chaos_rewards.py --out benchmarks/results/chaos_rewards_cpu.json   # 15-25 minutes
 """
 
 import argparse
@@ -51,7 +51,7 @@ def rewards(out: Path) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50, help="RL steps of each run")
+    parser.add_argument("--steps", type=int, default=chaos.CHAOS_STEPS, help="RL steps of each run")
     parser.add_argument("--sft-steps", type=int, default=100)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

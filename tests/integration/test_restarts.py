@@ -224,13 +224,15 @@ def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_
 
 # ---- the chaos test of issue 14 ----------------------------------------------------------------------
 
-CHAOS_STEPS = 40
+CHAOS_STEPS = 100
 CHAOS_SEED = 14
-CHAOS_PLAN = ("inference_0 server", "inference_1", "trainer", "reward worker", "orchestrator", "trainer")
-"""The kills in order, one process each: a replica's vLLM server, then the other replica's `tidal inference`
-itself 1-3 steps later (the run goes on with the second meanwhile, then waits while both are down), the
-trainer, an environment (reward) worker, the orchestrator, the trainer again. A replica takes one to two
-minutes to restart on these 2 cores: killed together and first, both are back before the run can end."""
+CHAOS_PLAN = ("inference_1", "inference_0 server", "trainer", "reward worker", "orchestrator", "trainer")
+"""The kills in order, one process each: one replica's `tidal inference` itself and, at the same moment,
+the other replica's vLLM server; then the trainer, an environment (reward) worker, the orchestrator, the
+trainer again, each 1-3 steps after the one before has recovered. A replica takes one to two minutes to
+restart on these 2 cores, while a step of the tiny model takes about one second: both replicas down at
+once stop the run, so it cannot end before they are back, and it goes on with one replica only between
+their returns. 100 steps leave room for what the later kills need however fast the steps run."""
 
 
 @dataclass
@@ -294,12 +296,12 @@ def run_chaos(
     try:
         for what in CHAOS_PLAN:
             role = role_of(what)
-            # one at a time: every earlier kill has recovered, but the second replica goes while the first
-            # restarts
+            # one at a time: every earlier kill has recovered, but the second replica goes with the first
             for other in {r for r, _, _ in run.kills if not (is_replica(r) and is_replica(role))}:
                 count = sum(1 for r, _, _ in run.kills if r == other)
                 run.wait_for(run.recovered(other, count), f"{other} recovery", timeout=600)
-            target = len(run.trained()) + rng.randint(1, 3)
+            together = bool(run.kills) and is_replica(run.kills[-1][0]) and is_replica(role)
+            target = len(run.trained()) + (0 if together else rng.randint(1, 3))
             run.wait_for(lambda: len(run.trained()) >= target, f"step {target} before the next kill")  # noqa: B023
             run.kill(role, victim(run, what))
         code = run.finish(timeout=900)
@@ -333,7 +335,10 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_
     assert len(trained) == len(set(trained))
     # every kill is a failure in events.jsonl, followed by its recovery
     failures, recoveries = run.events("failure"), run.events("recovery")
-    assert [(e["role"], e["pid"]) for e in failures] == [(role, pid) for role, pid, _ in run.kills]
+    # (a replica's failure may name its `tidal inference`, which exits once its killed server is gone)
+    assert [e["role"] for e in failures] == [role for role, _, _ in run.kills]
+    killed = [(role, pid) for role, pid, _ in run.kills if not is_replica(role)]
+    assert [(e["role"], e["pid"]) for e in failures if not is_replica(e["role"])] == killed
     assert all(e["action"] != "stop" for e in failures) and not any(
         e.get("complete") is False for e in recoveries
     )

@@ -118,8 +118,10 @@ def test_retries_are_bounded_and_end_in_typed_errors(http_workers: int) -> None:
         async with client_over(lambda r: reply(502), ("a",), http_workers=http_workers) as (client, _):
             with pytest.raises(ServerFailed, match="4 times"):
                 await client.generate(REQUEST)
-        async with client_over(
-            lambda r: reply(500, {"error": "boom"}), ("a",), http_workers=http_workers
+        async with client_over(  # a healthy server's 500 is the request's: not retried elsewhere
+            lambda r: reply(200 if r.path == "/health" else 500, {"error": "boom"}),
+            ("a",),
+            http_workers=http_workers,
         ) as (client, _):
             with pytest.raises(ServerFailed, match="500"):
                 await client.generate(REQUEST)
@@ -208,20 +210,41 @@ class UpdateSessions:
 
 
 @pytest.mark.parametrize("active", [True, False], ids=["session-left-open", "no-session"])
-def test_reclaim_closes_a_dead_clients_update_and_resumes_so_the_next_update_loads(active: bool) -> None:
+def test_a_session_and_a_pause_left_by_a_dead_client_do_not_stop_the_next_update(active: bool) -> None:
     """An orchestrator killed between start_weight_update and finish (or before resume) leaves the server
-    so; the restarted one reclaims it first, or every update it tries is refused and it dies again."""
+    so; the restarted one resumes it (`reclaim`: its version may already be the latest, so no update need
+    follow) and its next update closes the open session first, or every update would be refused."""
     left = UpdateSessions(active=active, paused=True)
 
     async def go() -> None:
         async with client_over(left, ("a",)) as (client, _):
-            if active:
-                assert not (await client.update_weights("/w/step_3", 3)).all_ok  # what happened before
-                left.paused = True
             await client.reclaim()
-            assert not left.active and not left.paused
+            assert not left.paused
             report = await client.update_weights("/w/step_3", 3)
-            assert report.all_ok and left.version == 3 and not left.paused
+            assert report.all_ok and left.version == 3 and not left.active and not left.paused
+
+    asyncio.run(go())
+
+
+@WORKERS
+def test_a_500_from_a_server_that_then_fails_its_health_check_moves_the_request(http_workers: int) -> None:
+    """A dying vLLM engine answers what it held with 500 ("EngineCore encountered an issue") before /health
+    fails: that server leaves rotation and the request goes to another one, rather than failing the run."""
+    dying = {"a": False}
+
+    def handler(request: Seen) -> web.Response:
+        if request.server == "a":
+            if request.path == "/health":
+                return reply(503 if dying["a"] else 200)
+            dying["a"] = True
+            return reply(500, {"error": "EngineCore encountered an issue. See stack trace (above)"})
+        return completion(request)
+
+    async def go() -> None:
+        async with client_over(handler, ("a", "b"), http_workers=http_workers) as (client, urls):
+            results = await generate_many(client, 4)
+            assert Counter(g.server for g in results) == {urls["b"]: 4}
+            assert dying["a"] and not client.servers[urls["a"]].healthy
 
     asyncio.run(go())
 

@@ -334,12 +334,24 @@ class InferenceClient:
             if response.status in TRANSIENT_STATUS:
                 failure = f"{server.url}{path} answered {response.status}"
                 continue
+            if response.status >= 500 and not await self._answers_health(server):
+                # a dying engine answers what it held with 500 ("EngineCore encountered an issue"): the
+                # server is going away, not the request at fault, so it goes elsewhere or waits for one
+                failure = f"{server.url}{path} answered {response.status} and then failed its health check"
+                self.mark_down(server, failure)
+                continue
             if response.status < 500:
                 server.answered_at = time.monotonic()
             return server.url, version, _json_or_raise(response, server.url)
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
         raise ServerFailed(f"{path} failed {self.max_retries + 1} times; last: {failure}")
+
+    async def _answers_health(self, server: ServerState) -> bool:
+        try:
+            return (await self._request("GET", server.url + "/health", timeout=5.0)).status == 200
+        except HTTP_ERRORS:
+            return False
 
     async def _pick_or_wait(self, session_id: str | None, until: float) -> ServerState:
         """`pick`; while no server is in rotation, wait for the health watch to bring one back, until `until`
@@ -492,7 +504,15 @@ class InferenceClient:
         )
 
     async def _load(self, server: ServerState, path: str, version: int) -> None:
-        await self._admin(server, "/start_weight_update")
+        try:
+            await self._admin(server, "/start_weight_update")
+        except (InferenceError, *HTTP_ERRORS):
+            # vLLM refuses a second session while one is open: a client that died mid-update (a killed
+            # orchestrator, restarted since) left it so. Close it and start again; a server that is down
+            # fails the retry too.
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
+                await self._admin(server, "/finish_weight_update")
+            await self._admin(server, "/start_weight_update")
         try:
             await self._admin(server, "/update_weights", {"update_info": {"path": path}})
         except BaseException:
@@ -504,15 +524,13 @@ class InferenceClient:
         await self._admin(server, "/finish_weight_update", {"weight_version": str(version)})
 
     async def reclaim(self) -> None:
-        """Take the servers over from a client that died mid-update (a killed orchestrator, restarted): on
-        every healthy server, close the weight-update session it may have left open (vLLM refuses to start
-        another) and resume the generation it may have left paused. Any weights half-loaded then are
-        replaced by the next update, which the version it left behind still asks for."""
+        """Take the servers over from a client that died mid-update (a killed orchestrator, restarted): resume
+        on every healthy server the generation it may have left paused. (A weight-update session it left
+        open is closed by the next update, `_load`; the version it left behind still asks for one.)"""
 
         async def one(server: ServerState) -> None:
-            with contextlib.suppress(InferenceError, *HTTP_ERRORS):  # refused where no session is open
-                await self._admin(server, "/finish_weight_update")
-            await self.resume(server)
+            with contextlib.suppress(InferenceError, *HTTP_ERRORS):  # one going down is the health watch's
+                await self.resume(server)
 
         await asyncio.gather(*(one(s) for s in self.servers.values() if s.healthy))
 

@@ -5,6 +5,7 @@ resolves, as `tidal <command> --help-all` prints them (the same code renders bot
     python scripts/config_reference.py --check    # exit 1 if docs/config.md is not current (make test runs it)
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,11 +27,22 @@ the default that command uses (after what it derives itself, e.g. `tidal rl` for
 its documentation. In a TOML file the option `--trainer.optim.lr VALUE` is `lr = VALUE` in the table
 `[trainer.optim]` (dashes in a key name are underscores there); files merge left to right, then flags. See
 the [README](../README.md#commands) for how configs compose. Where a default depends on the machine (CPU
-or GPU), this page shows the CPU one.
+or GPU, the number of cores), this page shows what a 2-core CPU machine resolves.
 """
 
 
+def as_on_the_reference_machine() -> None:
+    """Defaults that depend on the machine (cores, a CUDA vLLM) are shown as a 2-core CPU machine (CI's)
+    resolves them, so the page and its check are the same wherever they run."""
+    import tidal.launcher.rl
+
+    os.cpu_count = lambda: 2
+    os.sched_getaffinity = lambda pid: {0, 1}
+    tidal.launcher.rl._on_gpu = lambda: False
+
+
 def reference() -> str:
+    as_on_the_reference_machine()
     parts = [HEADER]
     for name, command in COMMANDS.items():
         schema = _load(command.schema)

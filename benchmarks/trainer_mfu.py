@@ -163,16 +163,15 @@ def hf_runner(
     return step, {"num_params": sum(p.numel() for p in model.parameters())}
 
 
-def tidal_runner(
-    name: str, row: dict[str, list[int]], info: Any, seed: int, overrides: dict[str, Any]
-) -> tuple[Any, dict[str, Any]]:
-    """tidal's SFT training step on the same row; returns (step function returning the loss, run facts)."""
-    from tidal.config.common import OptimConfig, SchedulerConfig
+def tidal_setup(
+    name: str, info: Any, seed: int, overrides: dict[str, Any], optim: Any
+) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """tidal's trainer as its runs build it: the model parallelized with `overrides` as its [perf] table, the
+    optimizer and a constant schedule; returns (scorer, optimizer, scheduler, run facts)."""
+    from tidal.config.common import SchedulerConfig
     from tidal.config.perf import PerfConfig
-    from tidal.trainer.data import PackedRow
     from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
     from tidal.trainer.parallel import parallelize, resolve_checkpointing
-    from tidal.trainer.sft import StepBatch, train_step
 
     model = build_model(name, torch.float32, info.device, seed)
     num_params = sum(p.numel() for p in model.parameters())
@@ -185,8 +184,20 @@ def tidal_runner(
         "activation_checkpointing": resolve_checkpointing(perf, info),
         "optimizer_state": str(state_dtype).removeprefix("torch."),
     }
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-5), state_dtype)
+    optimizer = build_optimizer(model, optim, state_dtype)
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
+    return scorer, optimizer, scheduler, facts
+
+
+def tidal_runner(
+    name: str, row: dict[str, list[int]], info: Any, seed: int, overrides: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """tidal's SFT training step on the same row; returns (step function returning the loss, run facts)."""
+    from tidal.config.common import OptimConfig
+    from tidal.trainer.data import PackedRow
+    from tidal.trainer.sft import StepBatch, train_step
+
+    scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, OptimConfig(lr=1e-5))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
     num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
     batch = StepBatch([[packed]], num_loss_tokens=num_loss, num_tokens=len(packed), num_truncated=0)
@@ -237,28 +248,17 @@ def tidal_rl_runner(
     loss) on one RL-shaped batch packed as the orchestrator packs it; returns (step function, run facts)."""
     from types import SimpleNamespace
 
-    from tidal.config.common import OptimConfig, SchedulerConfig
+    from tidal.config.common import OptimConfig
     from tidal.config.loss import LossConfig
-    from tidal.config.perf import PerfConfig
     from tidal.orchestrator.batching import make_train_batches
-    from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
-    from tidal.trainer.parallel import parallelize, resolve_checkpointing
     from tidal.trainer.rl import rl_step
 
     samples = rl_samples(seq, CONFIGS[name]["vocab_size"], seed + info.rank)
     [batch] = make_train_batches(0, samples, 1, seq, 1, pad_id=0)  # each rank packs its own samples
-    model = build_model(name, torch.float32, info.device, seed)
-    num_params = sum(p.numel() for p in model.parameters())
-    perf = PerfConfig(**overrides)
-    scorer = parallelize(model, info, perf)
-    state_dtype = resolve_state_dtype(perf.optimizer_state, info.device)
     optim = OptimConfig(lr=1e-5)
-    optimizer = build_optimizer(model, optim, state_dtype)
-    scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
+    scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, optim)
     config = SimpleNamespace(temperature=1.0, loss=LossConfig(), optim=optim)  # what rl_step reads
-    facts = {
-        "num_params": num_params,
-        "activation_checkpointing": resolve_checkpointing(perf, info),
+    facts |= {
         "num_tokens": sum(len(s) for s in samples),
         "num_samples": len(samples),
         "num_micro_batches": len(batch.micro_batches),

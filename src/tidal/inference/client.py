@@ -414,11 +414,7 @@ class InferenceClient:
         )
 
     async def _probe(self, server: ServerState) -> None:
-        try:
-            ok = (await self._request("GET", server.url + "/health", timeout=5.0)).status == 200
-        except HTTP_ERRORS:
-            ok = False
-        if not ok:
+        if not await self._answers_health(server):
             self.mark_down(server, "health check failed")
         elif not server.healthy:
             async with self._weights_lock:

@@ -36,6 +36,10 @@ from typing import Any
 import torch
 
 PEAK_FLOPS = 989e12
+MFU_FORMULA = (
+    "(6·params + 6·layers·span·heads·head_dim) · tokens/s ÷ 989 TFLOP/s (H200 bf16 dense); span = "
+    "sum(len²)/sum(len) over the row's documents (the row's length for one document)"
+)
 QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8, "tie_word_embeddings": True}
 CONFIGS: dict[str, dict[str, Any]] = {
     # architecture fields of Qwen/Qwen3-*'s config.json
@@ -99,9 +103,18 @@ def make_row(seq: int, vocab: int, lengths: list[int], seed: int) -> dict[str, l
     return {"input_ids": ids, "position_ids": positions, "targets": targets}
 
 
-def model_flops_per_token(name: str, num_params: int, seq: int) -> float:
+def model_flops_per_token(name: str, num_params: int, span: float) -> float:
+    """Training FLOPs per token: 6 per parameter, plus causal attention over `span` keys on average (the
+    forward's 2·2·span·heads·dim per layer for scores and values, halved by the causal mask, times 3 for
+    the backward)."""
     c = CONFIGS[name]
-    return 6 * num_params + 6 * c["num_hidden_layers"] * seq * c["num_attention_heads"] * c["head_dim"]
+    return 6 * num_params + 6 * c["num_hidden_layers"] * span * c["num_attention_heads"] * c["head_dim"]
+
+
+def attention_span(lengths: list[int]) -> float:
+    """The attention term's `span` for packed documents: a token attends within its own document only, so
+    the row costs sum(len²) and a token on average sum(len²)/sum(len) (the row's length for one document)."""
+    return sum(n * n for n in lengths) / sum(lengths)
 
 
 HF_IMPLS = {
@@ -242,10 +255,11 @@ def rl_samples(seq: int, vocab: int, seed: int) -> list[Any]:
 
 
 def tidal_rl_runner(
-    name: str, seq: int, info: Any, seed: int, overrides: dict[str, Any]
+    name: str, seq: int, rows: int, info: Any, seed: int, overrides: dict[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
     """tidal's RL training step (`tidal.trainer.rl.rl_step`: logprobs, entropy, importance ratios, the RL
-    loss) on one RL-shaped batch packed as the orchestrator packs it; returns (step function, run facts)."""
+    loss) on one RL-shaped batch of about `rows` × `seq` tokens, packed as the orchestrator packs it into
+    micro-batches of `seq` (orchestrator.batch.seq_len); returns (step function, run facts)."""
     from types import SimpleNamespace
 
     from tidal.config.common import OptimConfig
@@ -253,7 +267,7 @@ def tidal_rl_runner(
     from tidal.orchestrator.batching import make_train_batches
     from tidal.trainer.rl import rl_step
 
-    samples = rl_samples(seq, CONFIGS[name]["vocab_size"], seed + info.rank)
+    samples = rl_samples(seq * rows, CONFIGS[name]["vocab_size"], seed + info.rank)
     [batch] = make_train_batches(0, samples, 1, seq, 1, pad_id=0)  # each rank packs its own samples
     optim = OptimConfig(lr=1e-5)
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, optim)
@@ -262,6 +276,7 @@ def tidal_rl_runner(
         "num_tokens": sum(len(s) for s in samples),
         "num_samples": len(samples),
         "num_micro_batches": len(batch.micro_batches),
+        "attention_span": attention_span([len(s.input_ids) for s in samples]),
     }
 
     def step() -> float:
@@ -359,7 +374,7 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     if layout == "rl":
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
-            lambda: tidal_rl_runner(name, args.seq, info, seed, options),
+            lambda: tidal_rl_runner(name, args.seq, args.rows, info, seed, options),
             device,
             args.warmup,
             args.steps,
@@ -397,7 +412,8 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
         record["peak_mem_gib"] = max_over_ranks(result["peak_mem_gib"], device)
     if "step_s" in result:  # per GPU; the RL case counts its real tokens (its row is not quite full)
         record["tokens_per_s"] = result.get("num_tokens", args.seq) / result["step_s"]
-        flops = model_flops_per_token(name, result["num_params"], args.seq)
+        span = result.get("attention_span") or attention_span(lengths)
+        flops = model_flops_per_token(name, result["num_params"], span)
         record["mfu"] = flops * record["tokens_per_s"] / PEAK_FLOPS
     return record
 
@@ -481,15 +497,17 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
             key = (r["model"], r["seq"], r["docs"])
             liger[key] = max(liger.get(key, 0.0), r["tokens_per_s"])
     lines = [
-        f"{'model':11} {'seq':>6} {'docs':6} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5} "
+        f"{'model':11} {'seq':>6} {'docs':9} {'impl':20} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'x hf':>5} "
         f"{'x best liger':>12}"
     ]
     for r in results:
         label = r["impl"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
+        micro = r.get("num_micro_batches", 1)
+        docs = r["docs"] + (f" x{micro}" if micro > 1 else "")  # micro-batches of `seq` per step
         if r.get("gpus", 1) > 1:
             label += f" x{r['gpus']}gpu"
         if "tokens_per_s" not in r:
-            lines.append(f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r.get('error')}")
+            lines.append(f"{r['model']:11} {r['seq']:>6} {docs:9} {label:20} {r.get('error')}")
             continue
         hf = base.get((r["model"], r["seq"], r["docs"]))
         ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf else "-"
@@ -497,7 +515,7 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
         vs_liger = f"{r['tokens_per_s'] / best:.2f}" if best else "-"
         peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         lines.append(
-            f"{r['model']:11} {r['seq']:>6} {r['docs']:6} {label:20} {r['tokens_per_s']:>8.0f} "
+            f"{r['model']:11} {r['seq']:>6} {docs:9} {label:20} {r['tokens_per_s']:>8.0f} "
             f"{r['mfu']:>6.1%} {peak:>8} {ratio:>5} {vs_liger:>12}"
         )
     singles = {
@@ -507,7 +525,7 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
     }
     for r in results:  # the RL-shaped case against one document, same model, tokens per step and variant
         single = singles.get((r["model"], r["seq"], r["variant"]))
-        if r["docs"] == "rl" and "tokens_per_s" in r and single:
+        if r["docs"] == "rl" and "tokens_per_s" in r and single and r.get("num_micro_batches", 1) == 1:
             lines.append(f"{r['model']} tidal:{r['variant']}: rl / single = {r['tokens_per_s'] / single:.2f}")
     return lines
 
@@ -539,6 +557,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="hf,tidal:default",
         help="comma-separated: hf (full checkpointing), hf+none, liger, liger+ckpt (transformers + Liger "
         "kernels, without / with full checkpointing), tidal:<variant>",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=1, help="rl layout: micro-batches of --seq tokens per step (default 1)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
     parser.add_argument("--steps", type=int, default=4)
@@ -608,7 +629,7 @@ def main(argv: list[str]) -> None:
                 results.append(record)
                 if args.out and info.is_main:  # after every run, so a timeout keeps what was measured
                     where = device_name(device, info.world_size)
-                    payload = {"command": command, "device": where, "results": results}
+                    payload = {"command": command, "device": where, "mfu": MFU_FORMULA, "results": results}
                     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
     say("\n".join(summarise(results)))
     if info.world_size > 1:

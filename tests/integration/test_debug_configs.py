@@ -1,15 +1,11 @@
-"""Each CPU config in configs/debug/ starts its part alone and finishes: `tidal sft`, `tidal inference`,
-`tidal orchestrator` then `tidal trainer` on its batch, `tidal eval`, `tidal rl`. Parts that need a server
-use the session's shared one (tests/integration/conftest.py)."""
+"""Each CPU config in configs/debug/ starts its part alone and finishes: `tidal sft`, `tidal orchestrator`
+then `tidal trainer` on its batch, `tidal eval`, `tidal rl` (`tidal inference` on configs/debug/inference.toml
+is tests/integration/test_inference_cli.py's). Parts that need a server use the session's shared one
+(tests/integration/conftest.py)."""
 
 import json
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from tests.conftest import REPO, run_tidal
 from tidal import run_layout
@@ -45,30 +41,6 @@ def test_debug_orchestrator_then_trainer_alone(
 def test_debug_eval_against_a_running_server(inference_server: ServerProcess, tmp_path: Path) -> None:
     debug("eval", "--server-url", inference_server.url, "--output-dir", str(tmp_path))
     assert (tmp_path / "eval.json").exists()
-
-
-def test_debug_inference_serves_until_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    log = tmp_path / "inference.log"
-    command = [sys.executable, "-m", "tidal", "inference", "@", str(DEBUG / "inference.toml")]
-    command += ["--server.port", str(port), "--cpu.omp-threads-bind", "1"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError(f"not healthy:\n{log.read_text()[-3000:]}")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_debug_rl_runs_the_whole_loop(tmp_path: Path) -> None:

@@ -1,4 +1,6 @@
-"""`tidal inference @ examples/reverse_text/infer.toml`: the official openai client can chat; SIGTERM leaves nothing."""
+"""`tidal inference @ configs/debug/inference.toml`: the official openai client can chat; SIGTERM leaves nothing
+(examples/reverse_text/infer.toml differs in model, port and length only; tests/unit/test_inference_launch.py
+builds its launch)."""
 
 import signal
 import socket
@@ -74,7 +76,7 @@ def test_cli_serves_openai_client_and_sigterm_stops_everything(
     log = tmp_path / "inference.log"
     port = pick_port()
     command = [
-        *(sys.executable, "-m", "tidal", "inference", "@", "examples/reverse_text/infer.toml"),
+        *(sys.executable, "-m", "tidal", "inference", "@", "configs/debug/inference.toml"),
         *("--model.name", str(perturbed_weights), "--server.port", str(port), "--cpu.omp-threads-bind", "1"),
     ]
     with log.open("wb") as out:

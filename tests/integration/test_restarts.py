@@ -1,8 +1,9 @@
 """Issue 14 on the tiny model: a real `tidal rl` run whose processes are SIGKILLed mid-run, by their real
 pids from the launcher's process tree. Each is restarted in place and the run still trains every step once.
 
-One run serves the role tests (a vLLM server, then the trainer, then the orchestrator, each killed once the
-previous one recovered); the chaos test kills a process of every kind at random steps of a longer run.
+One two-replica run (the chaos run, a module fixture) kills a process of every kind at random steps; the
+tests below check what each kill must leave: the whole run, then a vLLM server, the trainer and the
+orchestrator one by one.
 """
 
 import json
@@ -25,7 +26,7 @@ from tidal.monitor.events import read_events
 from tidal.monitor.metrics import read_metrics
 
 CONFIG = "configs/ci/rl_tiny.toml"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the chaos run is set up by the first test
 
 
 @dataclass
@@ -137,89 +138,9 @@ def check_every_step_once(run: Run, steps: int) -> None:
     assert [r["step"] for r in orchestrator] == list(range(steps))
 
 
-ROLE_STEPS = 12
 STEADY = ("--orchestrator.batch.zero-signal", "keep")
 """The untrained tiny model's rewards rarely differ within a group: keeping zero-signal groups spares the
 run a step that finds none (an orchestrator failure of its own, which would be restarted too)."""
-
-
-@pytest.fixture(scope="module")
-def role_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """One replica (so the run waits for it), async level 2: its vLLM server is killed at step 2; once it
-    is back, the trainer; once that is back, the orchestrator."""
-    run = Run.start(
-        tmp_path_factory.mktemp("restarts") / "roles",
-        "--max-steps", str(ROLE_STEPS), "--max-async-level", "2", "--inference.server.port", "18561",
-        *STEADY,
-    )  # fmt: skip
-    try:
-        run.wait_for(lambda: len(run.trained()) >= 2, "trained step 2")
-        run.kill("inference", vllm_server(run, "inference"))
-        run.wait_for(run.recovered("inference", 1), "inference recovery")
-        run.wait_for(lambda: len(run.trained()) >= 5, "trained step 5")
-        run.kill("trainer", run.child("trainer"))
-        run.wait_for(run.recovered("trainer", 1), "trainer recovery")
-        run.kill("orchestrator", run.child("orchestrator"))
-        run.wait_for(run.recovered("orchestrator", 1), "orchestrator recovery")
-        assert run.finish() == 0, run.output()[-4000:]
-    finally:
-        if run.launcher.poll() is None:
-            run.launcher.kill()
-    return run
-
-
-def test_the_run_trains_every_step_once_through_every_kill_and_leaves_no_process(role_run: Run) -> None:
-    check_every_step_once(role_run, ROLE_STEPS)
-    assert f"step {ROLE_STEPS - 1} [{ROLE_STEPS}/{ROLE_STEPS}]" in role_run.output()
-    assert not role_run.left_alive(), role_run.left_alive()
-    failures = role_run.events("failure")
-    assert [(e["role"], e["pid"]) for e in failures] == [(role, pid) for role, pid, _ in role_run.kills]
-    assert all(e["action"] != "stop" for e in failures)
-
-
-def test_a_killed_vllm_server_is_restarted_on_its_port_and_the_run_waits_for_it(role_run: Run) -> None:
-    [failure] = role_run.events("failure", "inference")
-    assert failure["cause"] == f"inference: its vLLM server (pid {failure['pid']}) died"
-    assert failure["action"] == "restarting it at http://127.0.0.1:18561"
-    [recovery] = role_run.events("recovery", "inference")
-    assert recovery["seconds_lost"] > 0  # the trainer may go on meanwhile with the batches made before
-    # requests and weight updates waited for it: the orchestrator's only failure is its own kill
-    killed = [pid for role, pid, _ in role_run.kills if role == "orchestrator"]
-    assert [e["pid"] for e in role_run.events("failure", "orchestrator")] == killed
-    assert "tidal rl: inference: its vLLM server" in role_run.output()
-    assert "tidal rl: inference recovered" in role_run.output()
-    # the returning server was brought to the trained weights before it served again (not the base model's)
-    log = (role_run.out / "logs" / "orchestrator.log").read_text()
-    [version] = re.findall(r"18561 back in rotation \(version (\d+)\)", log)
-    assert int(version) >= 1
-
-
-def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_the_batches_kept_since(
-    role_run: Run,
-) -> None:
-    [failure] = role_run.events("failure", "trainer")
-    assert failure["signal"] == "SIGKILL" and failure["action"].startswith(
-        "restarting it from its checkpoint"
-    )
-    trained_at_kill = next(n for role, _, n in role_run.kills if role == "trainer")
-    checkpoint = int(failure["action"].rsplit(" ", 1)[1])
-    assert 0 < checkpoint <= trained_at_kill  # ckpt.interval = 2: it redid at most the steps since
-    [recovery] = role_run.events("recovery", "trainer")
-    assert recovery["next_step"] == checkpoint
-    log = (role_run.out / "logs" / "trainer.log").read_text()
-    assert f"resumed from {run_layout.trainer_checkpoints_dir(role_run.out) / f'step_{checkpoint}'}" in log
-    assert "orchestrator: resuming" not in (role_run.out / "logs" / "orchestrator.log").read_text()
-
-
-def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_batch(role_run: Run) -> None:
-    [failure] = role_run.events("failure", "orchestrator")
-    assert failure["action"] == "restarting it from its own state"
-    log = (role_run.out / "logs" / "orchestrator.log").read_text()
-    [line] = [x for x in log.splitlines() if x.startswith("orchestrator: restarted at step")]
-    restarted = int(line.split()[4])
-    trained_at_kill = next(n for role, _, n in role_run.kills if role == "orchestrator")
-    assert trained_at_kill <= restarted <= trained_at_kill + 2 + 1  # at most max_async_level steps ahead
-    assert "resumed from" not in (role_run.out / "logs" / "trainer.log").read_text().split("trainer step")[-1]
 
 
 # ---- the chaos test of issue 14 ----------------------------------------------------------------------
@@ -322,12 +243,32 @@ def recovery_seconds(run: Run) -> dict[str, list[float]]:
     return report
 
 
-@pytest.mark.timeout(1500)
-def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_twice(tmp_path: Path) -> None:
+CHAOS_PORT = 18571
+"""Replica 0 serves on it, replica 1 on the next port."""
+
+
+@dataclass
+class Chaos:
+    run: Run
+    rollouts: TrainedRollouts
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Chaos:
     """The run of issue 14's chaos test (its rewards against a run without kills, after an SFT warm-up, are
     measured by benchmarks/chaos_rewards.py)."""
-    run, rollouts = run_chaos(tmp_path / "chaos", 18571)
+    return Chaos(*run_chaos(tmp_path_factory.mktemp("restarts") / "chaos", CHAOS_PORT))
+
+
+def kills_of(run: Run, role: str) -> list[tuple[int, int]]:
+    """(pid, trained steps at the kill) of each kill of `role`, in order."""
+    return [(pid, steps) for r, pid, steps in run.kills if r == role]
+
+
+def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_twice(chaos: Chaos) -> None:
+    run, rollouts = chaos.run, chaos.rollouts
     check_every_step_once(run, CHAOS_STEPS)
+    assert f"step {CHAOS_STEPS - 1} [{CHAOS_STEPS}/{CHAOS_STEPS}]" in run.output()
     assert not run.left_alive(), run.left_alive()
     # no rollout trained twice: each step's batch written once, no rollout in two steps
     assert not rollouts.rewritten and sorted(rollouts.ids) == list(range(CHAOS_STEPS))
@@ -346,3 +287,48 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_
     print("\nchaos: seconds from a kill to the next trained step: " + "; ".join(
         f"{role} {', '.join(f'{s:.1f}' for s in seconds)}" for role, seconds in sorted(recovery_seconds(run).items())
     ))  # fmt: skip
+
+
+def test_a_killed_vllm_server_is_restarted_on_its_port_and_comes_back_with_the_trained_weights(
+    chaos: Chaos,
+) -> None:
+    run = chaos.run
+    [failure] = run.events("failure", "inference_0")  # its vLLM server was the one killed
+    [(pid, _)] = kills_of(run, "inference_0")
+    assert failure["cause"] == f"inference_0: its vLLM server (pid {pid}) died"
+    assert failure["action"] == f"restarting it at http://127.0.0.1:{CHAOS_PORT}"
+    [recovery] = run.events("recovery", "inference_0")
+    assert recovery["seconds_lost"] > 0
+    assert "tidal rl: inference_0: its vLLM server" in run.output()
+    assert "tidal rl: inference_0 recovered" in run.output()
+    # each returning server was brought to the trained weights before it served again (not the base model's)
+    log = (run.out / "logs" / "orchestrator.log").read_text()
+    for port in (CHAOS_PORT, CHAOS_PORT + 1):
+        versions = re.findall(rf"{port} back in rotation \(version (\d+)\)", log)
+        assert versions and int(versions[0]) >= 1, (port, versions)
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_the_batches_kept_since(chaos: Chaos) -> None:
+    run = chaos.run
+    failures, recoveries = run.events("failure", "trainer"), run.events("recovery", "trainer")
+    kills = kills_of(run, "trainer")
+    assert len(failures) == len(recoveries) == len(kills) == 2
+    log = (run.out / "logs" / "trainer.log").read_text()
+    for failure, recovery, (pid, trained_at_kill) in zip(failures, recoveries, kills, strict=True):
+        assert failure["pid"] == pid and failure["signal"] == "SIGKILL"
+        assert failure["action"].startswith("restarting it from its checkpoint")
+        checkpoint = int(failure["action"].rsplit(" ", 1)[1])
+        assert 0 < checkpoint <= trained_at_kill  # ckpt.interval = 2: it redid at most the steps since
+        assert recovery["next_step"] == checkpoint
+        assert f"resumed from {run_layout.trainer_checkpoints_dir(run.out) / f'step_{checkpoint}'}" in log
+
+
+def test_a_killed_orchestrator_continues_from_its_own_state_without_resending_a_batch(chaos: Chaos) -> None:
+    run = chaos.run
+    [failure] = run.events("failure", "orchestrator")
+    assert failure["action"] == "restarting it from its own state"
+    log = (run.out / "logs" / "orchestrator.log").read_text()
+    [line] = [x for x in log.splitlines() if x.startswith("orchestrator: restarted at step")]
+    restarted = int(line.split()[4])
+    [(_, trained_at_kill)] = kills_of(run, "orchestrator")
+    assert trained_at_kill <= restarted <= trained_at_kill + 2 + 1  # at most max_async_level steps ahead

@@ -126,30 +126,6 @@ def still_running(processes: dict[int, tuple[float, str]]) -> list[int]:
     return left
 
 
-def test_sbatch_runs_the_tiny_rl_run_inference_on_one_node_and_a_two_rank_trainer_on_the_other(
-    slurm, tmp_path
-):
-    out = tmp_path / "run"
-    job = submit(slurm, out, 3)
-    state = wait_ended(slurm, out, job)
-    log = job_log(out, job)
-    assert state == "COMPLETED", log[-4000:]
-    assert "tidal node 0 (n1): inference;" in log and "tidal node 1 (n2): trainer, orchestrator;" in log, log
-    for step in (0, 1, 2):  # `12:00:03 step 0 [1/3] | 2.1 s/step | ETA 4 s | reward 0.000 | ...`
-        assert re.search(rf"^\S+ step {step} \[{step + 1}/3\] \|.* \| reward \d", log, re.MULTILINE), log
-    assert "2 rank(s)" in (out / "logs" / "trainer_node1.log").read_text()
-    orchestrator = read_metrics(run_layout.orchestrator_dir(out) / "metrics.jsonl")
-    assert [m["step"] for m in orchestrator] == [0, 1, 2]
-    assert trainer_steps(out) == [0, 1, 2]
-    assert all(math.isfinite(m["reward/mean"]) for m in orchestrator)
-    # the replica on n1 loaded weights the trainer on n2 published as files under the output dir
-    replica = tomllib.loads((out / "configs" / "inference_node0.toml").read_text())
-    assert replica["server"]["host"] == "0.0.0.0" and replica["weights"]["backend"] == "filesystem"
-    assert orchestrator[-1]["inference/replica_0/weight_updates"] >= 1
-    assert orchestrator[-1]["inference/replica_0/version"] >= 1
-    assert run_layout.step_dirs(run_layout.weights_dir(out))
-
-
 def test_scancel_mid_run_leaves_no_process_of_the_job_on_either_node(slurm, tmp_path):
     out = tmp_path / "run"
     job = submit(slurm, out, 30)
@@ -251,10 +227,13 @@ def test_sbatch_runs_tidal_sft_over_both_nodes_with_the_losses_of_a_local_run(sl
     assert (out / "checkpoints" / "step_4" / "model_optim").is_dir()
 
 
-def test_a_killed_trainer_rank_is_restarted_in_place_inside_the_job(slurm, tmp_path):
-    """Issue 14 under Slurm: rank 1 of the 2-rank trainer on n2 is SIGKILLed; torchrun ends the other rank,
-    n2's `tidal node` restarts its trainer from the checkpoint in the same job, which completes with every
-    step trained once and the failure and recovery in events.jsonl."""
+def test_sbatch_runs_the_tiny_rl_run_across_both_nodes_and_a_killed_trainer_rank_is_restarted_in_place(
+    slurm, tmp_path
+):
+    """The tiny run as `tidal rl` submits it: inference on n1, a 2-rank trainer and the orchestrator on n2.
+    Issue 14 under Slurm: rank 1 of the trainer is SIGKILLed at step 3; torchrun ends the other rank, n2's
+    `tidal node` restarts its trainer from the checkpoint in the same job, which completes with every step
+    trained once and the failure and recovery in events.jsonl."""
     out = tmp_path / "run"
     steps = 6
     job = submit(slurm, out, steps, "--orchestrator.batch.zero-signal", "keep")
@@ -272,7 +251,23 @@ def test_a_killed_trainer_rank_is_restarted_in_place_inside_the_job(slurm, tmp_p
     state = wait_ended(slurm, out, job)
     log = job_log(out, job)
     assert state == "COMPLETED", log[-4000:]
+    assert "tidal node 0 (n1): inference;" in log and "tidal node 1 (n2): trainer, orchestrator;" in log, log
+    for step in range(steps):  # `12:00:03 step 0 [1/6] | 2.1 s/step | ETA 4 s | reward 0.000 | ...`
+        assert re.search(rf"^\S+ step {step} \[{step + 1}/{steps}\] \|.* \| reward \d", log, re.MULTILINE), (
+            log
+        )
+    assert "2 rank(s)" in (out / "logs" / "trainer_node1.log").read_text()
+    orchestrator = read_metrics(run_layout.orchestrator_dir(out) / "metrics.jsonl")
+    assert [m["step"] for m in orchestrator] == list(range(steps))
     assert trainer_steps(out) == list(range(steps))
+    assert all(math.isfinite(m["reward/mean"]) for m in orchestrator)
+    # the replica on n1 loaded weights the trainer on n2 published as files under the output dir
+    replica = tomllib.loads((out / "configs" / "inference_node0.toml").read_text())
+    assert replica["server"]["host"] == "0.0.0.0" and replica["weights"]["backend"] == "filesystem"
+    assert orchestrator[-1]["inference/replica_0/weight_updates"] >= 1
+    assert orchestrator[-1]["inference/replica_0/version"] >= 1
+    assert run_layout.step_dirs(run_layout.weights_dir(out))
+    # the kill: n2 restarted its trainer inside the job
     assert "tidal node 1 (n2): trainer exited with code" in log and "restarting it from its checkpoint" in log
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["role"], e["node"]) for e in events] == [

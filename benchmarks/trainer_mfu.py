@@ -255,11 +255,12 @@ def rl_samples(seq: int, vocab: int, seed: int) -> list[Any]:
 
 
 def tidal_rl_runner(
-    name: str, seq: int, rows: int, info: Any, seed: int, overrides: dict[str, Any]
+    name: str, seq: int, rows: int, micro_rows: int, info: Any, seed: int, overrides: dict[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
     """tidal's RL training step (`tidal.trainer.rl.rl_step`: logprobs, entropy, importance ratios, the RL
     loss) on one RL-shaped batch of about `rows` × `seq` tokens, packed as the orchestrator packs it into
-    micro-batches of `seq` (orchestrator.batch.seq_len); returns (step function, run facts)."""
+    rows of `seq` (orchestrator.batch.seq_len), `micro_rows` rows per forward (orchestrator.batch.micro_batch_size);
+    returns (step function, run facts)."""
     from types import SimpleNamespace
 
     from tidal.config.common import OptimConfig
@@ -268,7 +269,7 @@ def tidal_rl_runner(
     from tidal.trainer.rl import rl_step
 
     samples = rl_samples(seq * rows, CONFIGS[name]["vocab_size"], seed + info.rank)
-    [batch] = make_train_batches(0, samples, 1, seq, 1, pad_id=0)  # each rank packs its own samples
+    [batch] = make_train_batches(0, samples, 1, seq, micro_rows, pad_id=0)  # each rank packs its own samples
     optim = OptimConfig(lr=1e-5)
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, optim)
     config = SimpleNamespace(temperature=1.0, loss=LossConfig(), optim=optim)  # what rl_step reads
@@ -276,6 +277,7 @@ def tidal_rl_runner(
         "num_tokens": sum(len(s) for s in samples),
         "num_samples": len(samples),
         "num_micro_batches": len(batch.micro_batches),
+        "rows_per_micro_batch": micro_rows,
         "attention_span": attention_span([len(s.input_ids) for s in samples]),
     }
 
@@ -374,7 +376,7 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     if layout == "rl":
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
-            lambda: tidal_rl_runner(name, args.seq, args.rows, info, seed, options),
+            lambda: tidal_rl_runner(name, args.seq, args.rows, args.micro_rows, info, seed, options),
             device,
             args.warmup,
             args.steps,
@@ -503,7 +505,12 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         label = r["impl"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
         micro = r.get("num_micro_batches", 1)
-        docs = r["docs"] + (f" x{micro}" if micro > 1 else "")  # micro-batches of `seq` per step
+        # micro-batches per step (of `seq` tokens times rows_per_micro_batch)
+        docs = (
+            r["docs"]
+            + (f" x{micro}" if micro > 1 else "")
+            + (f"r{r['rows_per_micro_batch']}" if r.get("rows_per_micro_batch", 1) > 1 else "")
+        )
         if r.get("gpus", 1) > 1:
             label += f" x{r['gpus']}gpu"
         if "tokens_per_s" not in r:
@@ -559,7 +566,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "kernels, without / with full checkpointing), tidal:<variant>",
     )
     parser.add_argument(
-        "--rows", type=int, default=1, help="rl layout: micro-batches of --seq tokens per step (default 1)"
+        "--rows", type=int, default=1, help="rl layout: rows of --seq tokens per step (default 1)"
+    )
+    parser.add_argument(
+        "--micro-rows",
+        type=int,
+        default=1,
+        help="rl layout: rows per forward pass (micro_batch_size; default 1)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
     parser.add_argument("--steps", type=int, default=4)

@@ -347,3 +347,37 @@ def test_varlen_attention_call_with_a_window_or_sinks_fails_instead_of_ignoring_
     ]:
         with pytest.raises(UserError, match=name):
             varlen_attention_forward(torch.nn.Module(), q, k, v, None, **{name: value}, **extra)
+
+
+def accumulated_gradients(accumulate_unsharded: bool) -> tuple[list[torch.Tensor], list[bool]]:
+    """Three micro-batches of one step through FSDP2 on one rank (bf16 compute): the fp32 gradients at the
+    end, and after each micro-batch whether the sharded parameters held a gradient yet."""
+    from tidal.trainer.parallel import micro_batches
+
+    model = tiny_lm()
+    rows = [packed_row(seed) for seed in (1, 2, 3)]
+    perf = PerfConfig(mixed_precision="bf16", attention="varlen", accumulate_unsharded=accumulate_unsharded)
+    reduced = []
+    try:
+        scorer = parallelize(model, CPU, perf)
+        for ids, positions, targets in micro_batches(scorer, rows):
+            logprobs, _ = scorer(ids, positions, targets)
+            (-logprobs.sum()).backward()
+            reduced.append(all(p.grad is not None for p in model.parameters()))
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        # the step's last micro-batch gave the layers back their resharding: the next forward gathers anew
+        assert all(not m._get_fsdp_state()._fsdp_param_group.is_unsharded for m in scorer.lm.model.layers)
+    finally:
+        shutdown(CPU)
+    return grads, reduced
+
+
+def test_micro_batches_accumulated_unsharded_reduce_once_to_the_same_gradients():
+    """perf.accumulate_unsharded: no gradient reduce (nor reshard) until the step's last micro-batch, and the
+    fp32 gradients it then reduces are those of reducing after every micro-batch."""
+    held, held_reduced = accumulated_gradients(True)
+    every, every_reduced = accumulated_gradients(False)
+    assert held_reduced == [False, False, True] and every_reduced == [True, True, True]
+    for a, b in zip(held, every, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # both accumulate in fp32

@@ -1,18 +1,21 @@
 """Process group, device placement and FSDP2 sharding: one `parallelize()` that composes the pieces."""
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,33 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     if not perf.cpu_offload:
         scorer.to(info.device)
     apply_fsdp(scorer, layers, info, perf)
+    if resolve_accumulate_unsharded(perf, info):
+        scorer.accumulate_unsharded = (perf.reshard_after_forward,)
     return scorer
+
+
+def resolve_accumulate_unsharded(perf: PerfConfig, info: DistInfo) -> bool:
+    return info.world_size == 1 if perf.accumulate_unsharded == "auto" else perf.accumulate_unsharded
+
+
+def micro_batches(scorer: TokenScorer, items: Sequence[T]) -> Iterator[T]:
+    """The step's micro-batches, FSDP2 set up before each: with `perf.accumulate_unsharded` every one but
+    the last keeps its gathered parameters and unsharded gradients for the next, and the last reduces the
+    gradients and reshards as configured. Without it (or without FSDP2) the items as they are."""
+    if scorer.accumulate_unsharded is None or not isinstance(scorer, FSDPModule):
+        yield from items
+        return
+    [layers_after_forward] = scorer.accumulate_unsharded
+    for index, item in enumerate(items):
+        last = index == len(items) - 1
+        scorer.set_requires_gradient_sync(last)
+        scorer.set_reshard_after_backward(last)
+        for module in scorer.modules():
+            if (
+                isinstance(module, FSDPModule) and module is not scorer
+            ):  # the root never reshards after forward
+                module.set_reshard_after_forward(layers_after_forward if last else False, recurse=False)
+        yield item
 
 
 def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:

@@ -28,6 +28,7 @@ from tidal.trainer.parallel import (
     DistInfo,
     all_gather_floats,
     init_distributed,
+    micro_batches,
     shutdown,
 )
 from tidal.trainer.publish import setup_publisher
@@ -128,7 +129,7 @@ def rl_step(
     start = time.perf_counter()
     scorer.train()
     losses, parts, num_tokens = [], [], 0
-    for micro in batch.micro_batches:
+    for micro in micro_batches(scorer, batch.micro_batches):
         t = micro.to_tensors(info.device)
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
         logprobs, entropy = scorer(

@@ -39,6 +39,7 @@ from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
     init_distributed,
+    micro_batches,
     shutdown,
 )
 from tidal.trainer.session import (
@@ -164,7 +165,7 @@ def train_step(
     # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
     scale = info.world_size / max(1, batch.num_loss_tokens)
     nll_sums = []
-    for rows in batch.micro_batches:
+    for rows in micro_batches(scorer, batch.micro_batches):
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         labels = inputs["labels"]  # [b, s]
         logprobs, _ = scorer(inputs["input_ids"], inputs["position_ids"], labels)  # [b, s]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -150,10 +151,11 @@ CHAOS_SEED = 14
 CHAOS_PLAN = ("inference_1", "inference_0 server", "trainer", "reward worker", "orchestrator", "trainer")
 """The kills in order, one process each: one replica's `tidal inference` itself and, at the same moment,
 the other replica's vLLM server; then the trainer, an environment (reward) worker, the orchestrator, the
-trainer again, each 1-3 steps after the one before has recovered. A replica takes one to two minutes to
-restart on these 2 cores, while a step of the tiny model takes about one second: both replicas down at
-once stop the run, so it cannot end before they are back, and it goes on with one replica only between
-their returns. 100 steps leave room for what the later kills need however fast the steps run."""
+trainer again, each 1-3 steps after the one before has recovered. A replica takes one to three minutes
+to restart on these 2 cores (the range is contention), while a step of the tiny model takes about one
+second: with one replica back the run would go on for as many steps as the other takes seconds to
+return. So while both are down the test holds the trainer (SIGSTOP) until both serve again: the run then
+cannot get ahead of the plan, and 100 steps leave room for the later kills however fast the steps run."""
 
 
 @dataclass
@@ -205,6 +207,23 @@ def is_replica(role: str) -> bool:
     return role.startswith("inference")
 
 
+def serving(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def hold_trainer(run: Run, condition: Callable[[], bool], what: str) -> None:
+    """SIGSTOP the trainer until `condition` holds, then SIGCONT it (also when the wait fails)."""
+    trainer = run.child("trainer")
+    trainer.suspend()
+    try:
+        run.wait_for(condition, what, timeout=600)
+    finally:
+        trainer.resume()
+
+
 def run_chaos(
     out: Path, port: int, steps: int = CHAOS_STEPS, model: Path | None = None
 ) -> tuple[Run, TrainedRollouts]:
@@ -225,6 +244,9 @@ def run_chaos(
             target = len(run.trained()) + (0 if together else rng.randint(1, 3))
             run.wait_for(lambda: len(run.trained()) >= target, f"step {target} before the next kill")  # noqa: B023
             run.kill(role, victim(run, what))
+            if together:
+                ports = (port, port + 1)
+                hold_trainer(run, lambda: all(serving(p) for p in ports), "both replicas serving again")  # noqa: B023
         code = run.finish(timeout=900)
     finally:
         if run.launcher.poll() is None:

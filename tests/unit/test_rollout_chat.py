@@ -193,3 +193,16 @@ def test_a_template_that_drops_the_reply_is_refused() -> None:
     context = prompt_ids(tok, [USER]) + text_ids(tok, "cb")
     with pytest.raises(TemplateMismatch, match="reply"):
         continue_prompt(tok, context, [USER, ChatMessage(role="assistant", content="cb")], NEXT)
+
+
+def test_token_ids_through_the_rust_backend_are_the_tokenizers_own(tokenizer):  # type: ignore[no-untyped-def]
+    """The fast path (`backend_tokenizer.encode`) gives the ids `tokenizer(text)` gives, special tokens included."""
+    from tidal.envs.base import render_prompt
+    from tidal.rollout.chat import token_ids
+
+    messages = [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "tidal <|im_end|> x"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert tokenizer.backend_tokenizer is not None
+    assert token_ids(tokenizer, text) == want == render_prompt(tokenizer, messages)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in want  # the specials were matched, not spelled

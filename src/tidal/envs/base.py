@@ -17,6 +17,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tidal.rollout.chat import token_ids
+
 
 @dataclass(frozen=True)
 class Task:
@@ -174,7 +176,7 @@ async def call_inline(fn: RewardFn, task: Task, episode: Episode) -> float:
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Token ids of a chat prompt with the generation prompt appended (rendered once, never re-rendered)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+    return token_ids(tokenizer, str(text))
 
 
 class Environment(ABC):

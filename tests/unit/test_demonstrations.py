@@ -93,16 +93,13 @@ def test_train_and_heldout_share_no_task():
         heldout = {task_key(env.task(i)) for i in range(env.num_tasks()) if in_split(env.task(i), "heldout")}
         assert train and heldout and not train & heldout
         assert 0.05 < len(heldout) / (len(train) + len(heldout)) < 0.2
-    train_words = {d[2]["content"] for d in generate_demonstrations("wordle", "train", None, None, {})}
-    heldout = generate_demonstrations("wordle", "heldout", None, None, {})
-    secrets = {d[-1]["content"].removeprefix("<guess>").removesuffix("</guess>") for d in heldout}
-    trained_secrets = {
-        d[-1]["content"].removeprefix("<guess>").removesuffix("</guess>")
-        for d in generate_demonstrations("wordle", "train", None, None, {})
+    # wordle: no hidden word is in both splits (a demonstration ends with the winning guess)
+    won = {
+        split: {d[-1]["content"] for d in generate_demonstrations("wordle", split, None, None, {})}
+        for split in ("train", "heldout")
     }
-    assert (
-        train_words and secrets and not secrets & trained_secrets and secrets | trained_secrets <= set(WORDS)
-    )
+    assert won["train"] and won["heldout"] and not won["train"] & won["heldout"]
+    assert len(won["train"] | won["heldout"]) == len(WORDS)
 
 
 def test_the_seed_changes_tasks_and_sizes_are_kept():

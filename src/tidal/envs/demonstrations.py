@@ -100,7 +100,12 @@ def main() -> None:
     parser.add_argument("--kwargs", type=json.loads, default={}, help="environment arguments as JSON")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    conversations = generate_demonstrations(args.name, args.split, args.num_examples, args.seed, args.kwargs)
+    try:
+        conversations = generate_demonstrations(
+            args.name, args.split, args.num_examples, args.seed, args.kwargs
+        )
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as fh:
         for messages in conversations:

@@ -46,6 +46,13 @@ def first_last(records: Sequence[Mapping[str, Any]], key: str, n: int = 10) -> d
     return {"first": mean_of(with_key[:n], key), "last": mean_of(with_key[-n:], key)}
 
 
+def blocks(records: Sequence[Mapping[str, Any]], key: str, n: int = 10) -> list[float | None]:
+    """Mean of `key` over steps 0..n-1, n..2n-1, ... (rounded for reading)."""
+    with_key = [r for r in records if key in r]
+    means = [mean_of(with_key[i : i + n], key) for i in range(0, len(with_key), n)]
+    return [None if m is None else round(m, 3) for m in means]
+
+
 def sft_summary(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     steps = [m for m in metrics if "loss" in m]
     exact = [m["eval/exact_match"] for m in metrics if "eval/exact_match" in m]
@@ -67,6 +74,7 @@ def rl_summary(env: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     return {
         "steps": sum(1 for r in records if "reward/mean" in r),
         "reward_first_last_10": first_last(records, "reward/mean"),
+        "reward_per_10_steps": blocks(records, "reward/mean"),
         "online_eval": [{k: e[k] for k in ("step", "avg@1", "pass@1") if k in e} for e in online],
     }
 
@@ -74,14 +82,22 @@ def rl_summary(env: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
 # ---- running ------------------------------------------------------------------------------------------
 
 
-def tidal(args: list[str], log: Path) -> tuple[int, float]:
-    """Run `python -m tidal ARGS` in the repository, output to `log`; (exit code, wall seconds)."""
+def tidal(args: list[str], log: Path, timeout: float) -> dict[str, Any]:
+    """Run `python -m tidal ARGS` in the repository, output to `log`: its exit code and wall seconds. Past
+    `timeout` it gets SIGTERM, which stops a run and every process it started (what it wrote is kept)."""
     start = time.perf_counter()
+    timed_out = False
     with log.open("w") as fh:
-        code = subprocess.call(
+        process = subprocess.Popen(
             [sys.executable, "-m", "tidal", *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT
         )
-    return code, time.perf_counter() - start
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            process.terminate()
+            code = process.wait()
+    return {"exit_code": code, "timed_out": timed_out, "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def machine() -> str:
@@ -98,7 +114,7 @@ def commit() -> str:
     ).stdout.strip()
 
 
-def run_env(env: str, workdir: Path, rl_only: bool) -> dict[str, Any]:
+def run_env(env: str, workdir: Path, rl_only: bool, timeouts: tuple[float, float]) -> dict[str, Any]:
     sft_dir, rl_dir = workdir / env / "sft", workdir / env / "rl"
     sft_args = ["sft", "@", f"examples/{env}/sft_tiny.toml", "--output-dir", str(sft_dir)]
     rl_args = [
@@ -118,17 +134,12 @@ def run_env(env: str, workdir: Path, rl_only: bool) -> dict[str, Any]:
     }
     (workdir / env).mkdir(parents=True, exist_ok=True)
     if not rl_only:
-        code, wall = tidal(sft_args, workdir / env / "sft.log")
-        entry["sft"] = {
-            "exit_code": code,
-            "wall_s": round(wall, 1),
-            **sft_summary(read_jsonl(sft_dir / "metrics.jsonl")),
-        }
-        if code != 0:
+        ran = tidal(sft_args, workdir / env / "sft.log", timeouts[0])
+        entry["sft"] = {**ran, **sft_summary(read_jsonl(sft_dir / "metrics.jsonl"))}
+        if ran["exit_code"] != 0:
             return entry
-    code, wall = tidal(rl_args, workdir / env / "rl.log")
-    records = read_jsonl(rl_dir / "orchestrator" / "metrics.jsonl")
-    entry["rl"] = {"exit_code": code, "wall_s": round(wall, 1), **rl_summary(env, records)}
+    ran = tidal(rl_args, workdir / env / "rl.log", timeouts[1])
+    entry["rl"] = {**ran, **rl_summary(env, read_jsonl(rl_dir / "orchestrator" / "metrics.jsonl"))}
     return entry
 
 
@@ -140,10 +151,12 @@ def main() -> None:
     parser.add_argument(
         "--rl-only", action="store_true", help="reuse WORKDIR/<env>/sft (the entry keeps its sft)"
     )
+    parser.add_argument("--sft-timeout", type=float, default=420, help="seconds before SIGTERM")
+    parser.add_argument("--rl-timeout", type=float, default=480, help="seconds before SIGTERM")
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for env in args.envs:
-        entry = run_env(env, args.workdir, args.rl_only)
+        entry = run_env(env, args.workdir, args.rl_only, (args.sft_timeout, args.rl_timeout))
         if args.rl_only and "sft" in results.get(env, {}):
             entry["sft"] = results[env]["sft"]
         results[env] = entry

@@ -155,3 +155,20 @@ def test_bad_dataset_row_is_one_line_error(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith(f"{data}:1: no assistant message to train on")
     assert "Traceback" not in result.stderr
+
+
+def test_sft_trains_on_an_environments_demonstrations(tmp_path):
+    """examples/tool_use/sft_tiny.toml for 2 steps: multi-turn demonstrations with tool turns, built from the
+    environment by name, trained on and evaluated on the held-out split."""
+    out = tmp_path / "tool_use"
+    result = run_tidal(
+        "sft", "@", "examples/tool_use/sft_tiny.toml", "--output-dir", str(out), "--max-steps", "2",
+        "--scheduler.warmup-steps", "1", "--data.batch-size", "4", "--data.micro-batch-size", "4",
+        "--data.train.num-examples", "8", "--eval.num-examples", "2", "--eval.dataset.num-examples", "2",
+        "--eval.max-new-tokens", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert len(losses(out)) == 2
+    assert next(m["eval/num_examples"] for m in metrics if "eval/num_examples" in m) == 2
+    assert (out / "final" / "model.safetensors").exists()

@@ -1,9 +1,9 @@
 """Config nodes shared by several commands: model, datasets, optimizer, scheduler, logging, checkpoints."""
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import Config, ConfigProblem
 
@@ -53,17 +53,35 @@ class HFDataset(Config):
 
 
 class BuiltinDataset(Config):
-    """A dataset generated deterministically by one of tidal's built-in environments."""
+    """Conversations generated deterministically from a built-in environment's own tasks: each task's prompt
+    with every assistant turn right (`Environment.demonstration`; `tidal.envs.demonstrations`)."""
 
     type: Literal["builtin"] = "builtin"
-    name: Literal["reverse_text"] = "reverse_text"
-    """Generator name."""
+    name: str = "reverse_text"
+    """A built-in environment: reverse_text, alphabet_sort, math (its local generator: worked solutions),
+    wordle (a fixed solver's games), tool_use (one tool call, its result, the answer), code (the
+    reference solutions)."""
     split: Literal["train", "heldout"] = "train"
-    """Which split; the two never share a string."""
-    num_examples: int = Field(default=10_000, gt=0)
-    """Number of conversations to generate."""
-    seed: int = 0
-    """Generator seed (the split is mixed in, so train and heldout differ)."""
+    """Which split; the two never share a task (reverse_text: a string; the others: a prompt and answer)."""
+    num_examples: int | None = Field(default=None, gt=0)
+    """Number of conversations, the split's first ones (fewer tasks than this: an error); None: every task
+    of the split (reverse_text: 10000)."""
+    seed: int | None = None
+    """Generator seed, the environment's `seed` argument (None: its default; reverse_text mixes in the
+    split, so train and heldout differ)."""
+    kwargs: dict[str, Any] = {}
+    """Other arguments of the environment, as in `[[orchestrator.env]]`, e.g. {max_turns = 2}."""
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from tidal.envs.names import BUILTIN_ENVS  # imports no environment (nor torch)
+
+        if name not in BUILTIN_ENVS:
+            raise ValueError(
+                f"unknown built-in dataset {name!r} (built-in: {', '.join(sorted(BUILTIN_ENVS))})"
+            )
+        return name
 
 
 DatasetConfig = Annotated[FileDataset | HFDataset | BuiltinDataset, Field(discriminator="type")]

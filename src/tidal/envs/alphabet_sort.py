@@ -123,8 +123,22 @@ class AlphabetSortEnv(MultiTurnEnv):
     def task(self, index: int) -> Task:
         return make_task(index, self.seed, self.turn_range, self.name_range)
 
+    def demonstration(self, task: Task) -> list[Message]:
+        """Every turn answered with the sorted list so far; the names of the next turn in between."""
+        messages: list[Message] = [dict(m) for m in task.messages]
+        for turn, names in enumerate(expected_lists(task)):
+            if turn > 0:
+                messages.append(add_names_message(task.info["turns"][turn]))
+            messages.append({"role": "assistant", "content": "\n".join(names)})
+        return messages
+
     async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
         batches = task.info["turns"]
         if episode.num_turns >= len(batches):
             return None
-        return [{"role": "user", "content": "Add: " + ", ".join(batches[episode.num_turns])}]
+        return [add_names_message(batches[episode.num_turns])]
+
+
+def add_names_message(names: list[str]) -> Message:
+    """The user turn that adds `names` to the list."""
+    return {"role": "user", "content": "Add: " + ", ".join(names)}

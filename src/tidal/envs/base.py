@@ -210,6 +210,14 @@ class Environment(ABC):
         """
         return [functools.partial(self.rollout, task, sampler.fork(index)) for index in range(n)]
 
+    def demonstration(self, task: Task) -> list[dict[str, Any]] | None:
+        """A correct conversation of `task` for SFT warm-ups: its prompt, then every assistant turn right and,
+        for a multi-turn environment, what the environment answers between them, in the messages its
+        rollout builds. None where this task has no correct conversation. Environments without
+        demonstrations leave this default, which raises NotImplementedError
+        (`tidal.envs.demonstrations` turns that into a one-line error)."""
+        raise NotImplementedError(f"environment {self.name!r} has no demonstrations")
+
     def env_of(self, task: Task) -> "Environment":
         """The environment that rolls out and scores `task`: this one (a mix: the member it came from)."""
         return self

@@ -79,6 +79,8 @@ class CodeTask:
     function: str
     prompt: str
     tests: list[tuple[list[Any], Any]]
+    reference: str | None = None
+    """A solution that passes the tests (optional: only demonstrations need it)."""
 
 
 def load_tasks(path: Path) -> list[CodeTask]:
@@ -93,7 +95,16 @@ def load_tasks(path: Path) -> list[CodeTask]:
     for index, item in enumerate(raw):
         try:
             tests = [(list(t["args"]), t["expected"]) for t in item["tests"]]
-            tasks.append(CodeTask(str(item["id"]), str(item["function"]), str(item["prompt"]), tests))
+            reference = item.get("reference")
+            tasks.append(
+                CodeTask(
+                    str(item["id"]),
+                    str(item["function"]),
+                    str(item["prompt"]),
+                    tests,
+                    None if reference is None else str(reference),
+                )
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: task {index} lacks {exc} (id, function, prompt, tests)") from None
         if not tests:
@@ -238,6 +249,14 @@ class CodeTestsEnv(SingleTurnEnv):
         spec = self.tasks[index]
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": spec.prompt}]
         return Task(task_id=f"code/{spec.id}", messages=messages, info={"index": index})
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]] | None:
+        """The task's reference solution in a ```python block (None for a task without one)."""
+        reference = self.tasks[task.info["index"]].reference
+        if reference is None:
+            return None
+        code = reference if reference.endswith("\n") else reference + "\n"
+        return [*task.messages, {"role": "assistant", "content": f"```python\n{code}```"}]
 
     async def score(self, task: Task, episode: Episode) -> None:
         """Runs the hidden tests off the event loop; a reward worker returns the whole report."""

@@ -21,44 +21,56 @@ _PEOPLE = ["Ava", "Ben", "Chen", "Dalia", "Emre", "Farah", "Goran", "Hiro", "Isl
 _ITEMS = ["apples", "marbles", "stickers", "books", "coins", "shells", "pencils", "cards"]
 
 
-def _bought_and_gave(rng: random.Random) -> tuple[str, int]:
+Problem = tuple[str, int, str]
+"""(question, answer, a worked solution that ends in the boxed answer)."""
+
+
+def _bought_and_gave(rng: random.Random) -> Problem:
     who, item = rng.choice(_PEOPLE), rng.choice(_ITEMS)
     a, b = rng.randint(5, 60), rng.randint(2, 40)
     c = rng.randint(1, a + b)
     text = f"{who} has {a} {item}. {who} buys {b} more and then gives away {c}. How many {item} does {who} have now?"
-    return text, a + b - c
+    return text, a + b - c, f"{a} + {b} = {a + b}. {a + b} - {c} = {a + b - c}."
 
 
-def _groups(rng: random.Random) -> tuple[str, int]:
+def _groups(rng: random.Random) -> Problem:
     who, item = rng.choice(_PEOPLE), rng.choice(_ITEMS)
     boxes, per, extra = rng.randint(2, 12), rng.randint(3, 25), rng.randint(0, 9)
     text = f"{who} packs {boxes} boxes with {per} {item} each and has {extra} {item} left over. How many {item} did {who} start with?"
-    return text, boxes * per + extra
+    packed = boxes * per
+    return text, packed + extra, f"{boxes} * {per} = {packed}. {packed} + {extra} = {packed + extra}."
 
 
-def _share(rng: random.Random) -> tuple[str, int]:
+def _share(rng: random.Random) -> Problem:
     who, item = rng.choice(_PEOPLE), rng.choice(_ITEMS)
     friends, each = rng.randint(2, 9), rng.randint(2, 20)
     text = f"{who} shares {friends * each} {item} equally among {friends} friends. How many {item} does each friend get?"
-    return text, each
+    return text, each, f"{friends * each} / {friends} = {each}."
 
 
-def _price(rng: random.Random) -> tuple[str, int]:
+def _price(rng: random.Random) -> Problem:
     who = rng.choice(_PEOPLE)
     count, price = rng.randint(2, 9), rng.randint(2, 15)
     paid = count * price + rng.randint(0, 50)
     text = f"{who} buys {count} notebooks at {price} dollars each and pays with {paid} dollars. How much change does {who} get, in dollars?"
-    return text, paid - count * price
+    cost = count * price
+    return text, paid - cost, f"{count} * {price} = {cost}. {paid} - {cost} = {paid - cost}."
 
 
-_TEMPLATES: list[Callable[[random.Random], tuple[str, int]]] = [_bought_and_gave, _groups, _share, _price]
+_TEMPLATES: list[Callable[[random.Random], Problem]] = [_bought_and_gave, _groups, _share, _price]
 
 
 def generate_problem(index: int, seed: int) -> tuple[str, str]:
     """(question, answer) number `index` of the local generator."""
+    question, answer, _ = generate_worked_problem(index, seed)
+    return question, answer
+
+
+def generate_worked_problem(index: int, seed: int) -> tuple[str, str, str]:
+    """(question, answer, worked solution) number `index` of the local generator."""
     rng = random.Random(f"math/{seed}/{index}")
-    question, answer = rng.choice(_TEMPLATES)(rng)
-    return question, str(answer)
+    question, answer, steps = rng.choice(_TEMPLATES)(rng)
+    return question, str(answer), f"{steps} \\boxed{{{answer}}}"
 
 
 def gsm8k_answer(solution: str) -> str:
@@ -115,8 +127,12 @@ class MathEnv(SingleTurnEnv):
         super().__init__()
         self.system_prompt = system_prompt
         self.seed = seed
+        self.solutions: list[str] | None = None
+        """Worked solutions of the local generator's rows (a hub dataset's are not kept)."""
         if dataset == "local":
-            self.rows = [generate_problem(i, seed) for i in range(num_examples or 10_000)]
+            worked = [generate_worked_problem(i, seed) for i in range(num_examples or 10_000)]
+            self.rows = [(question, answer) for question, answer, _ in worked]
+            self.solutions = [solution for _, _, solution in worked]
         else:
             self.rows = load_rows(dataset, subset, split, question_field, answer_field, num_examples)
         if not self.rows:
@@ -131,7 +147,13 @@ class MathEnv(SingleTurnEnv):
     def task(self, index: int) -> Task:
         question, answer = self.rows[index]
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        return Task(task_id=f"math/{index}", messages=messages, answer=answer)
+        return Task(task_id=f"math/{index}", messages=messages, answer=answer, info={"index": index})
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The local generator's worked solution; for a hub dataset just the boxed reference answer."""
+        index = task.info["index"]
+        reply = self.solutions[index] if self.solutions is not None else _as_boxed(task.answer)
+        return [*task.messages, {"role": "assistant", "content": reply}]
 
 
 def load_rows(

@@ -85,6 +85,9 @@ class ReverseTextEnv(SingleTurnEnv):
         text = self._texts[self._order[index]]
         return Task(task_id=f"reverse_text/{index}", messages=conversation(text)[:2], answer=text[::-1])
 
+    def demonstration(self, task: Task) -> list[dict[str, str]]:
+        return [*task.messages, {"role": "assistant", "content": task.answer}]
+
 
 def reversal_accuracy(task: Task, episode: Episode) -> float:
     return char_accuracy(completion_text(episode).strip(), task.answer)

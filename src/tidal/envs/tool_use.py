@@ -4,32 +4,73 @@ The numbers are large enough that guessing rarely works, so the reward (correct 
 use; the tool calls themselves are only logged (`tools/num_tool_calls`, `tools/num_tool_errors`).
 """
 
+import json
 import random
 import re
+from dataclasses import dataclass
 
 from tidal.envs.base import Episode, RewardFn, Task, completion_text
+from tidal.envs.multiturn import Message
 from tidal.envs.sandbox import CALCULATOR, PythonSandbox, python_tool
-from tidal.envs.tools import ToolEnv
+from tidal.envs.tools import ToolEnv, with_tool_system_prompt
 
 SYSTEM_PROMPT = "Use the tools to compute, then reply <answer>number</answer> without a tool call."
 _ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 
 
+@dataclass(frozen=True)
+class Question:
+    """A question, its answer, and one tool call that computes it (`tool`, `arguments`)."""
+
+    text: str
+    answer: str
+    tool: str
+    arguments: dict[str, str]
+
+
 def generate_question(index: int, seed: int) -> tuple[str, str]:
     """(question, answer): products and sums of large numbers, or counts that are easiest in Python."""
+    question = make_question(index, seed)
+    return question.text, question.answer
+
+
+def make_question(index: int, seed: int) -> Question:
+    """Question `index` of `seed`, with the call that answers it (the calculator where it can, else Python)."""
     rng = random.Random(f"tool_use/{seed}/{index}")
     kind = rng.randrange(3)
     if kind == 0:
         a, b, c = rng.randint(1000, 99999), rng.randint(100, 9999), rng.randint(1, 9999)
-        return f"What is {a} * {b} - {c}?", str(a * b - c)
+        expression = f"{a} * {b} - {c}"
+        return Question(f"What is {expression}?", str(a * b - c), "calculator", {"expression": expression})
     if kind == 1:
         n = rng.randint(50, 400)
-        return f"What is the sum of the squares of the integers from 1 to {n}?", str(
-            sum(i * i for i in range(1, n + 1))
+        return Question(
+            f"What is the sum of the squares of the integers from 1 to {n}?",
+            str(sum(i * i for i in range(1, n + 1))),
+            "calculator",
+            {"expression": f"{n} * ({n} + 1) * (2 * {n} + 1) // 6"},
         )
     n = rng.randint(100, 2000)
-    count = sum(1 for k in range(2, n) if all(k % d for d in range(2, int(k**0.5) + 1)))
-    return f"How many prime numbers are smaller than {n}?", str(count)
+    count = sum(_is_prime[:n])
+    code = f"print(sum(all(k % d for d in range(2, int(k ** 0.5) + 1)) for k in range(2, {n})))"
+    return Question(f"How many prime numbers are smaller than {n}?", str(count), "python", {"code": code})
+
+
+def _sieve(limit: int) -> list[bool]:
+    """`[k is prime for k in range(limit)]`."""
+    flags = [k >= 2 for k in range(limit)]
+    for k in range(2, int(limit**0.5) + 1):
+        if flags[k]:
+            flags[k * k :: k] = [False] * len(range(k * k, limit, k))
+    return flags
+
+
+_is_prime = _sieve(2001)
+
+
+def tool_output(question: Question) -> str:
+    """What the tool answers the question's call with: the calculator's value, or what the code prints."""
+    return question.answer if question.tool == "calculator" else question.answer + "\n"
 
 
 def parse_answer(text: str) -> str | None:
@@ -72,4 +113,18 @@ class ToolUseEnv(ToolEnv):
     def task(self, index: int) -> Task:
         question, answer = generate_question(index, self.seed)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        return Task(task_id=f"tool_use/{index}", messages=messages, answer=answer)
+        return Task(task_id=f"tool_use/{index}", messages=messages, answer=answer, info={"index": index})
+
+    def demonstration(self, task: Task) -> list[Message]:
+        """One tool call that computes the answer, the tool's reply, then `<answer>`. The tools are described
+        in the system message, as the rollout's prompt has them for a chat template that does not render
+        `tools=` itself (the tiny models' ChatML); a template that does renders its own tool section."""
+        question = make_question(task.info["index"], self.seed)
+        call = json.dumps({"name": question.tool, "arguments": question.arguments})
+        schemas = [tool.schema() for tool in self.tools.values()]
+        return [
+            *with_tool_system_prompt(task.messages, schemas),
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": tool_output(question)},
+            {"role": "assistant", "content": f"<answer>{question.answer}</answer>"},
+        ]

@@ -6,6 +6,7 @@ letters are only marked as often as they occur in the hidden word, as in the rea
 are a valid guess (no dictionary), so the model cannot be stuck on an unknown-word loop.
 """
 
+import functools
 import random
 import re
 from collections import Counter
@@ -59,6 +60,35 @@ def feedback(guess: str, secret: str) -> str:
             marks[i] = "Y"
             unmatched[g] -= 1
     return "".join(marks)
+
+
+@functools.lru_cache(maxsize=4096)
+def solver_guesses(secret: str, words: tuple[str, ...]) -> tuple[str, ...]:
+    """The guesses of a fixed strategy until it finds `secret` (which must be in `words`): each guess is the
+    word still possible whose worst feedback leaves the fewest words possible (ties: the earlier word), so
+    every game of one word list opens the same way."""
+    possible = words
+    guesses: list[str] = []
+    while True:
+        guess = _minimax_guess(possible)
+        guesses.append(guess)
+        if guess == secret:
+            return tuple(guesses)
+        marks = feedback(guess, secret)
+        possible = tuple(w for w in possible if feedback(guess, w) == marks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _minimax_guess(possible: tuple[str, ...]) -> str:
+    def worst(guess: str) -> int:
+        return max(Counter(feedback(guess, w) for w in possible).values())
+
+    return min(possible, key=worst)
+
+
+def feedback_message(guess: str, marks: str, left: int) -> str:
+    """The user turn that answers a well-formed guess that did not win."""
+    return f"{guess.upper()} {marks} ({left} guesses left)"
 
 
 def parse_guess(text: str) -> str | None:
@@ -123,15 +153,29 @@ class WordleEnv(MultiTurnEnv):
         left = MAX_GUESSES - info["num_guesses"]
         if guess is None:
             info["num_invalid"] += 1
-            text = "Invalid guess: write exactly five letters as <guess>word</guess>."
+            text = f"Invalid guess: write exactly five letters as <guess>word</guess>. ({left} guesses left)"
         else:
             marks = feedback(guess, task.answer)
             info["feedback"].append(marks)
             if marks == "GGGGG":
                 info["solved"] = True
                 return None
-            text = f"{guess.upper()} {marks}"
-        return [{"role": "user", "content": f"{text} ({left} guesses left)"}] if left > 0 else None
+            text = feedback_message(guess, marks, left)
+        return [{"role": "user", "content": text}] if left > 0 else None
+
+    def demonstration(self, task: Task) -> list[Message] | None:
+        """A game won by `solver_guesses` (None when it needs more than six guesses for this word)."""
+        guesses = solver_guesses(task.answer, tuple(self.words))
+        if len(guesses) > MAX_GUESSES:
+            return None
+        messages: list[Message] = [dict(m) for m in task.messages]
+        for number, guess in enumerate(guesses):
+            if number > 0:
+                previous = guesses[number - 1]
+                text = feedback_message(previous, feedback(previous, task.answer), MAX_GUESSES - number)
+                messages.append({"role": "user", "content": text})
+            messages.append({"role": "assistant", "content": f"<guess>{guess}</guess>"})
+        return messages
 
     async def score(self, task: Task, episode: Episode) -> None:
         await super().score(task, episode)

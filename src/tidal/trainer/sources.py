@@ -14,9 +14,11 @@ VALID_ROLES = frozenset(ROLES)
 
 def load_conversations(source: FileDataset | HFDataset | BuiltinDataset) -> list[Conversation]:
     if isinstance(source, BuiltinDataset):
-        from tidal.envs import reverse_text
+        from tidal.envs.demonstrations import generate_demonstrations
 
-        return reverse_text.generate_conversations(source.split, source.num_examples, source.seed)
+        return generate_demonstrations(
+            source.name, source.split, source.num_examples, source.seed, dict(source.kwargs)
+        )
     if isinstance(source, FileDataset):
         rows = _read_file(source.path, source.num_examples)
         where = str(source.path)

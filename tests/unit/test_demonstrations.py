@@ -1,0 +1,146 @@
+"""Built-in demonstration datasets: each one, replayed through its environment's own rollout, earns full
+marks, meets the environment's turns exactly and tokenises for SFT as the rollout sampled it; the splits share
+no task; bad settings are one-line errors."""
+
+import asyncio
+
+import pytest
+
+from tests.unit.test_envs_multiturn import ScriptedSampler
+from tidal.config.loader import load_config
+from tidal.config.sft import SFTConfig
+from tidal.envs import reverse_text
+from tidal.envs.base import render_prompt, run_episode
+from tidal.envs.demonstrations import (
+    generate_demonstrations,
+    in_split,
+    split_demonstrations,
+    task_key,
+)
+from tidal.envs.registry import load_env
+from tidal.envs.wordle import WORDS
+from tidal.errors import UserError
+from tidal.trainer.data import tokenize_conversation
+from tidal.trainer.sources import load_conversations
+
+FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.0, "code": 1.0, "wordle": 1.2}
+"""The highest reward of each environment (wordle: solved 1.0 + 0.2 × all five letters green)."""
+
+
+def replay(name: str, kwargs: dict, count: int, split: str = "train"):
+    """(task, demonstration, episode, sampler) of the first `count` demonstrations, each replayed by a sampler
+    that says exactly the demonstration's assistant turns."""
+    env = load_env(name, **kwargs)
+    tasks = [env.task(i) for i in range(env.num_tasks()) if in_split(env.task(i), split)]
+    out = []
+    for task in tasks[:count]:
+        demonstration = env.demonstration(task)
+        replies = [m["content"] for m in demonstration if m["role"] == "assistant"]
+        sampler = ScriptedSampler(replies)
+        episode = asyncio.run(run_episode(env, task, sampler))
+        out.append((task, demonstration, episode, sampler))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "count"),
+    [
+        ("alphabet_sort", {"num_examples": 200, "min_turns": 2, "max_turns": 3}, 8),
+        ("math", {"num_examples": 200}, 12),
+        ("tool_use", {"num_examples": 200, "sandbox": "process"}, 9),
+        ("code", {"sandbox": "process"}, 16),
+        ("wordle", {"num_examples": 200}, 8),
+    ],
+)
+def test_demonstrations_replayed_by_the_environment_earn_full_marks(name, kwargs, count):
+    for task, demonstration, episode, sampler in replay(name, kwargs, count):
+        assert episode.reward == pytest.approx(FULL_MARKS[name]), (task.task_id, episode.messages)
+        # the environment's own turns (feedback, new names, tool results) are the demonstration's
+        assert episode.messages[1:] == demonstration[1:]
+        # the prompt the rollout rendered is the demonstration's (tool_use: the tools in the system message)
+        assert sampler.prompts[0] == render_prompt(sampler.tokenizer, demonstration[:2])
+        # SFT learns exactly the tokens the rollout sampled, and nothing the environment said
+        sample = tokenize_conversation(sampler.tokenizer, demonstration)
+        context = episode.context_ids
+        assert sample.input_ids[: len(context)] == context
+        start = len(episode.prompt_ids)
+        assert sample.loss_mask[start : len(context)] == episode.completion_mask
+        assert sum(sample.loss_mask) == sum(episode.completion_mask)
+
+
+def test_multi_turn_and_tool_demonstrations_have_every_turn():
+    (_, sort_demo, *_), *_ = replay("alphabet_sort", {"num_examples": 50, "min_turns": 3}, 1)
+    assert [m["role"] for m in sort_demo] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    tool_demo = generate_demonstrations("tool_use", "train", 30, None, {"sandbox": "process"})
+    assert all(
+        [m["role"] for m in d] == ["system", "user", "assistant", "tool", "assistant"] for d in tool_demo
+    )
+    assert {'"name": "calculator"' in d[2]["content"] for d in tool_demo} == {True, False}
+
+
+def test_train_and_heldout_share_no_task():
+    for name, kwargs in [("alphabet_sort", {"num_examples": 3000}), ("math", {"num_examples": 3000})]:
+        env = load_env(name, **kwargs)
+        train = {task_key(env.task(i)) for i in range(env.num_tasks()) if in_split(env.task(i), "train")}
+        heldout = {task_key(env.task(i)) for i in range(env.num_tasks()) if in_split(env.task(i), "heldout")}
+        assert train and heldout and not train & heldout
+        assert 0.05 < len(heldout) / (len(train) + len(heldout)) < 0.2
+    # wordle: no hidden word is in both splits (a demonstration ends with the winning guess)
+    won = {
+        split: {d[-1]["content"] for d in generate_demonstrations("wordle", split, None, None, {})}
+        for split in ("train", "heldout")
+    }
+    assert won["train"] and won["heldout"] and not won["train"] & won["heldout"]
+    assert len(won["train"] | won["heldout"]) == len(WORDS)
+
+
+def test_the_seed_changes_tasks_and_sizes_are_kept():
+    first = generate_demonstrations("math", "train", 20, None, {"num_examples": 100})
+    assert first == generate_demonstrations("math", "train", 20, 0, {"num_examples": 100})
+    assert first != generate_demonstrations("math", "train", 20, 1, {"num_examples": 100})
+    assert len(first) == 20
+    env = load_env("alphabet_sort", num_examples=100)
+    assert len(split_demonstrations(env, "heldout", None)) == sum(
+        in_split(env.task(i), "heldout") for i in range(100)
+    )
+
+
+def test_reverse_text_keeps_its_generator():
+    source = load_config(SFTConfig, [], [("data.train.type", "builtin"), ("data.train.num_examples", 5)])
+    assert load_conversations(source.data.train) == reverse_text.generate_conversations("train", 5, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("code", "train", 100, None, {}),
+            "has 16 demonstrations of 18 tasks, fewer than num_examples = 100",
+        ),
+        (("code", "train", None, 3, {}), "has no seed"),
+        (("math", "train", None, 1, {"seed": 2}), "seed is given twice"),
+        (("reverse_text", "train", 5, None, {"max_turns": 2}), "takes no kwargs"),
+        (("wordle", "train", 5, None, {"colour": "green"}), "unexpected keyword argument 'colour'"),
+        (("code", "train", None, None, {"num_examples": 1}), "holds no task"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(args, message):
+    with pytest.raises(UserError, match=message) as caught:
+        generate_demonstrations(*args)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unknown_dataset_name_is_a_config_error_listing_the_names():
+    with pytest.raises(UserError) as caught:
+        load_config(SFTConfig, [], [("data.train.type", "builtin"), ("data.train.name", "chess")])
+    text = str(caught.value)
+    assert "data.train.name" in text and "unknown built-in dataset 'chess'" in text
+    assert "alphabet_sort, code, math, reverse_text, tool_use, wordle" in text

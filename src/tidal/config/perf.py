@@ -67,8 +67,8 @@ class PerfConfig(Config):
     reducing in every micro-batch; the step's last backward reduces once. FSDP2's per-micro-batch work is
     host time that a GPU waits on when micro-batches are small (RL rows of a few thousand tokens). Costs up
     to 6 bytes per parameter at the peak (the bf16 copy and the fp32 accumulation) — with several ranks
-    that is the whole model on every rank, not a shard. `auto`: on with one rank, off with several. Steps
-    of one micro-batch are unchanged."""
+    that is the whole model on every rank, not a shard. `auto`: on with one rank (without `cpu_offload`),
+    off with several. Steps of one micro-batch are unchanged."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy); the optimizer
     step runs on the CPU. Saves GPU memory at a large cost in speed."""

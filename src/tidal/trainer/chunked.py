@@ -185,9 +185,9 @@ class TokenScorer(torch.nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
         self.head_fns = compiled_head() if compile_head else EAGER_HEAD
-        self.accumulate_unsharded: tuple[bool] | None = None
-        """Set by `parallelize` when micro-batches accumulate unsharded (`perf.accumulate_unsharded`): the
-        layers' configured reshard-after-forward, restored for each step's last micro-batch."""
+        self.accumulate_unsharded: bool | None = None
+        """None, or (set by `parallelize` when micro-batches accumulate unsharded, `perf.accumulate_unsharded`)
+        the layers' configured reshard-after-forward, restored for each step's last micro-batch."""
         config = lm.config  # type: ignore[attr-defined]
         if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
             raise ValueError(

@@ -93,31 +93,32 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
         scorer.to(info.device)
     apply_fsdp(scorer, layers, info, perf)
     if resolve_accumulate_unsharded(perf, info):
-        scorer.accumulate_unsharded = (perf.reshard_after_forward,)
+        scorer.accumulate_unsharded = perf.reshard_after_forward
     return scorer
 
 
 def resolve_accumulate_unsharded(perf: PerfConfig, info: DistInfo) -> bool:
-    return info.world_size == 1 if perf.accumulate_unsharded == "auto" else perf.accumulate_unsharded
+    """`auto`: with one rank, unless CPU offload asks for the GPU memory that gathered parameters would hold."""
+    if perf.accumulate_unsharded == "auto":
+        return info.world_size == 1 and not perf.cpu_offload
+    return perf.accumulate_unsharded
 
 
 def micro_batches(scorer: TokenScorer, items: Sequence[T]) -> Iterator[T]:
     """The step's micro-batches, FSDP2 set up before each: with `perf.accumulate_unsharded` every one but
     the last keeps its gathered parameters and unsharded gradients for the next, and the last reduces the
     gradients and reshards as configured. Without it (or without FSDP2) the items as they are."""
-    if scorer.accumulate_unsharded is None or not isinstance(scorer, FSDPModule):
+    layers_after_forward = scorer.accumulate_unsharded
+    if layers_after_forward is None or not isinstance(scorer, FSDPModule):
         yield from items
         return
-    [layers_after_forward] = scorer.accumulate_unsharded
+    layers = [m for m in scorer.modules() if isinstance(m, FSDPModule) and m is not scorer]
     for index, item in enumerate(items):
         last = index == len(items) - 1
         scorer.set_requires_gradient_sync(last)
         scorer.set_reshard_after_backward(last)
-        for module in scorer.modules():
-            if (
-                isinstance(module, FSDPModule) and module is not scorer
-            ):  # the root never reshards after forward
-                module.set_reshard_after_forward(layers_after_forward if last else False, recurse=False)
+        for layer in layers:  # (the root never reshards after forward)
+            layer.set_reshard_after_forward(layers_after_forward if last else False, recurse=False)
         yield item
 
 

@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -25,31 +24,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from one_gpu_reverse_text import first_last, mean_key, read_jsonl  # the same metric reading
+
 REPO = Path(__file__).resolve().parents[1]
 
 # ---- pure logic ---------------------------------------------------------------------------------------
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    values = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
-    return statistics.fmean(values) if values else None
-
-
-def first_last(records: Sequence[Mapping[str, Any]], key: str, n: int = 10) -> dict[str, float | None]:
-    with_key = [r for r in records if key in r]
-    return {"first": mean_of(with_key[:n], key), "last": mean_of(with_key[-n:], key)}
-
-
 def blocks(records: Sequence[Mapping[str, Any]], key: str, n: int = 10) -> list[float | None]:
     """Mean of `key` over steps 0..n-1, n..2n-1, ... (rounded for reading)."""
     with_key = [r for r in records if key in r]
-    means = [mean_of(with_key[i : i + n], key) for i in range(0, len(with_key), n)]
+    means = [mean_key(with_key[i : i + n], key) for i in range(0, len(with_key), n)]
     return [None if m is None else round(m, 3) for m in means]
 
 

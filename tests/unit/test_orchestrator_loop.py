@@ -40,6 +40,9 @@ class FakeClient:
     def end_session(self, session_id: str) -> None:
         pass
 
+    async def context_limit(self) -> int | None:
+        return None
+
 
 class ScriptedEnv(SingleTurnEnv):
     """Tasks 0..n-1; the reward of a rollout is `reward(task index, sample index)` (or raises)."""

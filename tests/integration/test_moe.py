@@ -52,3 +52,40 @@ def test_moe_sft_resumes_exactly_and_exports_hf_per_expert_weights(tmp_path: Pat
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in names)
     assert type(AutoModelForCausalLM.from_pretrained(reference / "final")).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_moe_rl_through_vllm_cpu_serves_each_published_step(tmp_path: Path) -> None:
+    """A synchronous run (fp32 on both sides): every step's rollouts come from the weights the trainer
+    published the step before, so trainer and vLLM score the same weights and their mismatch stays tiny,
+    while those weights move far enough from the start that a step vLLM failed to load would show."""
+    out = tmp_path / "rl"
+    result = run_tidal(
+        "rl", "@", "configs/ci/rl_tiny.toml", "--model.name", TINY_MOE_MODEL_NAME, "--output-dir", str(out),
+        "--max-steps", "4", "--max-async-level", "0", "--trainer.optim.lr", "1e-2", timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    trainer = read_metrics(out / "trainer" / "metrics.jsonl")
+    assert [m["step"] for m in trainer] == [0, 1, 2, 3]
+    mismatch = [m["mismatch_kl/mean"] for m in trainer]
+    print(f"\nMoE RL: mismatch_kl per step {mismatch}")
+    assert max(mismatch) < 1e-3
+    assert all(m["moe/aux_loss"] > 0 and "moe/tokens_per_expert/7" in m for m in trainer)
+    assert published_weights_moved(out, step=3) > 100 * max(mismatch)
+
+
+def published_weights_moved(out: Path, step: int) -> float:
+    """Mean KL between the tiny MoE's next-token distributions before training and with the weights
+    published at `step` (what vLLM served for the last step), over a fixed text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidal.testing import resolve_model_name
+
+    ids = torch.arange(10, 60).unsqueeze(0)  # [1, seq]: printable characters
+    logprobs = []
+    for path in (resolve_model_name(TINY_MOE_MODEL_NAME), out / "weights" / f"step_{step}"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            logprobs.append(torch.log_softmax(model(ids).logits.double(), -1))
+    before, after = logprobs
+    return float((after.exp() * (after - before)).sum(-1).mean())

@@ -96,7 +96,8 @@ def test_both_kernels_agree_when_one_expert_takes_every_token_and_others_none():
     padded = expert_mlp(x, expert_index, weights, gate_up, down, torch.nn.functional.silu, "padded")
     by_hand = sum(
         weights[:, k, None]
-        * (torch.nn.functional.silu(x @ gate_up[e, :8].T) * (x @ gate_up[e, 8:].T)) @ down[e].T
+        * (torch.nn.functional.silu(x @ gate_up[e, :8].T) * (x @ gate_up[e, 8:].T))
+        @ down[e].T
         for k, e in enumerate((3, 1))
     )
     torch.testing.assert_close(padded, by_hand, atol=1e-5, rtol=1e-5)

@@ -13,7 +13,8 @@ class ModelConfig(Config):
 
     name: str = "tidal-testing/tiny-qwen3"
     """A Hugging Face hub id, a local directory in HF format, or `tidal-testing/tiny-qwen3` (built locally;
-    `tidal-testing/tiny-qwen3-chat`: the same with a Qwen3-style chat template)."""
+    `tidal-testing/tiny-qwen3-chat`: the same with a Qwen3-style chat template; `tidal-testing/tiny-qwen3-moe`:
+    its mixture-of-experts variant)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype inference serves (vLLM `--dtype`) and trainers publish weights in (`tidal sft`: final/); `auto`:
     the checkpoint's own for inference, fp32 for SFT's final/. The trainers' parameters are fp32 whatever

@@ -23,6 +23,7 @@ from tidal.config.inference import InferenceConfig
 from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
+from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
@@ -358,6 +359,7 @@ class RLTrainerConfig(TrainerRunConfig):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig(lr=3e-6)
     perf: PerfConfig = PerfConfig()
+    moe: MoEConfig = MoEConfig()
     lora: LoraConfig = LoraConfig()
     """Train LoRA adapters only; each step publishes a PEFT adapter (`weights/step_<n>/`) instead of the
     full weights, and inference samples with it (`tidal rl` enables LoRA in vLLM to match)."""

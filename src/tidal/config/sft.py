@@ -18,6 +18,7 @@ from tidal.config.common import (
 from tidal.config.deployment import SFTDeploymentConfig, check_table_used
 from tidal.config.kubernetes import SFTKubernetesConfig, check_sft_run
 from tidal.config.lora import LoraConfig
+from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.config.slurm import SFTSlurmConfig
 
@@ -78,6 +79,7 @@ class SFTConfig(TrainerRunConfig):
     data: SFTDataConfig
     optim: OptimConfig = OptimConfig()
     perf: PerfConfig = PerfConfig()
+    moe: MoEConfig = MoEConfig()
     lora: LoraConfig = LoraConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     ckpt: CheckpointConfig = CheckpointConfig()

@@ -8,6 +8,10 @@ format, so `AutoModelForCausalLM`, `AutoTokenizer` and vLLM load the directory l
 vocabulary with a Qwen3-style chat template (`tidal.testing.templates`: `<think>` blocks on the last
 assistant turn only, reasoning stripped from earlier turns, tool results in `<tool_response>` user turns),
 for multi-turn runs that meet a template which re-renders history. `<think>` is plain characters there.
+
+`tidal-testing/tiny-qwen3-moe` is a char-level Qwen3-MoE (`Qwen3MoeForCausalLM`) with the same vocabulary,
+ChatML template, attention and embedding shapes: every layer's MLP is a sparse block of a few small experts
+with top-2 routing and normalised top-k weights (as in Qwen3-30B-A3B), for MoE training and serving on CPU.
 """
 
 import os
@@ -20,9 +24,11 @@ from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
 
 TINY_MODEL_NAME = "tidal-testing/tiny-qwen3"
 TINY_CHAT_MODEL_NAME = "tidal-testing/tiny-qwen3-chat"
+TINY_MOE_MODEL_NAME = "tidal-testing/tiny-qwen3-moe"
 # Bump when the recipe changes so cached copies are rebuilt instead of silently reused.
 _RECIPE_VERSION = "v2"
 _CHAT_RECIPE_VERSION = "v1"
+_MOE_RECIPE_VERSION = "v1"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
@@ -51,6 +57,17 @@ TINY_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# The MoE variant: attention and embeddings as TINY_CONFIG; each layer's MLP is a sparse block of experts.
+TINY_MOE_CONFIG: dict[str, Any] = {
+    **{key: value for key, value in TINY_CONFIG.items() if key != "intermediate_size"},
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.001,
+}
+
 
 def cache_dir() -> Path:
     root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
@@ -59,7 +76,13 @@ def cache_dir() -> Path:
 
 def resolve_model_name(name: str) -> str:
     """Map a config's model name to something `from_pretrained` accepts, building a local test model
-    (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`, `…/random-qwen3-0.6b`) on first use."""
+    (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`, `…/tiny-qwen3-moe`, `…/random-qwen3-0.6b`) on first
+    use."""
+    if name == TINY_MOE_MODEL_NAME:
+        target = cache_dir() / f"tiny-qwen3-moe-{_MOE_RECIPE_VERSION}"
+        if not (target / "config.json").exists():
+            build_tiny_moe_model(target)
+        return str(target)
     if name in (TINY_MODEL_NAME, TINY_CHAT_MODEL_NAME):
         chat = name == TINY_CHAT_MODEL_NAME
         target = cache_dir() / (
@@ -123,6 +146,26 @@ def build_tiny_model(target: Path, seed: int = 0, chat_template: str = CHAT_TEMP
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+    return write_model_dir(Path(target), model, tokenizer)
+
+
+def build_tiny_moe_model(target: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Write the tiny Qwen3-MoE and the char tokenizer to `target` atomically (HF's per-expert weight names)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = build_tokenizer(chat_template=chat_template)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **TINY_MOE_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
     return write_model_dir(Path(target), model, tokenizer)
 
 

@@ -11,6 +11,7 @@ With `compile_head`, the per-chunk softmax work runs as fused kernels: eager, it
 slab (Qwen3-4B, 16k tokens, H200: ~80 ms).
 """
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from tidal.trainer.attention import ATTN_NAME, document_bounds
+from tidal.trainer.moe import MoERouting
 
 
 def chunk_scores(
@@ -178,11 +180,19 @@ class TokenScorer(torch.nn.Module):
     """An HF causal LM whose forward returns target logprobs [rows, seq] (and entropy), not logits.
 
     The wrapped model keeps its HF parameter names (checkpoints and exported weights use `self.lm`).
+    With `moe` (a mixture-of-experts model run by tidal.trainer.moe), each forward records its routing there.
     """
 
-    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024, compile_head: bool = False):
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        chunk_size: int = 1024,
+        compile_head: bool = False,
+        moe: MoERouting | None = None,
+    ):
         super().__init__()
         self.lm = lm
+        self.moe = moe
         self.chunk_size = chunk_size
         self.head_fns = compiled_head() if compile_head else EAGER_HEAD
         self.accumulate_unsharded: bool | None = None
@@ -201,8 +211,13 @@ class TokenScorer(torch.nn.Module):
         targets: torch.Tensor,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        token_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids, position_ids, targets [rows, seq] → logprobs [rows, seq], entropy [rows, seq] or None."""
+        """input_ids, position_ids, targets [rows, seq] → logprobs [rows, seq], entropy [rows, seq] or None.
+
+        token_mask [rows, seq] (True: a real token, False: padding) keeps padding out of MoE routing
+        statistics and the load-balancing loss; None counts every token.
+        """
         kwargs = {}
         if self.lm.config._attn_implementation == ATTN_NAME:  # type: ignore[union-attr]
             kwargs = {
@@ -211,7 +226,9 @@ class TokenScorer(torch.nn.Module):
             }
         decoder = getattr(self.lm, str(self.lm.base_model_prefix))  # e.g. Qwen3ForCausalLM.model
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        collect = self.moe.collect(token_mask) if self.moe is not None else contextlib.nullcontext()
+        with collect:
+            hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
         return chunked_head_scores(
             hidden.last_hidden_state,

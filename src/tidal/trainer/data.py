@@ -31,9 +31,15 @@ class PackedRow:
     input_ids: list[int] = field(default_factory=list)
     position_ids: list[int] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
+    num_padding: int = 0
+    """Padding tokens at the row's end (not real tokens: MoE routing statistics leave them out)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return len(self.input_ids) - self.num_padding
 
     @property
     def num_loss_tokens(self) -> int:
@@ -101,6 +107,7 @@ def pack_samples(
         row.input_ids += [pad_id] * pad
         row.position_ids += list(range(last, last + pad))
         row.labels += [IGNORE_INDEX] * pad
+        row.num_padding = pad
     return rows, num_truncated
 
 
@@ -114,7 +121,7 @@ def shard_rows(
     num_micro = max(1, -(-per_rank // micro_batch_size))
     seq_len = len(rows[0]) if rows else 1
     while len(mine) < num_micro * micro_batch_size:
-        mine.append(PackedRow([0] * seq_len, list(range(seq_len)), [IGNORE_INDEX] * seq_len))
+        mine.append(PackedRow([0] * seq_len, list(range(seq_len)), [IGNORE_INDEX] * seq_len, seq_len))
     # drop all-padding rows beyond what is needed to keep micro-batch counts equal
     return [mine[i : i + micro_batch_size] for i in range(0, num_micro * micro_batch_size, micro_batch_size)]
 
@@ -162,4 +169,6 @@ def collate(rows: Sequence[PackedRow]) -> dict[str, Any]:
         "input_ids": torch.tensor([r.input_ids for r in rows], dtype=torch.long),  # [batch, seq]
         "position_ids": torch.tensor([r.position_ids for r in rows], dtype=torch.long),  # [batch, seq]
         "labels": torch.tensor([r.labels for r in rows], dtype=torch.long),  # [batch, seq]
+        # True on real tokens, False on the padding at each row's end
+        "token_mask": torch.tensor([[i < r.num_real_tokens for i in range(len(r))] for r in rows]),
     }

@@ -11,14 +11,17 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tidal.errors import write_error
+from tidal.trainer.moe import checkpoint_tensors, fused_expert_params
 from tidal.trainer.parallel import DistInfo, barrier
 from tidal.transport.weights import save_hf_checkpoint
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the unsharded state dict on CPU (a collective: every rank must call it)."""
+    """Gather the unsharded state dict on CPU (a collective: every rank must call it), under HF checkpoint
+    names: fused MoE expert tensors are split per expert (tidal.trainer.moe.checkpoint_tensors)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+    tensors = ((name, value) for name, value in state.items() if isinstance(value, torch.Tensor))
+    return dict(checkpoint_tensors(tensors, fused_expert_params(model)))
 
 
 def export_model(

@@ -10,10 +10,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.moe import apply_moe
 
 T = TypeVar("T")
 
@@ -66,8 +68,11 @@ def set_num_threads(num_threads: int | None, info: DistInfo) -> int:
     return num_threads
 
 
-def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> TokenScorer:
-    """Wrap `model` in a TokenScorer and compose attention, activation checkpointing, compile and FSDP2.
+def parallelize(
+    model: torch.nn.Module, info: DistInfo, perf: PerfConfig, moe: MoEConfig | None = None
+) -> TokenScorer:
+    """Wrap `model` in a TokenScorer and compose attention, MoE layers, activation checkpointing, compile and
+    FSDP2.
 
     Returns the module to call for training; `model` keeps its HF parameter names for the optimizer,
     checkpoints and exported weights (the parameters are shared). On GPU, and with several ranks, FSDP2
@@ -79,6 +84,14 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
 
         raise UserError("perf.cpu_offload moves state from a GPU to the CPU; this run has no GPU")
     setup_attention(model, perf.attention, info.device)
+    routing = apply_moe(model, moe or MoEConfig(), info.device.type, compute_dtype(perf, info))
+    if routing is not None and perf.save_mlp_layers:
+        from tidal.errors import UserError
+
+        raise UserError(
+            "perf.save_mlp_layers keeps a dense MLP's gate and up projections; this model's MLPs are "
+            "mixture-of-experts blocks: leave it at 0"
+        )
     layers = _decoder_layers(model)
     apply_activation_checkpointing(
         layers, resolve_checkpointing(perf, info), perf.checkpoint_every, perf.save_mlp_layers
@@ -86,7 +99,7 @@ def parallelize(model: torch.nn.Module, info: DistInfo, perf: PerfConfig) -> Tok
     compiled = resolve_compile(perf, info)
     if compiled:
         apply_compile(layers)
-    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=compiled)
+    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=compiled, moe=routing)
     if not uses_fsdp(perf, info):
         return scorer.to(info.device)
     if not perf.cpu_offload:
@@ -167,10 +180,18 @@ def choose_attention(choice: str, flash: bool, unsupported: str | None) -> str:
     return choice
 
 
+def uses_bf16(perf: PerfConfig, info: DistInfo) -> bool:
+    return perf.mixed_precision == "bf16" or (perf.mixed_precision == "auto" and info.device.type == "cuda")
+
+
+def compute_dtype(perf: PerfConfig, info: DistInfo) -> torch.dtype:
+    """The dtype layers compute in: bf16 under mixed precision, else the fp32 master dtype."""
+    return torch.bfloat16 if uses_bf16(perf, info) else torch.float32
+
+
 def mp_policy(perf: PerfConfig, info: DistInfo) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 reductions (master weights stay in their fp32 load dtype), or no casting."""
-    bf16 = perf.mixed_precision == "bf16" or (perf.mixed_precision == "auto" and info.device.type == "cuda")
-    if bf16:
+    if uses_bf16(perf, info):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
@@ -221,6 +242,14 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=info.device)
     dist.all_reduce(tensor)
     return float(tensor.item())
+
+
+def all_reduce_tensor(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The element-wise sum of `tensor` over ranks (a copy; fp64 on the rank's device for the reduction)."""
+    total = tensor.detach().to(device=info.device, dtype=torch.float64)
+    if info.distributed:
+        dist.all_reduce(total)
+    return total
 
 
 def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:

@@ -28,6 +28,7 @@ import torch
 from tidal.config.rl import CudaIpcPublish, FilesystemPublish, NcclPublish, PublishConfig
 from tidal.trainer.export import export_model
 from tidal.trainer.lora import export_adapter
+from tidal.trainer.moe import checkpoint_tensors, fused_expert_params
 from tidal.trainer.parallel import DistInfo, barrier
 from tidal.transport.cuda_ipc import (
     Held,
@@ -278,21 +279,29 @@ def _whole_parameters(
 
 
 def served_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[TensorMeta]:
-    """Name, dtype and global shape of every parameter as it will be broadcast (no gather)."""
+    """Name, dtype and global shape of every tensor as it will be broadcast (no gather): HF checkpoint names,
+    fused MoE experts split per expert as `served_tensors` sends them."""
+    fused = fused_expert_params(model)
     for name, param in model.named_parameters():
         cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
-        yield TensorMeta(name, str(cast).removeprefix("torch."), tuple(param.shape))
+        shape_only = torch.empty(param.shape, device="meta")
+        for served_name, part in checkpoint_tensors([(name, shape_only)], fused):
+            yield TensorMeta(served_name, str(cast).removeprefix("torch."), tuple(part.shape))
 
 
 def served_tensors(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each parameter whole and in `dtype`, one at a time; under FSDP each is a collective. The shard is cast
-    before the gather, so an fp32 master is gathered at the size it is sent in."""
+    """Each parameter whole and in `dtype`, one at a time, under HF checkpoint names (a fused MoE expert
+    tensor as one tensor per expert); under FSDP each parameter is a collective. The shard is cast before
+    the gather, so an fp32 master is gathered at the size it is sent in."""
+    fused = fused_expert_params(model)
     for name, param in model.named_parameters():
         value = param.detach()
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         full_tensor = getattr(value, "full_tensor", None)
-        yield name, (full_tensor() if callable(full_tensor) else value).contiguous()
+        whole = full_tensor() if callable(full_tensor) else value
+        for served_name, part in checkpoint_tensors([(name, whole)], fused):
+            yield served_name, part.contiguous()
 
 
 def local_non_finite(model: torch.nn.Module, info: DistInfo) -> list[str]:

@@ -27,6 +27,8 @@ from tidal.trainer.model import served_dtype
 from tidal.trainer.parallel import (
     DistInfo,
     all_gather_floats,
+    all_reduce_sum,
+    all_reduce_tensor,
     init_distributed,
     micro_batches,
     shutdown,
@@ -128,27 +130,37 @@ def rl_step(
     """One optimizer step on this rank's micro-batches; the loss is normalised by global counts."""
     start = time.perf_counter()
     scorer.train()
-    losses, parts, num_tokens = [], [], 0
+    losses, parts = [], []
+    # real (non-padding) tokens per micro-batch, from host data: no device sync
+    num_tokens = [sum(i >= 0 for row in micro.sample_ids for i in row) for micro in batch.micro_batches]
+    if scorer.moe is not None:  # the load-balancing loss weighs each micro-batch by its share of all tokens
+        scorer.moe.start_step(all_reduce_sum(sum(num_tokens), info), gradient_scale=info.world_size)
     for micro in micro_batches(scorer, batch.micro_batches):
         t = micro.to_tensors(info.device)
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
         logprobs, entropy = scorer(
-            t["input_ids"], t["position_ids"], t["target_ids"], config.temperature, with_entropy=True
-        )
+            t["input_ids"], t["position_ids"], t["target_ids"], config.temperature, with_entropy=True,
+            token_mask=t["sample_ids"] >= 0,
+        )  # fmt: skip
         loss, metrics = rl_loss(
             logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
             batch.num_loss_tokens_global, batch.num_samples_global, entropy,
         )  # fmt: skip
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
-        (loss * info.world_size).backward()
+        backward = loss * info.world_size
+        if scorer.moe is not None:
+            backward = backward + scorer.moe.aux_loss()
+        backward.backward()
         losses.append(loss.detach())
         parts.append(metrics)
-        num_tokens += sum(i >= 0 for row in micro.sample_ids for i in row)  # host data: no device sync
     grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
+    moe_metrics = {}
+    if scorer.moe is not None:
+        moe_metrics = scorer.moe.step_metrics(lambda t: all_reduce_tensor(t, info))
     # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
     loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
     local = {
-        **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(num_tokens),
+        **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(sum(num_tokens)),
         "elapsed": time.perf_counter() - start,
     }  # fmt: skip
     m = across_ranks(local, lambda values: all_gather_floats(values, info))
@@ -165,6 +177,7 @@ def rl_step(
         "tokens_per_s": m["tokens"] / m["elapsed"],
         "time/forward_backward": m["elapsed"],
         **peak_memory(info),
+        **moe_metrics,
     }
 
 

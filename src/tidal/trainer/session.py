@@ -59,7 +59,7 @@ def open_trainer(
     model = load_model(config.model, config.perf.master_dtype)
     # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
     lora_modules = apply_lora(model, config.lora)
-    scorer = parallelize(model, info, config.perf)
+    scorer = parallelize(model, info, config.perf, config.moe)
     state_dtype = resolve_state_dtype(config.perf.optimizer_state, info.device)
     optimizer = build_optimizer(model, config.optim, state_dtype)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)

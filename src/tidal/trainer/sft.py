@@ -38,6 +38,7 @@ from tidal.trainer.model import export_dtype
 from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
+    all_reduce_tensor,
     init_distributed,
     micro_batches,
     shutdown,
@@ -62,6 +63,7 @@ class StepBatch:
     num_loss_tokens: int  # over all ranks: the loss is a mean over these
     num_tokens: int  # non-padding tokens over all ranks
     num_truncated: int
+    num_real_tokens: int = 0  # tokens of the packed rows over all ranks, padding excluded (after truncation)
 
 
 class SFTData:
@@ -93,6 +95,7 @@ class SFTData:
             num_loss_tokens=sum(r.num_loss_tokens for r in rows),
             num_tokens=sum(len(s.input_ids) for s in samples),
             num_truncated=num_truncated,
+            num_real_tokens=sum(r.num_real_tokens for r in rows),
         )
 
 
@@ -159,20 +162,31 @@ def train_step(
     info: DistInfo,
     max_grad_norm: float,
 ) -> dict[str, float]:
-    """Mean token cross-entropy over the whole global batch, accumulated over micro-batches."""
+    """Mean token cross-entropy over the whole global batch, accumulated over micro-batches (plus, for an MoE
+    model, the load-balancing loss: tidal.trainer.moe)."""
     start = time.perf_counter()
     scorer.train()
     # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
     scale = info.world_size / max(1, batch.num_loss_tokens)
+    if scorer.moe is not None:  # every rank packed the whole batch: the global count is known here
+        scorer.moe.start_step(batch.num_real_tokens, gradient_scale=info.world_size)
     nll_sums = []
     for rows in micro_batches(scorer, batch.micro_batches):
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         labels = inputs["labels"]  # [b, s]
-        logprobs, _ = scorer(inputs["input_ids"], inputs["position_ids"], labels)  # [b, s]
+        logprobs, _ = scorer(
+            inputs["input_ids"], inputs["position_ids"], labels, token_mask=inputs["token_mask"]
+        )  # [b, s]
         nll = -torch.where(labels != IGNORE_INDEX, logprobs, 0.0).sum()
-        (nll * scale).backward()
+        loss = nll * scale
+        if scorer.moe is not None:
+            loss = loss + scorer.moe.aux_loss()
+        loss.backward()
         nll_sums.append(nll.detach())
     grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, max_grad_norm)
+    moe_metrics = {}
+    if scorer.moe is not None:
+        moe_metrics = scorer.moe.step_metrics(lambda t: all_reduce_tensor(t, info))
     # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
     loss_sum = float(torch.stack(nll_sums).sum()) if nll_sums else 0.0
     elapsed = time.perf_counter() - start
@@ -185,6 +199,7 @@ def train_step(
         "num_loss_tokens": batch.num_loss_tokens,
         "num_truncated": batch.num_truncated,
         "time/step": elapsed,
+        **moe_metrics,
     }
 
 

@@ -1,0 +1,152 @@
+"""Expert MLPs of a mixture-of-experts layer as grouped matrix multiplies (pure tensor code, no modules).
+
+Every token goes to `top_k` experts. The (token, expert) pairs are sorted by expert so that each expert's
+rows are contiguous; both projections then run as one grouped matmul each over all experts:
+
+    x [tokens, hidden] → rows [tokens·k, hidden] sorted by expert
+      → rows @ gate_up[e]ᵀ per group → act(gate) · up → @ down[e]ᵀ per group → [tokens·k, hidden]
+      → back in (token, k) order, times the routing weights, summed over k → [tokens, hidden]
+
+Two kernels do the grouped matmul:
+
+- `grouped_mm`: torch's grouped GEMM (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older
+  releases) with cumulative group ends as offsets. It runs on Hopper GPUs in bf16, and recent CPU builds have
+  a kernel too. No host sync, no padding.
+- `padded`: each expert's rows are scattered into a [experts, capacity, hidden] buffer (capacity = the most
+  rows any expert got) and one `torch.bmm` does every expert at once. It runs on any device and dtype and
+  has no Python loop over experts, at the price of one host sync (the capacity) and the padding, which is
+  at most `experts ×` the rows when routing is very uneven. It is the fallback where `grouped_mm` does not
+  run (fp32 or pre-Hopper GPUs, old torch) and the reference `grouped_mm` is checked against.
+
+The combine step un-sorts with a permutation and sums each token's k rows, so no atomic adds are involved
+and the result is deterministic on GPU too. Nothing is ever dropped: every routed pair is computed.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("grouped_mm", "padded")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where each routed (token, expert) pair goes, for one layer's forward."""
+
+    order: torch.Tensor
+    """[tokens·k] long: the flat (token, k) pair at each sorted row (a permutation)."""
+    counts: torch.Tensor
+    """[experts] long: rows per expert."""
+    offsets: torch.Tensor
+    """[experts] int32: cumulative row ends per expert (grouped_mm's `offs`)."""
+
+
+def dispatch(expert_index: torch.Tensor, num_experts: int) -> Dispatch:
+    """Sort the pairs of `expert_index` [tokens, k] by expert (stable: within an expert, token order)."""
+    flat = expert_index.reshape(-1)  # [tokens·k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)  # [experts]
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    return Dispatch(order, counts, offsets)
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [n, in] sorted by group, weight [groups, in, out], offsets [groups] → [n, out] (torch's kernel)."""
+    kernel = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return kernel(rows, weight, offs=offsets)
+
+
+def padded_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The same as `grouped_mm` through one bmm over [groups, capacity, in] (rows scattered, then gathered)."""
+    groups, num_rows = weight.shape[0], rows.shape[0]
+    group_of_row = torch.repeat_interleave(
+        torch.arange(groups, device=rows.device), counts, output_size=num_rows
+    )  # [n]
+    starts = torch.cumsum(counts, 0) - counts  # [groups]
+    slot = torch.arange(num_rows, device=rows.device) - starts[group_of_row]  # [n]: position in its group
+    capacity = int(counts.max()) if num_rows else 0  # the one host sync
+    buffer = rows.new_zeros(groups, capacity, rows.shape[1])  # [groups, capacity, in]
+    buffer = buffer.index_put((group_of_row, slot), rows)
+    return torch.bmm(buffer, weight)[group_of_row, slot]  # [n, out]
+
+
+def group_matmul(rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch, kernel: str) -> torch.Tensor:
+    """rows [n, in] sorted as `plan` says, weight [groups, in, out] → [n, out] with `kernel`."""
+    if kernel == "grouped_mm":
+        return grouped_mm(rows, weight, plan.offsets)
+    return padded_mm(rows, weight, plan.counts)
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    expert_index: torch.Tensor,
+    routing_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    kernel: str,
+) -> torch.Tensor:
+    """Σ_k w[t, k] · down[e]·(act(gate[e]·x[t]) ⊙ up[e]·x[t]) with e = expert_index[t, k], as grouped matmuls.
+
+    x [tokens, hidden]; expert_index, routing_weights [tokens, k]; gate_up_proj [experts, 2·inter, hidden]
+    (gate rows first, then up: HF's fused layout); down_proj [experts, hidden, inter] → [tokens, hidden].
+    """
+    num_tokens, top_k = expert_index.shape
+    plan = dispatch(expert_index, gate_up_proj.shape[0])
+    rows = x.index_select(0, plan.order // top_k)  # [tokens·k, hidden], sorted by expert
+    gate_up = group_matmul(rows, gate_up_proj.transpose(1, 2), plan, kernel)  # [tokens·k, 2·inter]
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = group_matmul(act(gate) * up, down_proj.transpose(1, 2), plan, kernel)  # [tokens·k, hidden]
+    # back to (token, k) order: the permutation's inverse, as a copy (no atomics, deterministic)
+    unsorted = torch.index_copy(torch.empty_like(out), 0, plan.order, out)  # [tokens·k, hidden]
+    weighted = unsorted.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1).to(out.dtype)
+    return weighted.sum(1).to(x.dtype)  # [tokens, hidden]
+
+
+@functools.cache
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs here in `dtype`, forward and backward, and matches `padded_mm`
+    (an empty group included). Probed once per device type and dtype, before any compiled region."""
+    if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    device = torch.device(device_type)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = torch.randn(24, 32, device=device, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(4, 32, 16, device=device, generator=gen).to(dtype).requires_grad_()
+    counts = torch.tensor([5, 0, 11, 8], device=device)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    grad = torch.randn(24, 16, device=device, generator=gen).to(dtype)
+    try:
+        got = grouped_mm(rows, weight, offsets)
+        got_grads = torch.autograd.grad(got, (rows, weight), grad)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    want = padded_mm(rows, weight, counts)
+    want_grads = torch.autograd.grad(want, (rows, weight), grad)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    pairs = [(got, want), *zip(got_grads, want_grads, strict=True)]
+    return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+
+
+def aligned_for_grouped_mm(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """torch's grouped GEMM needs every row stride a multiple of 16 bytes: each of `dims` (hidden size and
+    expert intermediate size) times the element size."""
+    return all(dim * dtype.itemsize % 16 == 0 for dim in dims)
+
+
+def resolve_kernel(choice: str, device_type: str, dtype: torch.dtype, dims: tuple[int, ...]) -> str:
+    """`grouped_mm` or `padded` for the setting `choice`; `auto` takes `grouped_mm` when the expert sizes
+    `dims` suit it and the probe passes on this device and dtype. An explicit `grouped_mm` that cannot run
+    on these sizes is a ValueError."""
+    aligned = aligned_for_grouped_mm(dims, dtype)
+    if choice == "auto":
+        return "grouped_mm" if aligned and grouped_mm_works(device_type, dtype) else "padded"
+    if choice == "grouped_mm" and not aligned:
+        raise ValueError(
+            f"moe.experts = 'grouped_mm' needs expert sizes {dims} to be multiples of {16 // dtype.itemsize} "
+            f"in {str(dtype).removeprefix('torch.')}; use 'padded' or 'auto'"
+        )
+    return choice

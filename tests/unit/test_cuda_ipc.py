@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.unit.test_publish import CPU, small_model  # the same fp32 master model and rank
 from tidal.config.inference import InferenceConfig
 from tidal.config.loader import load_config, parse_args
 from tidal.config.rl import CudaIpcPublish, RLConfig
@@ -23,7 +24,6 @@ from tidal.errors import UserError
 from tidal.launcher.restarts import max_restarts
 from tidal.launcher.split import split_config
 from tidal.orchestrator.policy import PolicyWatcher
-from tidal.trainer.parallel import DistInfo
 from tidal.trainer.publish import CudaIpcPublisher, setup_publisher
 from tidal.transport.cuda_ipc import (
     ALIGNMENT,
@@ -39,19 +39,6 @@ from tidal.transport.cuda_ipc import (
 )
 from tidal.transport.nccl import TensorMeta
 from tidal.transport.weights import list_published
-
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-
-
-def small_model() -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen3ForCausalLM(config)  # fp32, as the trainer's master weights
 
 
 def served(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -83,9 +83,14 @@ class BackgroundPlot:
                 stdin=subprocess.DEVNULL,
             )
 
-    def stop(self) -> None:
-        """The final plot is drawn after the run: a drawing still on is not needed."""
+    def stop(self, grace: float = 15.0) -> None:
+        """A drawing still on gets `grace` seconds to finish (on a loaded machine its imports alone take
+        seconds, and a drawing killed at every run's end would never be seen), then is killed: the final
+        plot is drawn after the run anyway."""
         if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
+            try:
+                self._process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
         self._process = None

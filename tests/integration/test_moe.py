@@ -89,3 +89,21 @@ def published_weights_moved(out: Path, step: int) -> float:
             logprobs.append(torch.log_softmax(model(ids).logits.double(), -1))
     before, after = logprobs
     return float((after.exp() * (after - before)).sum(-1).mean())
+
+
+def test_moe_sft_on_two_fsdp_ranks_matches_one_process(tmp_path: Path) -> None:
+    """FSDP2 over two gloo ranks shards the fused expert tensors with their layers: the same losses as one
+    process, and router metrics summed over both ranks' tokens (step 1: the same weights route the same
+    tokens, so the counts are equal). Without the loss term, whose per-micro-batch value depends on how rows
+    are grouped into micro-batches, the two runs compute the same gradients."""
+    common = [*SFT_ARGS, "--max-steps", "6", "--moe.aux-loss-coef", "0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, ranks in ((one, "1"), (two, "2")):
+        result = run_tidal(*common, "--output-dir", str(out), "--deployment.num-trainer-ranks", ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+    want, got = step_metrics(one), step_metrics(two)
+    for step in range(1, 7):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
+    for expert in range(8):
+        key = f"moe/tokens_per_expert/{expert}"
+        assert got[1][key] == pytest.approx(want[1][key]), key

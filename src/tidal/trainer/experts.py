@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("grouped_mm", "padded")
+GROUPED_MM_ALIGN_BYTES = 16  # torch's grouped GEMM refuses row strides that are not a multiple of this
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,9 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def aligned_for_grouped_mm(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """torch's grouped GEMM needs every row stride a multiple of 16 bytes: each of `dims` (hidden size and
-    expert intermediate size) times the element size."""
-    return all(dim * dtype.itemsize % 16 == 0 for dim in dims)
+    """Whether torch's grouped GEMM accepts these sizes: each of `dims` (hidden size and expert intermediate
+    size) times the element size a multiple of GROUPED_MM_ALIGN_BYTES."""
+    return all(dim * dtype.itemsize % GROUPED_MM_ALIGN_BYTES == 0 for dim in dims)
 
 
 def resolve_kernel(choice: str, device_type: str, dtype: torch.dtype, dims: tuple[int, ...]) -> str:
@@ -146,7 +147,8 @@ def resolve_kernel(choice: str, device_type: str, dtype: torch.dtype, dims: tupl
         return "grouped_mm" if aligned and grouped_mm_works(device_type, dtype) else "padded"
     if choice == "grouped_mm" and not aligned:
         raise ValueError(
-            f"moe.experts = 'grouped_mm' needs expert sizes {dims} to be multiples of {16 // dtype.itemsize} "
+            f"moe.experts = 'grouped_mm' needs expert sizes {dims} to be multiples of "
+            f"{GROUPED_MM_ALIGN_BYTES // dtype.itemsize} "
             f"in {str(dtype).removeprefix('torch.')}; use 'padded' or 'auto'"
         )
     return choice

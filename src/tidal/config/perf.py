@@ -76,6 +76,12 @@ class PerfConfig(Config):
     """HSDP: replicate the model over this many groups of ranks and shard it within each (the world size
     must be a multiple). With replicate = number of nodes, all-gathers stay inside a node and only gradients
     cross nodes."""
+    ep: int = Field(default=1, ge=1)
+    """Expert parallelism for mixture-of-experts models: each MoE layer's experts are split over groups of
+    this many ranks, and tokens go to the ranks of their experts by all-to-all and come back the same way;
+    FSDP2 shards each rank's experts further over the other data-parallel ranks. 1: off (every rank runs
+    all experts, FSDP2-sharded). Must divide the world size and the number of experts; not with
+    `replicate` (HSDP) yet."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
     backward (ZeRO-2-like). On one H200 with Qwen3-4B at 16k tokens False was within noise of True in

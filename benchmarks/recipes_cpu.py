@@ -4,8 +4,10 @@ For each environment named, runs exactly what its README tells a user to run (ex
 then examples/<env>/rl_tiny.toml from the SFT's final/) and records, per environment:
 
 - sft: wall time, steps, train loss first and last, held-out greedy exact match of the last turn;
-- rl: wall time, steps, the sampled reward (T = 1) of the first and the last 10 steps, and the online eval
-  (greedy reward avg@1 and pass@1 on held-out tasks) at each eval step, the first of them before any update.
+- rl: wall time, steps, the sampled reward (T = 1) of every rollout per 10 steps (`env/<env>/reward/mean`:
+  zero-signal groups included), the reward of the trained batch beside it (`reward/batch_mean`: with
+  `zero_signal = "drop"` only groups whose rewards differ, so it can rise while the policy does not), and the
+  online eval (greedy reward avg@1 and pass@1 on held-out tasks) at each eval step, the first before any update.
 
 Entries are merged into `--out` by environment (a rerun of one environment replaces its entry only).
 
@@ -58,8 +60,15 @@ def rl_summary(env: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     ]
     return {
         "steps": sum(1 for r in records if "reward/mean" in r),
-        "reward_first_last_10": first_last(records, "reward/mean"),
-        "reward_per_10_steps": blocks(records, "reward/mean"),
+        "reward_first_last_10": first_last(records, f"env/{env}/reward/mean"),
+        "reward_per_10_steps": blocks(records, f"env/{env}/reward/mean"),
+        # runs before 2026-12-02 logged the batch's mean as reward/mean
+        "trained_batch_reward_per_10_steps": blocks(
+            records, "reward/batch_mean" if any("reward/batch_mean" in r for r in records) else "reward/mean"
+        ),
+        "zero_signal_groups_per_step": [
+            r.get("rollouts/zero_signal_groups") for r in records if "reward/mean" in r
+        ],
         "online_eval": [{k: e[k] for k in ("step", "avg@1", "pass@1") if k in e} for e in online],
     }
 

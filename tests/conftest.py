@@ -1,9 +1,14 @@
-"""Shared pytest setup: skip `gpu` tests without CUDA, helpers to run the real `tidal` CLI."""
+"""Shared pytest setup: skip `gpu` tests without CUDA, test groups under xdist, helpers to run the `tidal` CLI."""
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +24,103 @@ def _has_cuda() -> bool:
         return False
 
 
+SERVER_PAIR_GROUP = "server_pair"
+SERVER_PAIR_FILES = {
+    "test_code_example",
+    "test_custom_env",
+    "test_debug_configs",
+    "test_envs_rollouts",
+    "test_eval",
+    "test_inference_client",
+    "test_inference_server",
+    "test_reward_workers",
+}
+"""Integration files with tests that use tests/integration/conftest.py's session-scoped vLLM server pair."""
+
+HEAVIEST_FIRST = [
+    "test_restarts",
+    "test_rl",
+    "test_slurm",
+    SERVER_PAIR_GROUP,
+    "test_reverse_text_example",
+    "test_lora",
+    "test_multiturn_rl",
+    "test_sft",
+]
+"""Groups that take minutes, roughly longest first (seconds in a `make test` run on the 2-core CI machine,
+two at once: ~260, ~450, ~250, ~200, ~200, ~120, ~60, ~160). The scheduler hands groups out in collection
+order, so starting the long ones first keeps one worker from being left with a long group at the end while
+the other idles."""
+
+
+def group_of(nodeid: str) -> str | None:
+    """The group a test runs in under `pytest -n 2` (`make test`): a group runs on one worker, one test after
+    another; None for a test free to go wherever a worker is idle (the unit tests). An integration file is
+    one group, because its module-scoped fixtures (a whole RL run, a Slurm cluster) would otherwise run once
+    on each worker that gets one of its tests; and the files that use the shared server pair are one group,
+    because a session fixture starts once per worker (and its two servers are pinned to cores 0 and 1)."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent.name != "integration":
+        return None
+    return SERVER_PAIR_GROUP if path.stem in SERVER_PAIR_FILES else path.stem
+
+
+def _rank(item: pytest.Item) -> int:
+    group = group_of(item.nodeid)
+    if group in HEAVIEST_FIRST:
+        return HEAVIEST_FIRST.index(group)
+    return len(HEAVIEST_FIRST) + (0 if group is not None else 1)  # then other integration files, then units
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only called when it distributes the tests
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Tests of one `group_of` go to one worker, groups in collection order. xdist's own `--dist loadgroup`
+    would do this from `xdist_group` marks, but pytest 9 ignores the test-id suffix that xdist 3.8 writes
+    for them (Node.nodeid comes from `_id` now): every test then went to any worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid) or nodeid
+
+    config.option.loadscopereorder = False  # keep the collection order (longest groups first)
+    return GroupScheduling(config, log)
+
+
+@contextlib.contextmanager
+def _cpu_turn(alone: bool) -> Iterator[None]:
+    """Under xdist: hold the run's test lock shared, or exclusive for a test marked `alone` (timing asserts that
+    a test beside it broke: an event-loop lag of 0.51 s against the bound of 0.3 while the other worker
+    trained). The gate makes a test that waits to run alone hold back the next tests of other workers, which
+    would otherwise keep the shared lock taken."""
+    run = Path(tempfile.gettempdir()) / f"tidal-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    with open(f"{run}.gate", "a") as gate, open(f"{run}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown of each test within its turn (fixtures that start processes included)."""
+    if not os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        return (yield)
+    with _cpu_turn(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "server_pair" in getattr(item, "fixturenames", ()) and group_of(item.nodeid) != SERVER_PAIR_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} uses the server pair: add its file to SERVER_PAIR_FILES")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # only under xdist; a stable sort: every worker gets one order
+        items.sort(key=_rank)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run through the device tool)")

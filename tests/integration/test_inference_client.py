@@ -114,3 +114,13 @@ def test_http_workers_read_real_vllm_answers_as_the_loop_does(inference_server: 
     assert all(
         len(c.token_ids) == 6 == len(c.logprobs) for c in on_loop[0].completions + on_loop[1].completions
     )
+
+
+def test_the_client_reads_the_served_context_length(inference_server: ServerProcess) -> None:
+    """vLLM's /v1/models reports max_model_len (512 for the shared server): what samplers cut max_tokens to."""
+
+    async def read() -> int | None:
+        async with InferenceClient([inference_server.url]) as client:
+            return await client.context_limit()
+
+    assert asyncio.run(read()) == 512

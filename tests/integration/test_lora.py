@@ -20,6 +20,7 @@ SFT_CONFIG = "configs/ci/sft_tiny.toml"
 RL_STEPS = 4
 SFT_STEPS = 8
 RANK = 8
+RL_PORT = "18510"  # not rl_tiny's 18500: tests/integration/test_rl.py's runs may hold it (pytest-xdist)
 ADAPTER_FILES = [".complete", "adapter_config.json", "adapter_model.safetensors"]
 PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 pytestmark = pytest.mark.slow
@@ -53,7 +54,8 @@ def lora_rl_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lora") / "rl"
     result = run_tidal(
         "rl", "@", RL_CONFIG, "--output-dir", str(out), "--max-steps", str(RL_STEPS), "--max-async-level", "0",
-        "--trainer.lora.rank", str(RANK), "--trainer.optim.lr", "1e-2", timeout=900,
+        "--trainer.lora.rank", str(RANK), "--trainer.optim.lr", "1e-2", "--inference.server.port", RL_PORT,
+        timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"step {RL_STEPS - 1} [{RL_STEPS}/{RL_STEPS}]" in result.stdout

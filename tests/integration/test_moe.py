@@ -11,6 +11,8 @@ from tests.conftest import interrupt_after_checkpoint, run_tidal
 from tidal.monitor.metrics import read_metrics
 from tidal.testing import TINY_MOE_MODEL_NAME
 
+RL_PORT = "18590"  # not rl_tiny's 18500: tests/integration/test_rl.py's runs may hold it (pytest-xdist)
+
 pytestmark = pytest.mark.slow
 
 SFT_ARGS = (
@@ -64,7 +66,7 @@ def test_moe_rl_through_vllm_cpu_serves_each_published_step(tmp_path: Path) -> N
     result = run_tidal(
         "rl", "@", "configs/ci/rl_tiny.toml", "--model.name", TINY_MOE_MODEL_NAME, "--output-dir", str(out),
         "--max-steps", "4", "--max-async-level", "0", "--trainer.optim.lr", "1e-2",
-        "--orchestrator.batch.zero-signal", "keep", timeout=900,
+        "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", RL_PORT, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     trainer = read_metrics(out / "trainer" / "metrics.jsonl")

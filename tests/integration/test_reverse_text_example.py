@@ -12,7 +12,10 @@ pytestmark = pytest.mark.slow
 
 def test_reverse_text_sft_example(tmp_path):
     out = tmp_path / "sft"
-    result = run_tidal("sft", "@", "examples/reverse_text/sft.toml", "--output-dir", str(out), timeout=900)
+    # one torch thread: `make test` runs another test on the other core meanwhile, and two threads fighting
+    # it for one core made a step 3-8x slower (0.26 s alone, 0.8-2 s beside it: 632 s for the 300 steps)
+    example = ("sft", "@", "examples/reverse_text/sft.toml", "--num-threads", "1")
+    result = run_tidal(*example, "--output-dir", str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out / "metrics.jsonl")
     exact = next(m["eval/exact_match"] for m in metrics if "eval/exact_match" in m)

@@ -58,6 +58,7 @@ def run_orchestrator(url: str, out: Path, reward_workers: int) -> tuple[list[dic
     return records, [int(line) for line in pids.read_text().split()]
 
 
+@pytest.mark.alone  # lag < 0.3 s: 0.51 s was seen beside another test
 def test_a_cpu_bound_reward_does_not_hold_the_orchestrators_event_loop(
     inference_server, tmp_path, monkeypatch
 ):

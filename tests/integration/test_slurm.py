@@ -34,6 +34,9 @@ SFT_SHORT = (
     "--eval.num-examples",
     "2",
 )
+PORT = "18520"
+"""The jobs' inference port: not rl_tiny's 18500, which tests/integration/test_rl.py's runs take while
+`make test` runs this file beside it (pytest-xdist)."""
 JOB_TIMEOUT = 420.0
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 pytestmark = pytest.mark.slow
@@ -57,8 +60,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
 
 def submit(slurm: LocalSlurm, out: Path, steps: int, *extra: str) -> str:
     result = run_tidal(
-        "rl", "@", RUN, "@", OVERLAY, "--output-dir", str(out), "--max-steps", str(steps), *extra,
-        env={"SLURM_CONF": str(slurm.conf)}, timeout=120,
+        "rl", "@", RUN, "@", OVERLAY, "--output-dir", str(out), "--max-steps", str(steps),
+        "--inference.server.port", PORT, *extra, env={"SLURM_CONF": str(slurm.conf)}, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     found = re.search(r"submitted job (\d+)", result.stdout)

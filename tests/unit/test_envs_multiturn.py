@@ -12,7 +12,7 @@ from tidal.envs.alphabet_sort import (
     list_agreement,
     parse_names,
 )
-from tidal.envs.base import Episode, Turn, answer_text, render_prompt, run_episode
+from tidal.envs.base import ContextFull, Episode, Turn, answer_text, render_prompt, run_episode
 from tidal.envs.tool_use import ToolUseEnv
 from tidal.envs.wordle import MAX_GUESSES, WordleEnv, feedback, parse_guess
 from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
@@ -241,3 +241,41 @@ def test_rewards_and_tools_read_the_answer_not_the_reasoning():
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
     episode, _ = roll(tools, tools.task(0), [f"<think>maybe {call}?</think>no call"], qwen3_tokenizer())
     assert episode.num_turns == 1 and episode.metrics["tools/num_tool_calls"] == 0
+
+
+class ContextLimitedSampler(ScriptedSampler):
+    """A scripted sampler whose served context holds `limit` tokens: a longer prompt raises ContextFull."""
+
+    def __init__(self, replies: list[str], limit: int):
+        super().__init__(replies)
+        self.limit = limit
+
+    async def complete(self, prompt_ids: list[int]) -> Turn:
+        if len(prompt_ids) >= self.limit:
+            raise ContextFull(f"{len(prompt_ids)} tokens")
+        return await super().complete(prompt_ids)
+
+
+def test_an_episode_that_outgrows_the_context_ends_truncated_without_the_reply_no_turn_followed():
+    env = AlphabetSortEnv(num_examples=10, seed=0, min_turns=3, max_turns=3)
+    task = env.task(0)
+    replies = ["\n".join(names) for names in expected_lists(task)]
+    full, full_sampler = roll(env, task, replies)
+    # room for the first two turns' prompts, not the third's
+    limit = len(full_sampler.prompts[2])
+    sampler = ContextLimitedSampler(replies, limit)
+    episode = asyncio.run(run_episode(env, task, sampler))
+    assert episode.info["truncated"] is True
+    assert episode.num_turns == 2 and len(sampler.prompts) == 2
+    # the episode ends with the second model turn: the user turn that no model turn followed is left out
+    assert episode.messages[-1]["role"] == "assistant"
+    assert episode.context_ids == sampler.prompts[1] + sampler.sampled[1]
+    check_token_invariants(episode, sampler)
+    assert 0 < episode.reward < full.reward == 1.0  # scored: the third turn counts as missed
+
+
+def test_a_first_prompt_past_the_context_fails_the_rollout():
+    env = AlphabetSortEnv(num_examples=10, seed=0)
+    task = env.task(0)
+    with pytest.raises(ContextFull):
+        asyncio.run(run_episode(env, task, ContextLimitedSampler(["Anya"], limit=5)))

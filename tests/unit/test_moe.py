@@ -186,6 +186,10 @@ def test_moe_keys_for_a_dense_model_are_one_line_errors():
     with pytest.raises(UserError, match="perf.save_mlp_layers"):
         parallelize(tiny_moe_lm(), CPU, PerfConfig(save_mlp_layers=1))
     assert parallelize(tiny_lm(), CPU, PerfConfig(), MoEConfig()).moe is None
+    # the defaults written out, as `tidal rl` writes every role's config, are no setting
+    assert (
+        parallelize(tiny_lm(), CPU, PerfConfig(), MoEConfig(experts="auto", aux_loss_coef=None)).moe is None
+    )
     odd = tiny_moe_lm(moe_intermediate_size=6)  # 24-byte rows: torch's grouped GEMM refuses them
     with pytest.raises(UserError, match="moe.experts = 'grouped_mm' needs expert sizes"):
         parallelize(odd, CPU, PerfConfig(), MoEConfig(experts="grouped_mm"))

@@ -40,6 +40,9 @@ class FakeClient:
     def end_session(self, session_id: str) -> None:
         pass
 
+    async def context_limit(self) -> int | None:
+        return None
+
 
 class ScriptedEnv(SingleTurnEnv):
     """Tasks 0..n-1; the reward of a rollout is `reward(task index, sample index)` (or raises)."""
@@ -182,6 +185,23 @@ def test_env_reward_mean_and_batch_reward_mean_both_leave_failed_rollouts_out(tm
     assert metrics["reward/mean"] == pytest.approx(2 / 3)
     assert metrics["env/scripted/reward/mean"] == pytest.approx(2 / 3)  # failed rollouts are not zeros
     assert metrics["env/scripted/rollouts/failed_frac"] == 0.25 and metrics["rollouts/failed_frac"] == 0.25
+
+
+def test_the_headline_reward_counts_the_dropped_zero_signal_groups_and_the_batch_mean_does_not(
+    tmp_path, tokenizer_dir
+):
+    # tasks 0 and 5 have signal (1 and 0); the other six groups earn 0 twice and are dropped
+    orch = orchestrator(
+        tmp_path,
+        tokenizer_dir,
+        ScriptedEnv(lambda task, sample: float(task in (0, 5) and sample == 0)),
+        max_tasks_factor=2,
+    )
+    groups, _, stats = collect(orch, FakeClient())
+    metrics = logged_metrics(orch, 0, groups, stats)
+    assert metrics["reward/batch_mean"] == pytest.approx(2 / 4)  # the two kept groups
+    assert metrics["reward/mean"] == pytest.approx(2 / 16)  # every rollout run: 8 groups of 2
+    assert metrics["reward/mean"] == metrics["env/scripted/reward/mean"]
 
 
 def test_online_eval_by_default_evaluates_the_environment_the_run_trains_on(tmp_path, tokenizer_dir):

@@ -40,6 +40,7 @@ def _leader_with_a_worker() -> tuple[subprocess.Popen[bytes], int]:
     return leader, worker
 
 
+@pytest.mark.alone  # stopped within 2 s
 def test_a_group_whose_leader_was_killed_is_stopped_at_once():
     """SIGKILL of the leader leaves its worker running (orphaned); stopping the group must SIGTERM it right
     away, not wait out the grace period first (vLLM's engine outlived a killed server by 20 s)."""
@@ -57,6 +58,7 @@ def test_a_group_whose_leader_was_killed_is_stopped_at_once():
     assert worker not in process_table() or process_table()[worker].state in "ZX"
 
 
+@pytest.mark.alone  # stopped within 2 s
 def test_managed_process_stops_the_groups_it_adopted_even_after_it_died(tmp_path: Path):
     """The launcher's `tidal inference` child starts vLLM in a session of its own: when the child is gone,
     stopping it still stops that session."""
@@ -79,6 +81,7 @@ def test_managed_process_stops_the_groups_it_adopted_even_after_it_died(tmp_path
     assert not group_alive(other_group)
 
 
+@pytest.mark.alone  # stop times within 1.9-3.9 s
 def test_stop_together_stops_children_side_by_side(tmp_path: Path):
     """Two children that each take 2 s to stop after SIGTERM: stopped together it takes about 2 s, not the
     4 s of one after the other, and each child's stop time is recorded."""

@@ -203,6 +203,7 @@ def test_workers_die_when_their_parent_is_sigkilled(tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.alone  # lag < 0.3 s
 def test_the_event_loop_keeps_ticking_while_a_cpu_bound_reward_runs():
     async def work(pool):
         await pool.run(worker_pid, TASK, EPISODE)  # the worker is up: its start is not measured

@@ -112,10 +112,11 @@ class NcclRendezvous(Config):
 class WeightUpdateConfig(Config):
     """How new weights reach this server."""
 
-    backend: Literal["filesystem", "nccl"] = "filesystem"
+    backend: Literal["filesystem", "nccl", "cuda_ipc"] = "filesystem"
     """`filesystem`: load HF safetensors from a directory (`/update_weights` with {"path": DIR}).
-    `nccl`: receive a broadcast from trainer rank 0 (GPU only; vLLM's nccl engine). `tidal rl` sets it from
-    `trainer.publish.type`."""
+    `nccl`: receive a broadcast from trainer rank 0 (GPU only; vLLM's nccl engine). `cuda_ipc`: load from
+    the trainer's copy of the weights in GPU memory, shared once (same GPU only; `/update_weights` with
+    {"path": "<weights/step_<n> announcement>"}). `tidal rl` sets it from `trainer.publish.type`."""
     nccl: NcclRendezvous | None = None
     """With `nccl`: join the trainer's group from these settings at the first update, and take each
     update's tensor list from the broadcast itself (`/update_weights` with {"path": "<step announcement>"}).
@@ -126,12 +127,18 @@ class WeightUpdateConfig(Config):
     `tidal inference`; off under `tidal rl`, whose trainer refuses non-finite weights before it publishes
     them, so the server does not read every published step a second time while generation waits."""
 
+    load: Literal["layerwise", "direct"] = "layerwise"
+    """How a `cuda_ipc` update enters the model. `layerwise`: vLLM's layer-wise reload, which re-runs each
+    layer's post-load processing (right for every model vLLM can reload, quantized or repacked ones too).
+    `direct`: the model's `load_weights` straight into the served parameters, skipping that processing: only
+    for models served as loaded (unquantized), and faster."""
+
     @model_validator(mode="after")
     def _check_rendezvous(self) -> "WeightUpdateConfig":
         if self.nccl is not None and self.backend != "nccl":
             raise ConfigProblem("nccl", "an NCCL rendezvous needs backend = 'nccl'")
-        if self.backend == "nccl" and self.check_finite is True:
-            raise ConfigProblem("check_finite", "checks weight files; nccl updates have none")
+        if self.backend != "filesystem" and self.check_finite is True:
+            raise ConfigProblem("check_finite", f"checks weight files; {self.backend} updates have none")
         return self
 
 
@@ -160,8 +167,10 @@ class InferenceConfig(Config):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "InferenceConfig":
-        if self.weights.backend == "nccl" and self.device == "cpu":
-            raise ConfigProblem("weights.backend", "nccl weight updates need GPUs; use `filesystem` on CPU")
+        if self.weights.backend != "filesystem" and self.device == "cpu":
+            raise ConfigProblem(
+                "weights.backend", f"{self.weights.backend} weight updates need GPUs; use `filesystem` on CPU"
+            )
         if self.model.attn_implementation != "sdpa":
             raise ConfigProblem(
                 "model.attn_implementation", "vLLM picks its own attention kernels; leave `sdpa`"

@@ -14,6 +14,7 @@ class RestartsConfig(Config):
     max_restarts: int = Field(default=3, ge=0)
     """Restarts each role may have within `window` (each inference replica counts on its own); the next
     failure stops the run. 0: the first failure stops the run, naming the process that failed. Runs that
-    publish weights by NCCL broadcast never restart (a broadcast group cannot take a process back)."""
+    publish weights by NCCL broadcast or CUDA IPC never restart (a broadcast group cannot take a process back;
+    a restarted trainer's shared buffer is a new one)."""
     window: float = Field(default=3600.0, gt=0)
     """Seconds over which a role's restarts are counted: failures further apart never stop the run."""

@@ -312,12 +312,28 @@ class NcclPublish(Config):
     """Inference workers that receive the broadcast, all replicas together (`tidal rl` sets it)."""
 
 
+class CudaIpcPublish(Config):
+    """Weights through GPU memory when inference and trainer rank 0 share one GPU (one machine, every
+    inference replica on trainer rank 0's GPU, one GPU each). Rank 0 keeps one copy of the weights in the
+    served dtype on the GPU, casts its master weights into it in place each step, and shares it once with
+    vLLM's workers (CUDA IPC); each step announces `weights/step_<n>/` (a small `cuda_ipc.json`, no weights)
+    and every server loads from that copy. Full weights only (no LoRA)."""
+
+    type: Literal["cuda_ipc"] = "cuda_ipc"
+    keep_last: int = Field(default=3, ge=2)
+    """Step announcements kept on disk (they hold no weights)."""
+    dtype: PublishDtype = "auto"
+    """Dtype of the shared copy (as for `filesystem`): what inference serves."""
+
+
 PublishConfig = Annotated[
-    Annotated[FilesystemPublish, Tag("filesystem")] | Annotated[NcclPublish, Tag("nccl")],
-    type_or("filesystem", "nccl"),
+    Annotated[FilesystemPublish, Tag("filesystem")]
+    | Annotated[NcclPublish, Tag("nccl")]
+    | Annotated[CudaIpcPublish, Tag("cuda_ipc")],
+    type_or("filesystem", "nccl", "cuda_ipc"),
 ]
-"""How the trainer hands new weights to inference: `filesystem` (default) or `nccl`; under `tidal rl` this is
-the one setting, and every server's `inference.weights` is derived from it."""
+"""How the trainer hands new weights to inference: `filesystem` (default), `nccl` or `cuda_ipc`; under `tidal rl`
+this is the one setting, and every server's `inference.weights` is derived from it."""
 
 
 class RLTrainerConfig(TrainerRunConfig):
@@ -483,27 +499,41 @@ class RLConfig(RunConfig):
                 f"warmup is longer than max_steps ({self.max_steps})",
                 also=("max_steps",),
             )
-        if self.trainer.lora.enabled and self.trainer.publish.type == "nccl":
+        publish_type = self.trainer.publish.type
+        if self.trainer.lora.enabled and publish_type != "filesystem":
             raise ConfigProblem(
                 "trainer.publish.type",
-                "LoRA runs publish adapters through the filesystem; nccl carries full weights only",
+                f"LoRA runs publish adapters through the filesystem; {publish_type} carries full weights only",
                 also=("trainer.lora.rank",),
             )
         restarts = self.restarts
         if (
-            self.trainer.publish.type == "nccl"
+            publish_type != "filesystem"
             and restarts.max_restarts
             and "max_restarts" in restarts.model_fields_set
         ):
+            why = {
+                "nccl": "cannot take a restarted process back into its broadcast group",
+                "cuda_ipc": "cannot hand a restarted trainer's new GPU buffer to the running servers",
+            }[publish_type]
             raise ConfigProblem(
                 "restarts.max_restarts",
-                "a run that publishes weights by NCCL broadcast cannot take a restarted process back into "
-                "its broadcast group; set 0 (or trainer.publish.type = 'filesystem')",
+                f"a run that publishes weights by {publish_type} {why}; set 0 "
+                "(or trainer.publish.type = 'filesystem')",
             )
-        if self.trainer.publish.type == "nccl" and self.inference.weights.check_finite is True:
+        if publish_type != "filesystem" and self.inference.weights.check_finite is True:
             raise ConfigProblem(
                 "inference.weights.check_finite",
-                "checks weight files; nccl updates have none (the trainer refuses NaN/inf before it sends)",
+                f"checks weight files; {publish_type} updates have none "
+                "(the trainer refuses NaN/inf before it publishes)",
+            )
+        if publish_type == "cuda_ipc":
+            check_one_gpu(self)
+        elif self.inference.weights.load != "layerwise":
+            raise ConfigProblem(
+                "inference.weights.load",
+                "chooses how cuda_ipc updates load; set trainer.publish.type = 'cuda_ipc'",
+                also=("trainer.publish.type",),
             )
         if self.inference.vllm.max_model_len is not None:
             longest = self.orchestrator.batch.seq_len
@@ -515,3 +545,38 @@ class RLConfig(RunConfig):
                     also=("inference.vllm.max_model_len",),
                 )
         return self
+
+
+def check_one_gpu(rl: RLConfig) -> None:
+    """`cuda_ipc` maps trainer rank 0's GPU memory into the vLLM workers: only where each of them runs on
+    that very GPU, on the same machine."""
+    deploy, vllm = rl.deployment, rl.inference.vllm
+    fix = "(use 'nccl' between GPUs or nodes, 'filesystem' anywhere)"
+    if deploy.type != "local":
+        raise ConfigProblem(
+            "trainer.publish.type",
+            f"cuda_ipc needs inference and trainer on one machine; deployment.type = {deploy.type!r} puts them on "
+            f"separate nodes {fix}",
+            also=("deployment.type",),
+        )
+    for key, device in (("inference.device", rl.inference.device), ("trainer.device", rl.trainer.device)):
+        if device == "cpu":
+            raise ConfigProblem(
+                "trainer.publish.type", f"cuda_ipc shares GPU memory; {key} is 'cpu'", also=(key,)
+            )
+    if vllm.tensor_parallel_size * vllm.data_parallel_size != 1:
+        raise ConfigProblem(
+            "trainer.publish.type",
+            "cuda_ipc needs each inference replica on one GPU (tensor_parallel_size × data_parallel_size = 1) "
+            f"{fix}",
+            also=("inference.vllm.tensor_parallel_size", "inference.vllm.data_parallel_size"),
+        )
+    trainer_gpu = deploy.trainer_gpus[0]
+    others = sorted({gpu for gpu in deploy.inference_gpus if gpu != trainer_gpu})
+    if others:
+        raise ConfigProblem(
+            "trainer.publish.type",
+            f"cuda_ipc needs inference on trainer rank 0's GPU {trainer_gpu}, but deployment.inference_gpus "
+            f"lists {others} {fix}",
+            also=("deployment.inference_gpus", "deployment.trainer_gpus"),
+        )

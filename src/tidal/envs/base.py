@@ -41,6 +41,13 @@ class Turn:
     finish_reason: str | None = None
 
 
+class ContextFull(Exception):
+    """The prompt leaves no room for a single new token in the served model's context: no turn can follow.
+
+    Raised by the sampler before it sends the request; a multi-turn episode ends there (truncated), while a
+    first prompt that does not fit fails its rollout."""
+
+
 class Sampler(Protocol):
     """What an environment uses to query the policy. `tokenizer` renders prompts (HF tokenizer)."""
 

@@ -7,7 +7,7 @@ are never re-tokenised, and the text the environment adds between turns enters t
 from abc import abstractmethod
 from typing import Any
 
-from tidal.envs.base import Environment, Episode, Sampler, Task, answer_text, render_prompt
+from tidal.envs.base import ContextFull, Environment, Episode, Sampler, Task, answer_text, render_prompt
 from tidal.inference.types import ChatMessage
 from tidal.rollout.chat import continue_prompt
 
@@ -36,9 +36,18 @@ class MultiTurnEnv(Environment):
         prompt = self.initial_prompt(task, sampler)
         episode = Episode(prompt_ids=prompt, messages=[dict(m) for m in task.messages])
         self.setup_episode(task, episode)
-        context = prompt
+        context, reply = prompt, None
         for _ in range(self.max_turns):
-            turn = await sampler.complete(context)
+            try:
+                turn = await sampler.complete(context)
+            except ContextFull:
+                if reply is None:
+                    raise  # the task's own prompt does not fit: the rollout fails
+                episode.info["truncated"] = True  # the reply is left out: no turn could follow it
+                break
+            if reply is not None:  # the environment's turn enters the episode once a model turn follows it
+                episode.add_env_tokens(context[len(episode.context_ids) :])
+                episode.messages.extend(reply)
             episode.add_model_turn(turn)
             episode.messages.append({"role": "assistant", "content": turn.text})
             reply = await self.env_response(task, episode)
@@ -46,10 +55,8 @@ class MultiTurnEnv(Environment):
                 break
             context = next_context(sampler.tokenizer, episode, reply)
             if self.max_context_tokens is not None and len(context) > self.max_context_tokens:
-                episode.info["truncated"] = True  # the reply is left out: no turn would follow it
+                episode.info["truncated"] = True
                 break
-            episode.add_env_tokens(context[len(episode.context_ids) :])
-            episode.messages.extend(reply)
         return episode
 
 

@@ -112,6 +112,8 @@ class InferenceClient:
         self.servers = {url.rstrip("/"): ServerState(url.rstrip("/")) for url in urls}
         self._least_loaded = LeastLoaded(list(self.servers.values()))
         self.model = model
+        self._card_read = False
+        self._context_limit: int | None = None
         self.max_retries = max_retries
         self.backoff = backoff
         self.health_interval = health_interval
@@ -269,9 +271,25 @@ class InferenceClient:
 
     async def _model_name(self) -> str:
         if self.model is None:
-            server, _, data = await self._dispatch("/v1/models", None, None, None, method="GET")
-            self.model = str(data["data"][0]["id"])
+            await self._read_model_card()
+        assert self.model is not None
         return self.model
+
+    async def context_limit(self) -> int | None:
+        """The served model's context length in tokens (`max_model_len` on vLLM's /v1/models; every replica
+        serves the same config), None where the server does not report it."""
+        if not self._card_read:
+            await self._read_model_card()
+        return self._context_limit
+
+    async def _read_model_card(self) -> None:
+        _, _, data = await self._dispatch("/v1/models", None, None, None, method="GET")
+        card = data["data"][0]
+        if self.model is None:
+            self.model = str(card["id"])
+        limit = card.get("max_model_len")
+        self._context_limit = int(limit) if isinstance(limit, int) and limit > 0 else None
+        self._card_read = True
 
     # ---- routing and retries ----------------------------------------------------------------------
 

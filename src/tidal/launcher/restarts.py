@@ -10,13 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.config.rl import NcclPublish, RLConfig, ZMQTransport
+from tidal.config.rl import CudaIpcPublish, NcclPublish, RLConfig, ZMQTransport
 
 
 def max_restarts(config: RLConfig) -> int:
-    """`restarts.max_restarts` as it applies: 0 where weights go by NCCL broadcast (RLConfig refuses a
-    number set there; the default then means none)."""
-    return 0 if isinstance(config.trainer.publish, NcclPublish) else config.restarts.max_restarts
+    """`restarts.max_restarts` as it applies: 0 where weights go by NCCL broadcast or a shared GPU buffer
+    (RLConfig refuses a number set there; the default then means none)."""
+    if isinstance(config.trainer.publish, NcclPublish | CudaIpcPublish):
+        return 0
+    return config.restarts.max_restarts
 
 
 def keeps_batches(config: RLConfig) -> bool:

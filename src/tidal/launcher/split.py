@@ -16,6 +16,7 @@ from tidal.config.inference import (
 )
 from tidal.config.lora import vllm_lora_rank
 from tidal.config.rl import (
+    CudaIpcPublish,
     NcclPublish,
     OrchestratorConfig,
     PublishConfig,
@@ -91,6 +92,9 @@ def split_config(
             replica = _replica(inference, index, per_node, core)
             if isinstance(publish, NcclPublish):
                 replica = _join_broadcast(replica, publish, len(replicas))
+            elif isinstance(publish, CudaIpcPublish):
+                weights = replica.weights.model_copy(update={"backend": "cuda_ipc"})
+                replica = replica.model_copy(update={"weights": weights})
             host = replica.server.host if addresses is None else addresses[node]
             replicas.append(replica)
             urls.append(client_url(host, replica.server.port))
@@ -200,6 +204,8 @@ def _publish_for(rl: RLConfig, on_gpu: bool, trainer_host: str, num_replicas: in
     publish = rl.trainer.publish
     if publish.dtype == "auto" and rl.model.dtype != "auto":
         publish = publish.model_copy(update={"dtype": rl.model.dtype})
+    if isinstance(publish, CudaIpcPublish) and not on_gpu:
+        raise UserError("trainer.publish.type = 'cuda_ipc' shares GPU memory; use 'filesystem' on CPU")
     if not isinstance(publish, NcclPublish):
         return publish
     if not on_gpu:

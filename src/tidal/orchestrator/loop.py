@@ -334,12 +334,16 @@ class Orchestrator:
         extra: dict[str, float],
     ) -> None:
         rollouts = [r for g in groups for r in g.rollouts]  # the batch: failed rollouts are removed already
-        reward_mean, reward_std = mean_std([r.reward for r in rollouts])
+        # The headline reward is every finished rollout's this step: the batch alone leaves out the zero-signal
+        # groups it dropped, so its mean moves with how many groups qualify, not with the policy.
+        sampled = [reward for rewards in stats.env_rewards.values() for reward in rewards]
+        reward_mean, reward_std = mean_std(sampled)
         lags = [step - r.policy_version for r in rollouts]
         num_tokens = sum(len(r.completion_ids) for r in rollouts)
         metrics = {
             "reward/mean": reward_mean,
             "reward/std": reward_std,
+            "reward/batch_mean": mean_std([r.reward for r in rollouts])[0],
             "off_policy/max": max(lags, default=0),
             "off_policy/mean": mean_std(lags)[0],
             "policy_version": policy.version,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.envs.base import Turn
+from tidal.envs.base import ContextFull, Turn
 from tidal.inference.client import InferenceClient
 from tidal.inference.types import GenerateRequest, SamplingParams
 
@@ -63,7 +63,9 @@ class ClientSampler:
             prompt_token_ids=tuple(prompt_ids),
             n=n,
             sampling=SamplingParams(
-                temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + len(self.versions)
+                temperature=self.temperature,
+                max_tokens=await self._room(len(prompt_ids)),
+                seed=self.seed + len(self.versions),
             ),
         )
         generation = await self.client.generate(request, session_id=self.session_id)
@@ -74,6 +76,19 @@ class ClientSampler:
             Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
             for c in generation.completions
         ]
+
+    async def _room(self, prompt_len: int) -> int:
+        """`max_tokens`, cut to what the served context has left after the prompt: a multi-turn episode's
+        last turn gets the room there is (vLLM refuses a prompt past its context, some releases also one whose
+        prompt + max_tokens is), and a prompt that leaves none raises ContextFull."""
+        limit = await self.client.context_limit()
+        if limit is None:
+            return self.max_tokens
+        if prompt_len >= limit:
+            raise ContextFull(
+                f"prompt of {prompt_len} tokens leaves no room in the model's {limit}-token context"
+            )
+        return min(self.max_tokens, limit - prompt_len)
 
 
 def rollout_seed(run_seed: int, position: int, index: int) -> int:

@@ -4,6 +4,10 @@
 151,936-token vocabulary, tied embeddings) with random weights and the tiny model's char-level tokenizer
 padded to Qwen's vocabulary size, so it costs what Qwen3-0.6B costs to serve and to train without a
 download. Random weights never learn to stop: completions run to `max_tokens`, which then sets the length.
+
+`tidal-testing/small-qwen3` is a char-level Qwen3 between the two (8 layers, hidden 512, the tiny model's
+unpadded 101-token vocabulary): big enough to learn the example environments from their demonstrations in a
+few minutes of one GPU, where the CPU's tiny model does not (the one-GPU recipes in examples/*/).
 """
 
 from dataclasses import dataclass
@@ -11,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 RANDOM_QWEN3_0_6B = "tidal-testing/random-qwen3-0.6b"
+SMALL_QWEN3 = "tidal-testing/small-qwen3"
 
 # Qwen/Qwen3-0.6B's config.json (architecture fields only).
 QWEN3_0_6B_CONFIG: dict[str, Any] = {
@@ -23,6 +28,24 @@ QWEN3_0_6B_CONFIG: dict[str, Any] = {
     "head_dim": 128,
     "max_position_embeddings": 40960,
     "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+}
+
+
+# A char-level model for the one-GPU recipes: the tiny model's tokenizer without padding (4 special tokens and
+# 97 characters), a standard init and RoPE base; ~25M parameters.
+SMALL_QWEN3_CONFIG: dict[str, Any] = {
+    "vocab_size": 101,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10_000.0,
     "rms_norm_eps": 1e-6,
     "initializer_range": 0.02,
     "tie_word_embeddings": True,
@@ -43,6 +66,8 @@ class RandomModelSpec:
 # Bump a dir_name's version when its recipe changes so cached copies are rebuilt instead of reused.
 RANDOM_MODELS: dict[str, RandomModelSpec] = {
     RANDOM_QWEN3_0_6B: RandomModelSpec("random-qwen3-0.6b-v1", QWEN3_0_6B_CONFIG),
+    # fp32 like the tiny model: trained from scratch, never served as a released checkpoint
+    SMALL_QWEN3: RandomModelSpec("small-qwen3-v1", SMALL_QWEN3_CONFIG, dtype="float32"),
 }
 
 

@@ -131,41 +131,38 @@ def build_tokenizer(
 
 def build_tiny_model(target: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write the tiny model and tokenizer to `target` atomically (safe if several ranks race)."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_tokenizer(chat_template=chat_template)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-        **TINY_CONFIG,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    return write_model_dir(Path(target), model, tokenizer)
+    return _build_char_model(target, Qwen3Config, Qwen3ForCausalLM, TINY_CONFIG, seed, chat_template)
 
 
 def build_tiny_moe_model(target: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write the tiny Qwen3-MoE and the char tokenizer to `target` atomically (HF's per-expert weight names)."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    return _build_char_model(
+        target, Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_MOE_CONFIG, seed, chat_template
+    )
+
+
+def _build_char_model(
+    target: Path, config_class: Any, model_class: Any, shape: dict[str, Any], seed: int, chat_template: str
+) -> Path:
+    """A seeded fp32 model of `shape` over the char tokenizer, written with it to `target`."""
+    import torch
+
     tokenizer = build_tokenizer(chat_template=chat_template)
-    config = Qwen3MoeConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        **TINY_MOE_CONFIG,
+        **shape,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
+        model = model_class(config)
     return write_model_dir(Path(target), model, tokenizer)
 
 

@@ -191,7 +191,9 @@ def varlen_attention_forward(
     q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [tokens, heads, dim]
     k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [tokens, kv_heads, dim]
     v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)  # [tokens, kv_heads, dim]
-    if _flash["enabled"] and q.is_cuda:
+    # the flash kernel takes half precision only: fp32 compute (perf.mixed_precision = "off") on a GPU takes
+    # the per-document SDPA loop instead of failing inside the kernel
+    if _flash["enabled"] and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         out = flash_varlen(q, k, v, tidal_cu_seqlens, tidal_max_seqlen, scale)
     else:
         out = reference_varlen(q, k, v, tidal_cu_seqlens, scale)

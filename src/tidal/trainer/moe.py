@@ -239,7 +239,11 @@ def apply_moe(
     """
     blocks = find_blocks(model)
     if not blocks:
-        set_keys = sorted(config.model_fields_set)
+        # keys away from their defaults: `tidal rl` hands each role a config file that spells out every key,
+        # defaults included, so "set" alone would flag every dense run
+        set_keys = sorted(
+            k for k in config.model_fields_set if getattr(config, k) != type(config).model_fields[k].default
+        )
         if set_keys:
             what = (
                 "an MoE family tidal does not run" if is_moe_model(model) else "no mixture-of-experts layers"

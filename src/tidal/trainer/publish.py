@@ -1,4 +1,4 @@
-"""How the RL trainer hands each step's weights to inference: one small interface, two backends.
+"""How the RL trainer hands each step's weights to inference: one small interface, three backends.
 
     publisher = setup_publisher(config.publish, output_dir, dtype, adapter_config)
     publisher.publish(step, model, tokenizer, info)     # every rank: a collective under FSDP
@@ -9,22 +9,39 @@
 - `nccl` (NcclPublisher): rank 0 announces `weights/step_<n>/` (no weights), then broadcasts the step to
   every inference worker of every replica (tidal.transport.nccl); the orchestrator tells the servers to
   receive it, as it would to load a filesystem step, and `publish` returns once they all have it.
+- `cuda_ipc` (CudaIpcPublisher): rank 0 keeps the served weights in one GPU buffer that the vLLM workers on
+  its GPU mapped once (tidal.transport.cuda_ipc); each step it casts the master weights into it in place under
+  the buffer lock and announces `weights/step_<n>/`; the orchestrator tells the servers to load it.
 
-Both publish in the dtype inference serves (fp32 master weights are cast first) and refuse NaN/inf weights
+All publish in the dtype inference serves (fp32 master weights are cast first) and refuse NaN/inf weights
 on every rank before anything leaves the trainer.
 """
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from tidal.config.rl import FilesystemPublish, NcclPublish, PublishConfig
+from tidal.config.rl import CudaIpcPublish, FilesystemPublish, NcclPublish, PublishConfig
 from tidal.trainer.export import export_model
 from tidal.trainer.lora import export_adapter
 from tidal.trainer.moe import checkpoint_tensors, fused_expert_params
 from tidal.trainer.parallel import DistInfo, barrier
+from tidal.transport.cuda_ipc import (
+    Held,
+    IpcAnnouncement,
+    allocate_shareable,
+    announce_buffer,
+    buffer_lock,
+    drop_announcements_after,
+    lock_path,
+    plan_layout,
+    share_buffer,
+    slot_views,
+)
 from tidal.transport.nccl import BroadcastHeader, NcclBroadcaster, TensorMeta, announce
 from tidal.transport.weight_checks import non_finite_tensors
 from tidal.transport.weights import (
@@ -80,6 +97,12 @@ def setup_publisher(
             NcclBroadcaster(config.host, config.port, config.inference_world_size + 1) if is_sender else None
         )
         return NcclPublisher(output_dir, config.keep_last, dtype, broadcaster)
+    if isinstance(config, CudaIpcPublish):
+        if adapter_config is not None:
+            raise ValueError(
+                "LoRA adapters are published through the filesystem; cuda_ipc carries full weights"
+            )
+        return CudaIpcPublisher(output_dir, config.keep_last, dtype)
     assert isinstance(config, FilesystemPublish)
     return FilesystemPublisher(output_dir, config.keep_last, dtype, adapter_config)
 
@@ -168,6 +191,91 @@ class NcclPublisher:
     def close(self) -> None:
         if self.broadcaster is not None:
             self.broadcaster.close()
+
+
+class CudaIpcPublisher:
+    """Keeps the served weights in one buffer on rank 0's GPU, shared once with the vLLM workers there.
+
+    The buffer, its views and the handle are made at the first publish; every later one only casts the
+    master weights into the views (no allocation with one rank; with several, each parameter is gathered first,
+    a collective every rank joins). Rank 0 writes under the buffer lock, waits for its copies, records the step
+    in the lock file, then announces it; a server that is loading holds the lock, so a write waits for it.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        keep_last: int | None,
+        dtype: torch.dtype | None,
+        share: Callable[[torch.Tensor], tuple[str, str]] = share_buffer,
+    ):
+        check_keep_last(keep_last)
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.dtype = dtype
+        self.share = share  # the handle and GPU of a buffer (a fake in CPU tests)
+        self.buffer: torch.Tensor | None = None
+        self.views: list[tuple[str, torch.Tensor]] = []
+        self.announcement: IpcAnnouncement | None = None
+
+    def publish(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
+        refuse_non_finite(step, local_non_finite(model, info))
+        if not info.is_main:
+            for _ in _whole_parameters(model, self.dtype):  # the gathers rank 0 fills its buffer from
+                pass
+            barrier(info)
+            return step_dir(self.output_dir, step)
+        if self.announcement is None:
+            self._allocate(model, info.device)
+        assert self.announcement is not None and self.buffer is not None
+        with buffer_lock(lock_path(self.output_dir)) as lock:
+            for (slot, view), (name, value) in zip(
+                self.views, _whole_parameters(model, self.dtype), strict=True
+            ):
+                assert slot == name, f"parameter {name} where the buffer's layout has {slot}"
+                view.copy_(value)  # casts fp32 masters to the served dtype in the copy
+            if self.buffer.is_cuda:
+                torch.cuda.current_stream(self.buffer.device).synchronize()  # before a server may read it
+            lock.record(Held(self.announcement.buffer_id, step))
+        announce_buffer(self.output_dir, replace(self.announcement, step=step))
+        prune_published(self.output_dir, self.keep_last)
+        barrier(info)
+        return step_dir(self.output_dir, step)
+
+    def _allocate(self, model: torch.nn.Module, device: torch.device) -> None:
+        slots, size = plan_layout(served_metadata(model, self.dtype))
+        self.buffer = allocate_shareable(size, device)
+        self.views = slot_views(self.buffer, slots)
+        handle, gpu_uuid = self.share(self.buffer)
+        self.announcement = IpcAnnouncement(
+            step=0, buffer_id=uuid.uuid4().hex, gpu_uuid=gpu_uuid, handle=handle, size=size, slots=slots
+        )
+
+    def restore(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> None:
+        # the servers start from the base model, and later steps' announcements name the old trainer's buffer
+        if info.is_main:
+            drop_announcements_after(self.output_dir, step)
+        self.publish(step, model, tokenizer, info)
+
+    def close(self) -> None:
+        self.views, self.buffer = [], None
+
+
+def _whole_parameters(
+    model: torch.nn.Module, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter whole, without a copy where this rank holds all of it (one rank: the DTensor's only
+    shard); otherwise gathered, cast first so the gather moves the served size."""
+    for name, param in model.named_parameters():
+        value = param.detach()
+        mesh = getattr(value, "device_mesh", None)
+        if mesh is None:
+            yield name, value
+        elif mesh.size() == 1:
+            yield name, _local(value)
+        else:
+            cast = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+            yield name, cast.full_tensor()  # type: ignore[attr-defined]  # a DTensor
 
 
 def served_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[TensorMeta]:

@@ -292,13 +292,18 @@ def clip_and_step(
     torch's clipping multiplies every gradient in a separate pass (read + write 8 B/param in fp32); tidal's
     AdamW takes the factor as a kernel input instead. Factor as in `torch.nn.utils.clip_grad_norm_`.
     """
-    params = [p for p in params if p.grad is not None]
-    if not isinstance(optimizer, AdamW):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
-    norm = global_norm([p.grad for p in params])  # type: ignore[misc]
-    optimizer.step(grad_scale=torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    grads: list[Any] = [p.grad for p in params if p.grad is not None]
+    norm = global_norm(grads)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if isinstance(optimizer, AdamW):
+        optimizer.step(grad_scale=factor)
+        return norm
+    # torch's clip_grad_norm_ cannot mix DTensors of different meshes (expert parallelism): scale the local
+    # shards by the factor computed over all of them
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, factor.to(local[0].device))
+    optimizer.step()
     return norm
 
 

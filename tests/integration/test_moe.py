@@ -5,6 +5,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import interrupt_after_checkpoint, run_tidal
 from tidal.monitor.metrics import read_metrics
@@ -95,19 +96,39 @@ def published_weights_moved(out: Path, step: int) -> float:
     return float((after.exp() * (after - before)).sum(-1).mean())
 
 
-def test_moe_sft_on_two_fsdp_ranks_matches_one_process(tmp_path: Path) -> None:
+def test_moe_sft_on_two_ranks_matches_one_process_and_expert_parallel_matches_both(tmp_path: Path) -> None:
     """FSDP2 over two gloo ranks shards the fused expert tensors with their layers: the same losses as one
     process, and router metrics summed over both ranks' tokens (step 1: the same weights route the same
-    tokens, so the counts are equal). Without the loss term, whose per-micro-batch value depends on how rows
-    are grouped into micro-batches, the two runs compute the same gradients."""
+    tokens, so the counts are equal). With `perf.ep = 2` each rank holds half of the experts and tokens
+    cross by all-to-all: the same losses, gradient norms and final weights as the two ranks without it, and
+    the export still carries every expert under its HF name, also after a stop and `--resume`. The
+    load-balancing term is off: its value per
+    micro-batch depends on how rows are grouped into micro-batches, which one rank and two ranks do apart."""
     common = [*SFT_ARGS, "--max-steps", "6", "--moe.aux-loss-coef", "0"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    for out, ranks in ((one, "1"), (two, "2")):
-        result = run_tidal(*common, "--output-dir", str(out), "--deployment.num-trainer-ranks", ranks)
+    runs = {"one": ("1", "1"), "two": ("2", "1"), "ep": ("2", "2")}
+    for name, (ranks, ep) in runs.items():
+        args = [*common, "--output-dir", str(tmp_path / name), "--deployment.num-trainer-ranks", ranks]
+        args += ["--perf.ep", ep]
+        if name == "ep":  # stopped after its first checkpoint and resumed: the sharded experts resume too
+            code, tail = interrupt_after_checkpoint(args, 4, signal.SIGTERM)
+            assert code == 128 + signal.SIGTERM, tail
+            args.append("--resume")
+        result = run_tidal(*args)
         assert result.returncode == 0, result.stderr[-3000:]
-    want, got = step_metrics(one), step_metrics(two)
+    one, two, ep = (step_metrics(tmp_path / name) for name in runs)
     for step in range(1, 7):
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-4), step
+        for key in ("loss", "grad_norm", "moe/load_max"):
+            assert ep[step][key] == pytest.approx(two[step][key], rel=1e-5), (step, key)
     for expert in range(8):
         key = f"moe/tokens_per_expert/{expert}"
-        assert got[1][key] == pytest.approx(want[1][key]), key
+        assert two[1][key] == pytest.approx(one[1][key]), key
+
+    from safetensors.torch import load_file
+
+    sharded, whole = (
+        load_file(str(tmp_path / name / "final" / "model.safetensors")) for name in ("ep", "two")
+    )
+    assert sorted(sharded) == sorted(whole) and "model.layers.1.mlp.experts.7.up_proj.weight" in sharded
+    for name, tensor in whole.items():
+        assert torch.allclose(sharded[name], tensor, atol=1e-5), name

@@ -142,6 +142,13 @@ BAD_CONFIGS = [
         ["command line: max_steps:", "exceeds max_steps 40", "ckpt.interval from", "bad.toml"],
     ),
     ("file_key_too_long", BASE + "[ckpt]\ninterval = 50\n", [], ["bad.toml: ckpt.interval:", "exceeds"]),
+    (
+        "ep_does_not_divide_ranks",
+        BASE + "[deployment]\nnum_trainer_ranks = 3\n",
+        ["--perf.ep", "2"],
+        ["command line: perf.ep:", "do not divide the 3 trainer rank(s)"],
+    ),
+    ("negative_aux_loss", BASE + "[moe]\naux_loss_coef = -1\n", [], ["bad.toml", "moe.aux_loss_coef"]),
 ]
 
 

@@ -17,6 +17,7 @@ from tidal.trainer.moe import (
     MoERouting,
     apply_moe,
     checkpoint_tensors,
+    experts_forward,
     fused_expert_params,
     load_balancing_loss,
     router_metrics,
@@ -62,6 +63,7 @@ def patched_block(reference, kernel: str, coef: float = 0.0):
     routing = MoERouting(reference.gate.num_experts, coef, kernel)
     family = FAMILIES["Qwen3MoeSparseMoeBlock"]
     block.forward = functools.partial(sparse_block_forward, block, family, routing)
+    block.experts.forward = functools.partial(experts_forward, block.experts, routing)
     return block
 
 

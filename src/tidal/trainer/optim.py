@@ -292,32 +292,43 @@ def clip_and_step(
     torch's clipping multiplies every gradient in a separate pass (read + write 8 B/param in fp32); tidal's
     AdamW takes the factor as a kernel input instead. Factor as in `torch.nn.utils.clip_grad_norm_`.
     """
-    params = [p for p in params if p.grad is not None]
-    if not isinstance(optimizer, AdamW):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
-    norm = global_norm([p.grad for p in params])  # type: ignore[misc]
-    optimizer.step(grad_scale=torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    grads: list[Any] = [p.grad for p in params if p.grad is not None]
+    norm = global_norm(grads)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if isinstance(optimizer, AdamW):
+        optimizer.step(grad_scale=factor)
+        return norm
+    # torch's clip_grad_norm_ cannot mix DTensors of different meshes (expert parallelism): scale the local
+    # shards by the factor computed over all of them
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, factor.to(local[0].device))
+    optimizer.step()
     return norm
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over `tensors` and, for FSDP2's DTensors, over all their shards: one foreach norm of the
-    local shards, then one all-reduce of the sum of squares over the mesh dimensions they are sharded on
-    (replicated dimensions hold copies). Same value as `torch.nn.utils.get_total_norm`, whose DTensor
-    dispatch op by op over hundreds of gradients costs milliseconds of CPU while the GPU waits."""
+    """L2 norm over `tensors` and, for FSDP2's DTensors, over all their shards: per group of tensors laid out
+    alike (the dense parameters; with expert parallelism also the experts, on another mesh), one foreach
+    norm of the local shards, then one all-reduce of the sum of squares over the mesh dimensions they are
+    sharded on (replicated dimensions hold copies). Same value as `torch.nn.utils.get_total_norm`, whose
+    DTensor dispatch op by op over hundreds of gradients costs milliseconds of CPU while the GPU waits."""
     if not tensors:
         return torch.zeros(())
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
-    first = tensors[0]
-    mesh = getattr(first, "device_mesh", None)
-    if mesh is not None:
-        for dim, placement in enumerate(first.placements):  # type: ignore[attr-defined]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        layout = (getattr(tensor, "device_mesh", None), tuple(getattr(tensor, "placements", ())))
+        groups.setdefault(layout, []).append(tensor)
+    total = None
+    for (mesh, placements), group in groups.items():
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in group]
+        squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
+        for dim, placement in enumerate(placements):
             if placement.is_shard() and mesh.size(dim) > 1:
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
-    return squares.sqrt()
+        total = squares if total is None else total + squares
+    assert total is not None
+    return total.sqrt()
 
 
 def build_scheduler(

@@ -15,7 +15,8 @@ from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
-from tidal.trainer.moe import apply_moe
+from tidal.trainer.expert_parallel import shard_experts
+from tidal.trainer.moe import MoERouting, apply_moe, expert_modules
 
 T = TypeVar("T")
 
@@ -85,13 +86,7 @@ def parallelize(
         raise UserError("perf.cpu_offload moves state from a GPU to the CPU; this run has no GPU")
     setup_attention(model, perf.attention, info.device)
     routing = apply_moe(model, moe or MoEConfig(), info.device.type, compute_dtype(perf, info))
-    if routing is not None and perf.save_mlp_layers:
-        from tidal.errors import UserError
-
-        raise UserError(
-            "perf.save_mlp_layers keeps a dense MLP's gate and up projections; this model's MLPs are "
-            "mixture-of-experts blocks: leave it at 0"
-        )
+    check_moe_settings(routing is not None, perf, info)
     layers = _decoder_layers(model)
     apply_activation_checkpointing(
         layers, resolve_checkpointing(perf, info), perf.checkpoint_every, perf.save_mlp_layers
@@ -104,10 +99,27 @@ def parallelize(
         return scorer.to(info.device)
     if not perf.cpu_offload:
         scorer.to(info.device)
-    apply_fsdp(scorer, layers, info, perf)
+    apply_fsdp(scorer, layers, info, perf, routing)
     if resolve_accumulate_unsharded(perf, info):
         scorer.accumulate_unsharded = perf.reshard_after_forward
     return scorer
+
+
+def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
+    """Perf settings that make no sense for this model: a one-line UserError instead of being ignored."""
+    from tidal.errors import UserError
+
+    if is_moe and perf.save_mlp_layers:
+        raise UserError(
+            "perf.save_mlp_layers keeps a dense MLP's gate and up projections; this model's MLPs are "
+            "mixture-of-experts blocks: leave it at 0"
+        )
+    if perf.ep > 1 and not is_moe:
+        raise UserError(
+            f"perf.ep = {perf.ep} splits experts, but this model has no mixture-of-experts layers"
+        )
+    if perf.ep > 1 and not info.distributed:
+        raise UserError(f"perf.ep = {perf.ep} needs that many trainer ranks at least; this run has one")
 
 
 def resolve_accumulate_unsharded(perf: PerfConfig, info: DistInfo) -> bool:
@@ -203,20 +215,72 @@ def mesh_shape(world_size: int, replicate: int) -> tuple[int, ...]:
     return (world_size,) if replicate == 1 else (replicate, world_size // replicate)
 
 
-def apply_fsdp(
-    root: torch.nn.Module, layers: list[torch.nn.Module], info: DistInfo, perf: PerfConfig
-) -> None:
-    """Shard each layer, then the root (which keeps its parameters gathered: the head needs them in backward)."""
-    _ensure_process_group(info)
+@dataclass(frozen=True)
+class Meshes:
+    """FSDP2's mesh for the dense parameters and, with expert parallelism, the two halves of the expert
+    mesh: `ep` (the ranks that split the experts) and `experts_dp` (the ranks holding the same slice)."""
+
+    dense: Any
+    ep: Any = None
+    experts_dp: Any = None
+
+
+def device_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
+    """(shard,) for FSDP, (replicate, shard) for HSDP; with `perf.ep` a (experts_dp, ep) mesh whose
+    flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it."""
     shape = mesh_shape(info.world_size, perf.replicate)
-    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=names)
-    common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(perf, info)}
+    if perf.ep == 1:
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        return Meshes(init_device_mesh(info.device.type, shape, mesh_dim_names=names))
+    mesh = init_device_mesh(
+        info.device.type, ep_mesh_shape(info.world_size, perf), mesh_dim_names=("experts_dp", "ep")
+    )
+    return Meshes(mesh[("experts_dp", "ep")]._flatten("shard"), mesh["ep"], mesh["experts_dp"])
+
+
+def ep_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
+    """(experts_dp, ep) for `perf.ep` ranks per expert group; ValueError for what cannot be split so."""
+    if perf.replicate > 1:
+        raise ValueError("perf.ep with perf.replicate > 1 (HSDP) is not supported yet: set one of them to 1")
+    if world_size % perf.ep:
+        raise ValueError(f"perf.ep = {perf.ep} does not divide the world size {world_size}")
+    return world_size // perf.ep, perf.ep
+
+
+def apply_fsdp(
+    root: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    info: DistInfo,
+    perf: PerfConfig,
+    routing: MoERouting | None = None,
+) -> None:
+    """Shard each layer, then the root (which keeps its parameters gathered: the head needs them in backward).
+
+    With `perf.ep`, each layer's experts are first split over the `ep` ranks, then sharded by FSDP2 over
+    the ranks that hold the same slice (tidal.trainer.expert_parallel scales their gradients to match).
+    """
+    _ensure_process_group(info)
+    try:
+        meshes = device_meshes(info, perf)
+    except ValueError as exc:
+        from tidal.errors import UserError
+
+        raise UserError(str(exc)) from None
+    common: dict[str, Any] = {"mp_policy": mp_policy(perf, info)}
     if perf.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
+    if meshes.ep is not None:
+        assert routing is not None, "parallelize refuses perf.ep for a model without MoE layers"
+        experts = expert_modules(root)
+        shard_experts(experts, meshes.ep)
+        routing.ep_group = meshes.ep.get_group()
+        for module in experts:
+            fully_shard(
+                module, mesh=meshes.experts_dp, reshard_after_forward=perf.reshard_after_forward, **common
+            )
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=perf.reshard_after_forward, **common)
-    fully_shard(root, reshard_after_forward=False, **common)
+        fully_shard(layer, mesh=meshes.dense, reshard_after_forward=perf.reshard_after_forward, **common)
+    fully_shard(root, mesh=meshes.dense, reshard_after_forward=False, **common)
 
 
 def _ensure_process_group(info: DistInfo) -> None:

@@ -10,12 +10,17 @@ after another (`--phase rl`), each once the one before has its vLLM server answe
 KV cache from the device's free memory while it starts, and fails if another process frees GPU memory
 during that window; staggered starts after every SFT has exited keep that from happening.
 
+With `--sft-steps ENV=N1,N2` the warm-ups of those lengths run side by side and RL starts from the one whose
+held-out greedy exact match is nearest `--target`: too little SFT leaves RL no rewarded rollouts to learn from,
+too much leaves it nothing to improve.
+
     python benchmarks/recipes_gpu.py alphabet_sort math --phase both --workdir /root/recipes \
-        --out /root/out/recipes_gpu.json --deadline 560
+        --out /root/out/recipes_gpu.json --deadline 560 --sft-steps alphabet_sort=200,350 math=250,400
 """
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -43,12 +48,31 @@ def gpu_name() -> str:
         return "no GPU found"
 
 
-def commands(env: str, workdir: Path) -> tuple[list[str], list[str]]:
-    sft_dir, rl_dir = workdir / env / "sft", workdir / env / "rl"
-    sft = ["sft", "@", f"examples/{env}/sft_one_gpu.toml", "--output-dir", str(sft_dir)]
-    rl = ["rl", "@", f"examples/{env}/rl_one_gpu.toml", "--model.name", str(sft_dir / "final"),
-          "--output-dir", str(rl_dir)]  # fmt: skip
-    return sft, rl
+def sft_dir(env: str, workdir: Path, steps: int | None) -> Path:
+    return workdir / env / ("sft" if steps is None else f"sft_{steps}")
+
+
+def sft_command(env: str, workdir: Path, steps: int | None) -> list[str]:
+    """The README's SFT command; `steps` overrides the config's max_steps (a shorter or longer warm-up)."""
+    args = ["sft", "@", f"examples/{env}/sft_one_gpu.toml", "--output-dir", str(sft_dir(env, workdir, steps))]
+    return args if steps is None else [*args, "--max-steps", str(steps)]
+
+
+def rl_command(env: str, workdir: Path, start: Path) -> list[str]:
+    return ["rl", "@", f"examples/{env}/rl_one_gpu.toml", "--model.name", str(start / "final"),
+            "--output-dir", str(workdir / env / "rl")]  # fmt: skip
+
+
+def pick_warm_up(variants: dict[int | None, dict[str, Any]], target: float) -> int | None:
+    """The warm-up RL starts from: held-out greedy exact match nearest `target` (fewer steps on a tie). Too
+    little SFT leaves most groups without one rewarded rollout (nothing to learn from); too much leaves
+    nothing to improve."""
+    scored = [
+        (abs(v["heldout_exact_match_last_turn"] - target), steps or 0, steps)
+        for steps, v in variants.items()
+        if v.get("exit_code") == 0 and v.get("heldout_exact_match_last_turn") is not None
+    ]
+    return min(scored)[2] if scored else None
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
@@ -84,17 +108,28 @@ def rl_port(env: str) -> int:
     return int(config["inference"]["server"]["port"])
 
 
-def run_sfts(envs: list[str], workdir: Path, deadline: float) -> dict[str, dict[str, Any]]:
+def run_sfts(
+    envs: list[str], workdir: Path, steps: dict[str, list[int]], deadline: float
+) -> dict[str, dict[int | None, dict[str, Any]]]:
     running = {}
     for env in envs:
-        (workdir / env).mkdir(parents=True, exist_ok=True)
-        running[env] = (start(commands(env, workdir)[0], workdir / env / "sft.log"), time.monotonic())
-    results = {}
-    for env, (process, started) in running.items():
+        for n in steps.get(env) or [None]:
+            sft_dir(env, workdir, n).parent.mkdir(parents=True, exist_ok=True)
+            log = workdir / env / f"{sft_dir(env, workdir, n).name}.log"
+            running[env, n] = (start(sft_command(env, workdir, n), log), time.monotonic())
+    results: dict[str, dict[int | None, dict[str, Any]]] = {}
+    for (env, n), (process, started) in running.items():
         ran = finish(process, started, deadline)
-        results[env] = {**ran, **sft_summary(read_jsonl(workdir / env / "sft" / "metrics.jsonl"))}
-        print(f"[recipes] {env} sft: {results[env]}", flush=True)
+        summary = {**ran, **sft_summary(read_jsonl(sft_dir(env, workdir, n) / "metrics.jsonl"))}
+        results.setdefault(env, {})[n] = summary
+        print(f"[recipes] {env} sft ({n or 'config'} steps): {summary}", flush=True)
     return results
+
+
+def chosen_warm_up(env: str, workdir: Path) -> Path:
+    """The SFT run the RL phase starts from (written by the SFT phase; `sft/` when there is no choice)."""
+    marker = workdir / env / "warm_up"
+    return workdir / env / marker.read_text().strip() if marker.exists() else sft_dir(env, workdir, None)
 
 
 def run_rls(
@@ -102,10 +137,12 @@ def run_rls(
 ) -> dict[str, dict[str, Any]]:
     running = {}
     for env in envs:
-        if not (workdir / env / "sft" / "final" / "config.json").exists():
-            print(f"[recipes] {env}: no SFT final/, RL skipped", flush=True)
+        warm_up = chosen_warm_up(env, workdir)
+        if not (warm_up / "final" / "config.json").exists():
+            print(f"[recipes] {env}: no SFT {warm_up}/final, RL skipped", flush=True)
             continue
-        process, started = start(commands(env, workdir)[1], workdir / env / "rl.log"), time.monotonic()
+        command = rl_command(env, workdir, warm_up)
+        process, started = start(command, workdir / env / "rl.log"), time.monotonic()
         running[env] = (process, started)
         port, waited_until = rl_port(env), min(deadline, time.monotonic() + health_timeout)
         while time.monotonic() < waited_until and process.poll() is None and not healthy(port):
@@ -115,9 +152,31 @@ def run_rls(
     for env, (process, started) in running.items():
         ran = finish(process, started, deadline)
         records = read_jsonl(workdir / env / "rl" / "orchestrator" / "metrics.jsonl")
-        results[env] = {**ran, **rl_summary(env, records)}
+        results[env] = {"command": "tidal " + " ".join(rl_command(env, workdir, chosen_warm_up(env, workdir))),
+                        **ran, **rl_summary(env, records)}  # fmt: skip
         print(f"[recipes] {env} rl: {results[env]}", flush=True)
     return results
+
+
+def parse_steps(items: list[str]) -> dict[str, list[int]]:
+    """`ENV=N1,N2` → {ENV: [N1, N2]}: SFT warm-ups of these lengths, run side by side."""
+    steps = {}
+    for item in items:
+        env, _, values = item.partition("=")
+        steps[env] = [int(v) for v in values.split(",") if v]
+    return steps
+
+
+def copy_raw(envs: list[str], workdir: Path, raw: Path) -> None:
+    """Each run's metrics and the end of its log, for reading the run afterwards (small files)."""
+    for env in envs:
+        for metrics in (workdir / env).glob("**/metrics.jsonl"):
+            target = raw / env / metrics.relative_to(workdir / env)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(metrics, target)
+        for log in (workdir / env).glob("*.log"):
+            (raw / env).mkdir(parents=True, exist_ok=True)
+            (raw / env / log.name).write_text("\n".join(log.read_text(errors="replace").splitlines()[-300:]))
 
 
 def main() -> None:
@@ -137,18 +196,32 @@ def main() -> None:
     parser.add_argument(
         "--health-timeout", type=float, default=180, help="seconds to wait for each RL server"
     )
+    parser.add_argument(
+        "--sft-steps", nargs="*", default=[], metavar="ENV=N1,N2",
+        help="SFT warm-ups of these lengths side by side; RL starts from the one nearest --target",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target", type=float, default=0.4, help="held-out exact match the chosen warm-up is nearest"
+    )
+    parser.add_argument("--raw", type=Path, help="copy every run's metrics and log tail here")
     args = parser.parse_args()
     t0 = time.monotonic()
     end = t0 + args.deadline
+    steps = parse_steps(args.sft_steps)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for env in args.envs:
         entry = results.setdefault(env, {})
         entry.update({"machine": f"{gpu_name()}, {machine()}", "commit": commit()})
-        entry["commands"] = ["tidal " + " ".join(c) for c in commands(env, args.workdir)]
     if args.phase in ("sft", "both"):
         sft_end = t0 + args.deadline * args.sft_share if args.phase == "both" else end
-        for env, summary in run_sfts(args.envs, args.workdir, sft_end).items():
-            results[env]["sft"] = summary
+        for env, variants in run_sfts(args.envs, args.workdir, steps, sft_end).items():
+            chosen = pick_warm_up(variants, args.target) if len(variants) > 1 else next(iter(variants))
+            (args.workdir / env / "warm_up").write_text(sft_dir(env, args.workdir, chosen).name)
+            entry = results[env]
+            entry["sft_command"] = "tidal " + " ".join(sft_command(env, args.workdir, chosen))
+            entry["sft"] = {"max_steps": chosen, **variants[chosen]}
+            if len(variants) > 1:
+                entry["sft_variants"] = {str(n): v for n, v in variants.items()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     if args.phase in ("rl", "both"):
@@ -156,6 +229,8 @@ def main() -> None:
             results[env]["rl"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if args.raw:
+        copy_raw(args.envs, args.workdir, args.raw)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ too much leaves it nothing to improve.
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from one_gpu_reverse_text import read_jsonl
 from recipes_cpu import commit, machine, rl_summary, sft_summary  # the same summaries as the CPU recipes
 
 REPO = Path(__file__).resolve().parents[1]
+LR_VARIANTS: list[str] = []  # --rl-lr, set once in main()
 
 
 def gpu_name() -> str:
@@ -58,9 +60,20 @@ def sft_command(env: str, workdir: Path, steps: int | None) -> list[str]:
     return args if steps is None else [*args, "--max-steps", str(steps)]
 
 
-def rl_command(env: str, workdir: Path, start: Path) -> list[str]:
-    return ["rl", "@", f"examples/{env}/rl_one_gpu.toml", "--model.name", str(start / "final"),
-            "--output-dir", str(workdir / env / "rl")]  # fmt: skip
+def rl_command(
+    env: str, workdir: Path, start: Path, lr: str | None = None, extra: Sequence[str] = ()
+) -> list[str]:
+    """The README's RL command from the warm-up `start`; `lr` runs a variant at another learning rate (own
+    output directory and port, so variants run side by side)."""
+    args = ["rl", "@", f"examples/{env}/rl_one_gpu.toml", "--model.name", str(start / "final"),
+            "--output-dir", str(rl_dir(env, workdir, lr)), *extra]  # fmt: skip
+    if lr is None:
+        return args
+    return [*args, "--trainer.optim.lr", lr, "--inference.server.port", str(rl_port(env, lr))]
+
+
+def rl_dir(env: str, workdir: Path, lr: str | None) -> Path:
+    return workdir / env / ("rl" if lr is None else f"rl_lr{lr}")
 
 
 def pick_warm_up(variants: dict[int | None, dict[str, Any]], target: float) -> int | None:
@@ -103,9 +116,11 @@ def healthy(port: int) -> bool:
         return False
 
 
-def rl_port(env: str) -> int:
+def rl_port(env: str, lr: str | None = None, lrs: Sequence[str] = ()) -> int:
+    """The config's port; a learning-rate variant takes the next ones (the examples' ports are 10 apart)."""
     config = tomllib.loads((REPO / "examples" / env / "rl_one_gpu.toml").read_text())
-    return int(config["inference"]["server"]["port"])
+    base = int(config["inference"]["server"]["port"])
+    return base if lr is None else base + 1 + sorted(LR_VARIANTS or lrs).index(lr)
 
 
 def run_sfts(
@@ -113,7 +128,8 @@ def run_sfts(
 ) -> dict[str, dict[int | None, dict[str, Any]]]:
     running = {}
     for env in envs:
-        for n in steps.get(env) or [None]:
+        lengths: list[int | None] = [*steps[env]] if steps.get(env) else [None]
+        for n in lengths:
             sft_dir(env, workdir, n).parent.mkdir(parents=True, exist_ok=True)
             log = workdir / env / f"{sft_dir(env, workdir, n).name}.log"
             running[env, n] = (start(sft_command(env, workdir, n), log), time.monotonic())
@@ -133,28 +149,37 @@ def chosen_warm_up(env: str, workdir: Path) -> Path:
 
 
 def run_rls(
-    envs: list[str], workdir: Path, deadline: float, health_timeout: float
-) -> dict[str, dict[str, Any]]:
+    envs: list[str],
+    workdir: Path,
+    deadline: float,
+    health_timeout: float,
+    lrs: Sequence[str | None],
+    extra: Sequence[str],
+) -> dict[str, dict[str | None, dict[str, Any]]]:
     running = {}
     for env in envs:
         warm_up = chosen_warm_up(env, workdir)
         if not (warm_up / "final" / "config.json").exists():
             print(f"[recipes] {env}: no SFT {warm_up}/final, RL skipped", flush=True)
             continue
-        command = rl_command(env, workdir, warm_up)
-        process, started = start(command, workdir / env / "rl.log"), time.monotonic()
-        running[env] = (process, started)
-        port, waited_until = rl_port(env), min(deadline, time.monotonic() + health_timeout)
-        while time.monotonic() < waited_until and process.poll() is None and not healthy(port):
-            time.sleep(1.0)
-        print(f"[recipes] {env} rl: server up after {time.monotonic() - started:.0f} s", flush=True)
-    results = {}
-    for env, (process, started) in running.items():
+        for lr in lrs:
+            command = rl_command(env, workdir, warm_up, lr, extra)
+            log = workdir / env / f"{rl_dir(env, workdir, lr).name}.log"
+            process, started = start(command, log), time.monotonic()
+            running[env, lr] = (process, started, command)
+            port, waited_until = rl_port(env, lr), min(deadline, time.monotonic() + health_timeout)
+            while time.monotonic() < waited_until and process.poll() is None and not healthy(port):
+                time.sleep(1.0)
+            print(
+                f"[recipes] {env} rl (lr {lr or 'config'}): server up after {time.monotonic() - started:.0f} s"
+            )
+    results: dict[str, dict[str | None, dict[str, Any]]] = {}
+    for (env, lr), (process, started, command) in running.items():
         ran = finish(process, started, deadline)
-        records = read_jsonl(workdir / env / "rl" / "orchestrator" / "metrics.jsonl")
-        results[env] = {"command": "tidal " + " ".join(rl_command(env, workdir, chosen_warm_up(env, workdir))),
-                        **ran, **rl_summary(env, records)}  # fmt: skip
-        print(f"[recipes] {env} rl: {results[env]}", flush=True)
+        records = read_jsonl(rl_dir(env, workdir, lr) / "orchestrator" / "metrics.jsonl")
+        summary = {"command": "tidal " + " ".join(command), **ran, **rl_summary(env, records)}
+        results.setdefault(env, {})[lr] = summary
+        print(f"[recipes] {env} rl (lr {lr or 'config'}): {summary}", flush=True)
     return results
 
 
@@ -167,16 +192,13 @@ def parse_steps(items: list[str]) -> dict[str, list[int]]:
     return steps
 
 
-def copy_raw(envs: list[str], workdir: Path, raw: Path) -> None:
-    """Each run's metrics and the end of its log, for reading the run afterwards (small files)."""
-    for env in envs:
-        for metrics in (workdir / env).glob("**/metrics.jsonl"):
-            target = raw / env / metrics.relative_to(workdir / env)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(metrics, target)
-        for log in (workdir / env).glob("*.log"):
-            (raw / env).mkdir(parents=True, exist_ok=True)
-            (raw / env / log.name).write_text("\n".join(log.read_text(errors="replace").splitlines()[-300:]))
+def pack_raw(envs: list[str], workdir: Path, raw: Path) -> None:
+    """Every run's metrics and logs in one tar.gz, for reading the runs afterwards (one small file: the
+    device tool brings back few files and shallow folders)."""
+    with tarfile.open(raw, "w:gz") as tar:
+        for env in envs:
+            for path in [*(workdir / env).glob("**/metrics.jsonl"), *(workdir / env).glob("*.log")]:
+                tar.add(path, arcname=str(path.relative_to(workdir)))
 
 
 def main() -> None:
@@ -203,7 +225,13 @@ def main() -> None:
     parser.add_argument(
         "--target", type=float, default=0.4, help="held-out exact match the chosen warm-up is nearest"
     )
-    parser.add_argument("--raw", type=Path, help="copy every run's metrics and log tail here")
+    parser.add_argument(
+        "--rl-lr", default="", help="comma-separated learning rates: an RL run per rate and environment"
+    )
+    parser.add_argument(
+        "--rl-arg", action="append", default=[], help="appended to every RL command (repeat it)"
+    )
+    parser.add_argument("--raw", type=Path, help="a tar.gz of every run's metrics and logs")
     args = parser.parse_args()
     t0 = time.monotonic()
     end = t0 + args.deadline
@@ -225,12 +253,19 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     if args.phase in ("rl", "both"):
-        for env, summary in run_rls(args.envs, args.workdir, end, args.health_timeout).items():
-            results[env]["rl"] = summary
+        LR_VARIANTS.extend(v for v in args.rl_lr.split(",") if v)
+        lrs: list[str | None] = list(LR_VARIANTS) or [None]
+        for env, by_lr in run_rls(
+            args.envs, args.workdir, end, args.health_timeout, lrs, args.rl_arg
+        ).items():
+            if list(by_lr) == [None]:
+                results[env]["rl"] = by_lr[None]
+            else:
+                results[env]["rl_variants"] = {f"lr {lr}": v for lr, v in by_lr.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     if args.raw:
-        copy_raw(args.envs, args.workdir, args.raw)
+        pack_raw(args.envs, args.workdir, args.raw)
 
 
 if __name__ == "__main__":

@@ -312,3 +312,17 @@ def test_eval_rejects_an_inference_model_it_would_replace_by_the_top_level_one(t
         load_config(EvalConfig, [path], [])
     assert str(info.value).startswith(f"{path}: inference.model: ") and "top-level [model]" in str(info.value)
     assert load_config(EvalConfig, [], [("model.name", "m")]).inference_config().model.name == "m"
+
+
+def test_log_interval_picks_the_first_every_nth_and_last_step_and_rl_roles_have_no_progress_bar_key() -> None:
+    """`log.interval` is what the RL trainer and orchestrator print by (it was read by `tidal sft` alone);
+    `progress_bar` exists only where a bar is drawn, so setting it elsewhere is an error, not ignored."""
+    from tidal.config.common import LogConfig
+    from tidal.config.rl import OrchestratorConfig, RLTrainerConfig
+
+    log = LogConfig(interval=4)
+    assert [s for s in range(10) if log.prints(s, 10)] == [0, 3, 7, 9]
+    assert [s for s in range(3) if LogConfig(interval=1).prints(s, 3)] == [0, 1, 2]
+    for cls in (OrchestratorConfig, RLTrainerConfig):
+        with pytest.raises(ValueError, match="progress_bar"):
+            cls.model_validate({"log": {"progress_bar": False}})

@@ -160,10 +160,19 @@ class WandbConfig(Config):
 
 
 class LogConfig(Config):
-    """Console and metrics logging."""
+    """What a process prints to its console (its log under `tidal rl`); metrics go to metrics.jsonl every step."""
 
     interval: int = Field(default=10, gt=0)
-    """Print a one-line summary every N steps."""
+    """Print a one-line summary every N steps (and the first and last)."""
+
+    def prints(self, step: int, max_steps: int) -> bool:
+        """Whether step `step` (counted from 0) of a run of `max_steps` gets its summary line."""
+        return step == 0 or (step + 1) % self.interval == 0 or step + 1 >= max_steps
+
+
+class SFTLogConfig(LogConfig):
+    """`tidal sft`'s console: step lines and, at a terminal, a progress bar."""
+
     progress_bar: bool = True
     """Show a progress bar when stderr is a terminal."""
 

@@ -237,7 +237,7 @@ class OrchestratorConfig(RunConfig):
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
     transport: RolloutTransport = FilesystemTransport()
-    log: LogConfig = LogConfig()
+    log: LogConfig = LogConfig(interval=1)
     samples: SamplesConfig = SamplesConfig()
 
     @model_validator(mode="after")

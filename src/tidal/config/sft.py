@@ -8,10 +8,10 @@ from tidal.config.base import Config, ConfigProblem
 from tidal.config.common import (
     CheckpointConfig,
     DatasetConfig,
-    LogConfig,
     ModelConfig,
     OptimConfig,
     SchedulerConfig,
+    SFTLogConfig,
     TrainerRunConfig,
     WandbConfig,
 )
@@ -84,7 +84,7 @@ class SFTConfig(TrainerRunConfig):
     scheduler: SchedulerConfig = SchedulerConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     eval: SFTEvalConfig = SFTEvalConfig()
-    log: LogConfig = LogConfig()
+    log: SFTLogConfig = SFTLogConfig()
     wandb: WandbConfig = WandbConfig()
     deployment: SFTDeploymentConfig = SFTDeploymentConfig()
     slurm: SFTSlurmConfig = SFTSlurmConfig()

@@ -376,6 +376,8 @@ class Orchestrator:
                 f"{metrics['event_loop/gc_max_s']:.2f} s); every request in flight waited",
                 flush=True,
             )
+        if not self.config.log.prints(step, self.config.max_steps):
+            return
         print(
             f"orchestrator step {step} | reward {metrics['reward/mean']:.3f} | off-policy ≤{metrics['off_policy/max']}"
             f" | {metrics['tokens_per_s']:.0f} tok/s | {elapsed:.2f} s",

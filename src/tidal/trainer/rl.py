@@ -96,7 +96,8 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
             metrics["time/step"] = time.perf_counter() - wait_start
             if logger:
                 logger.log(step, metrics)
-            say(_summary(step, metrics))
+            if config.log.prints(step, config.max_steps):
+                say(_summary(step, metrics))
             step += 1
             if end_of_step(
                 step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say

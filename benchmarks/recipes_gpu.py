@@ -14,6 +14,9 @@ With `--sft-steps ENV=N1,N2` the warm-ups of those lengths run side by side and 
 held-out greedy exact match is nearest `--target`: too little SFT leaves RL no rewarded rollouts to learn from,
 too much leaves it nothing to improve.
 
+`--deadline` counts from this script's start: on a device call, subtract what ran before it (unpacking vLLM),
+e.g. `--deadline $((570 - SECONDS))` in the call's shell.
+
     python benchmarks/recipes_gpu.py alphabet_sort math --phase both --workdir /root/recipes \
         --out /root/out/recipes_gpu.json --deadline 560 --sft-steps alphabet_sort=200,350 math=250,400
 """
@@ -26,7 +29,7 @@ import tarfile
 import time
 import tomllib
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +158,10 @@ def run_rls(
     health_timeout: float,
     lrs: Sequence[str | None],
     extra: Sequence[str],
-) -> dict[str, dict[str | None, dict[str, Any]]]:
+    on_result: Callable[[str, str | None, dict[str, Any]], None],
+) -> None:
+    """Start every RL run (staggered by `health_timeout`), then collect each; `on_result` gets each summary
+    as it comes, so a call cut short keeps the runs already collected."""
     running = {}
     for env in envs:
         warm_up = chosen_warm_up(env, workdir)
@@ -173,14 +179,12 @@ def run_rls(
             print(
                 f"[recipes] {env} rl (lr {lr or 'config'}): server up after {time.monotonic() - started:.0f} s"
             )
-    results: dict[str, dict[str | None, dict[str, Any]]] = {}
     for (env, lr), (process, started, command) in running.items():
         ran = finish(process, started, deadline)
         records = read_jsonl(rl_dir(env, workdir, lr) / "orchestrator" / "metrics.jsonl")
         summary = {"command": "tidal " + " ".join(command), **ran, **rl_summary(env, records)}
-        results.setdefault(env, {})[lr] = summary
         print(f"[recipes] {env} rl (lr {lr or 'config'}): {summary}", flush=True)
-    return results
+        on_result(env, lr, summary)
 
 
 def parse_steps(items: list[str]) -> dict[str, list[int]]:
@@ -255,13 +259,18 @@ def main() -> None:
     if args.phase in ("rl", "both"):
         LR_VARIANTS.extend(v for v in args.rl_lr.split(",") if v)
         lrs: list[str | None] = list(LR_VARIANTS) or [None]
-        for env, by_lr in run_rls(
-            args.envs, args.workdir, end, args.health_timeout, lrs, args.rl_arg
-        ).items():
-            if list(by_lr) == [None]:
-                results[env]["rl"] = by_lr[None]
+
+        def keep(env: str, lr: str | None, summary: dict[str, Any]) -> None:
+            if lr is None:
+                results[env]["rl"] = summary
             else:
-                results[env]["rl_variants"] = {f"lr {lr}": v for lr, v in by_lr.items()}
+                results[env].setdefault("rl_variants", {})[f"lr {lr}"] = summary
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            if args.raw:  # also after each run: a call cut short still brings back what finished
+                pack_raw(args.envs, args.workdir, args.raw)
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        run_rls(args.envs, args.workdir, end, args.health_timeout, lrs, args.rl_arg, keep)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     if args.raw:

@@ -6,8 +6,8 @@ row (documents of random lengths, positions restarting per document; or one docu
 
 - `hf`: the plain transformers step — bf16 parameters, fused AdamW, SDPA (documents masked through the
   position-id resets), HF gradient checkpointing, the model's own loss on full logits; for an MoE model its
-  experts implementation (`--hf-experts`, default transformers' own default: `grouped_mm` in transformers 5)
-  and its load-balancing loss (`output_router_logits`), as tidal adds the same loss;
+  default experts implementation (`grouped_mm` in transformers 5; `hf:eager` for its loop over experts) and
+  its load-balancing loss (`output_router_logits`), as tidal adds the same loss;
 - `hf+none`: the same without checkpointing; `liger` / `liger+ckpt`: the same with Liger's kernels (RoPE,
   RMSNorm, SwiGLU, and the fused linear cross-entropy that never builds full logits), without / with full
   checkpointing — what TRL users run for speed (`pip install liger-kernel`);
@@ -493,7 +493,8 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     config = model_config(name)
     lengths = document_lengths(args.seq, "packed" if layout == "rl" else layout, seed)
     row = make_row(args.seq, config["vocab_size"], lengths, seed + info.rank)
-    if layout == "rl" and impl in HF_IMPLS:
+    base_impl, _, suffix = impl.partition(":")  # tidal:<variant>, or hf:<experts implementation>
+    if layout == "rl" and base_impl in HF_IMPLS:
         return {"model": name, "seq": args.seq, "impl": impl, "variant": impl, "docs": layout,
                 "error": "the RL-shaped case runs tidal's RL step only"}  # fmt: skip
     if layout == "rl":
@@ -506,22 +507,23 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
             args.profile,
         )
         lengths = []
-    elif impl in HF_IMPLS:
+    elif base_impl in HF_IMPLS:
+        experts = suffix or None
         with liger_patches():
             result = measure(
-                lambda: hf_runner(name, row, device, seed, impl, args.hf_experts),
+                lambda: hf_runner(name, row, device, seed, base_impl, experts),
                 device,
                 args.warmup,
                 args.steps,
                 args.profile,
             )
-        liger, checkpointing = HF_IMPLS[impl]
+        liger, checkpointing = HF_IMPLS[base_impl]
         options: dict[str, Any] = {
             "liger": liger,
             "activation_checkpointing": "full" if checkpointing else "none",
         }
         if is_moe(config):
-            options["experts_implementation"] = args.hf_experts or "transformers' default"
+            options["experts_implementation"] = experts or "transformers' default"
     else:
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
@@ -532,7 +534,8 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
             args.profile,
         )
     record: dict[str, Any] = {
-        "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
+        "model": f"{name}", "seq": args.seq, "impl": base_impl,
+        "variant": impl if base_impl in HF_IMPLS else impl.split(":")[-1],
         "docs": layout, "num_docs": len(lengths), "gpus": info.world_size, "options": options,
         "layers": config["num_hidden_layers"], **result,
     }  # fmt: skip
@@ -619,7 +622,9 @@ def setup(device: str) -> Any:
 def summarise(results: list[dict[str, Any]]) -> list[str]:
     """One line per run, tidal lines with their ratio to the hf run of the same model, seq and layout."""
     base = {
-        (r["model"], r["seq"], r["docs"]): r for r in results if r["impl"] == "hf" and "tokens_per_s" in r
+        (r["model"], r["seq"], r["docs"]): r
+        for r in results
+        if r["variant"] == "hf" and "tokens_per_s" in r  # hf with transformers' default experts
     }  # tidal rows on several GPUs compare their per-GPU tokens/s with it
     liger: dict[tuple[Any, ...], float] = {}  # the fastest Liger run of each model, seq and layout
     for r in results:
@@ -631,7 +636,7 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
         f"{'x best liger':>12}"
     ]
     for r in results:
-        label = r["impl"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
+        label = r["variant"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
         micro = r.get("num_micro_batches", 1)
         # micro-batches per step (of `seq` tokens times rows_per_micro_batch)
         docs = (
@@ -669,10 +674,13 @@ def merge(paths: list[str], out: str) -> None:
     """Join result files of several runs (e.g. one process per GPU, or several device calls) into one."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     merged = {
+        **{k: v for p in reversed(parts) for k, v in p.items()},  # the first file's facts win, none is lost
         "command": " ; ".join(p["command"] for p in parts),
-        "device": parts[0]["device"],
         "results": [r for p in parts for r in p["results"]],
     }
+    plans = {name: plan for p in parts for name, plan in p.get("memory_plan", {}).items()}
+    if plans:
+        merged["memory_plan"] = plans
     Path(out).write_text(json.dumps(merged, indent=2) + "\n")
     print("\n".join(summarise(merged["results"])))
 
@@ -695,7 +703,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--impls",
         default="hf,tidal:default",
         help="comma-separated: hf (full checkpointing), hf+none, liger, liger+ckpt (transformers + Liger "
-        "kernels, without / with full checkpointing), tidal:<variant>",
+        "kernels, without / with full checkpointing), hf:<experts> (an MoE model's experts implementation in "
+        "transformers: grouped_mm, batched_mm, eager; hf alone: transformers' default), tidal:<variant>",
     )
     parser.add_argument(
         "--rows", type=int, default=1, help="rl layout: rows of --seq tokens per step (default 1)"
@@ -705,12 +714,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=1,
         help="rl layout: rows per forward pass (micro_batch_size; default 1)",
-    )
-    parser.add_argument(
-        "--hf-experts",
-        default=None,
-        help="transformers' experts implementation for MoE models in the hf runs (grouped_mm, batched_mm, "
-        "eager; default: transformers' default, grouped_mm in transformers 5)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
     parser.add_argument("--steps", type=int, default=4)
@@ -821,7 +824,7 @@ def main(argv: list[str]) -> None:
     quiet_transformers()
     info = setup(args.device)
     device = info.device
-    if info.world_size > 1 and set(args.impls.split(",")) & set(HF_IMPLS):
+    if info.world_size > 1 and {i.partition(":")[0] for i in args.impls.split(",")} & set(HF_IMPLS):
         raise SystemExit("under torchrun only tidal variants run (the hf baseline is single-GPU)")
     command = "python " + shlex.join(["benchmarks/trainer_mfu.py", *argv])
     if info.world_size > 1:

@@ -236,8 +236,9 @@ def hf_runner(
     if moe:
         import transformers
 
+        hf_config: Any = model.config
         facts |= {
-            "experts_implementation": model.config._experts_implementation,
+            "experts_implementation": hf_config._experts_implementation,  # what transformers resolved
             "transformers": transformers.__version__,
         }
     if liger:

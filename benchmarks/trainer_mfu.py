@@ -1,10 +1,13 @@
 """Trainer throughput, MFU and peak memory: tidal's training step against a plain transformers step.
 
-Random-init models with Qwen3 shapes (configs below, no hub access). For each model, in one process and on
-the same packed row (documents of random lengths, positions restarting per document; or one document):
+Random-init models with Qwen3 and Qwen3-MoE shapes (configs below, no hub access; `name:N` keeps the first N
+decoder layers of a shape, e.g. `qwen3-30b-a3b:16`). For each model, in one process and on the same packed
+row (documents of random lengths, positions restarting per document; or one document):
 
 - `hf`: the plain transformers step — bf16 parameters, fused AdamW, SDPA (documents masked through the
-  position-id resets), HF gradient checkpointing, the model's own loss on full logits;
+  position-id resets), HF gradient checkpointing, the model's own loss on full logits; for an MoE model its
+  default experts implementation (`grouped_mm` in transformers 5; `hf:eager` for its loop over experts) and
+  its load-balancing loss (`output_router_logits`), as tidal adds the same loss;
 - `hf+none`: the same without checkpointing; `liger` / `liger+ckpt`: the same with Liger's kernels (RoPE,
   RMSNorm, SwiGLU, and the fused linear cross-entropy that never builds full logits), without / with full
   checkpointing — what TRL users run for speed (`pip install liger-kernel`);
@@ -15,11 +18,15 @@ the same packed row (documents of random lengths, positions restarting per docum
 on RL-shaped samples (groups of 8 completions of 32-256 tokens after 64-192-token prompts) packed as the
 orchestrator packs them, tokens/s counting real tokens; compare it with `--docs single`.
 
-MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/H200 dense bf16), as in NOTES.md.
+MFU = (6·params + 6·layers·seq·heads·head_dim) · tokens/s ÷ 989e12 (H100/H200 dense bf16), as in NOTES.md;
+for an MoE model `params` are the active ones, what one token's forward multiplies by (MOE_MFU_FORMULA).
 
     python benchmarks/trainer_mfu.py --models qwen3-4b --seq 16384 --out benchmarks/results/trainer_mfu_h200.json
     python benchmarks/trainer_mfu.py --device cpu --models tiny --seq 256 --steps 1 --warmup 1   # smoke test
     torchrun --nproc-per-node 2 benchmarks/trainer_mfu.py --impls tidal:default   # FSDP2 over 2 GPUs, per GPU
+    python benchmarks/trainer_mfu.py --models qwen3-30b-a3b:16 --seq 16384 --docs packed,single \
+        --impls hf,tidal:default,tidal:eager --out benchmarks/results/trainer_mfu_moe_h200.json
+    python benchmarks/trainer_mfu.py --device cpu --models tiny-moe --seq 256 --steps 2 --warmup 1   # MoE smoke
 """
 
 import argparse
@@ -40,6 +47,12 @@ MFU_FORMULA = (
     "(6·params + 6·layers·span·heads·head_dim) · tokens/s ÷ 989 TFLOP/s (H200 bf16 dense); span = "
     "sum(len²)/sum(len) over the row's documents (the row's length for one document)"
 )
+MOE_MFU_FORMULA = (
+    "(6·active_params + 6·layers·span·heads·head_dim) · tokens/s ÷ 989 TFLOP/s (H200 bf16 dense); "
+    "active_params = what one token's forward multiplies by: attention, norms, router, the top-k experts' MLPs "
+    "(k of the E experts of each MoE layer) and the LM head, without the input embedding (a lookup) and the "
+    "other E − k experts; span as for dense models"
+)
 QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8, "tie_word_embeddings": True}
 CONFIGS: dict[str, dict[str, Any]] = {
     # architecture fields of Qwen/Qwen3-*'s config.json
@@ -51,6 +64,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "num_attention_heads": 32},
     "tiny": {"vocab_size": 1000, "head_dim": 16, "num_key_value_heads": 2, "tie_word_embeddings": True,
              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    # architecture fields of Qwen/Qwen3-30B-A3B's config.json (48 layers; `qwen3-30b-a3b:N` keeps N of them)
+    "qwen3-30b-a3b": {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48, "head_dim": 128,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "rope_theta": 1_000_000.0,
+                      "rms_norm_eps": 1e-6, "max_position_embeddings": 40960},
+    # a CPU smoke test of the MoE paths: 8 experts, top-2, untied head like Qwen3-30B-A3B's
+    "tiny-moe": {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "head_dim": 16,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+                 "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8,
+                 "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
 }  # fmt: skip
 # tidal variants: name -> PerfConfig fields (the default is PerfConfig's defaults)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -66,16 +92,44 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "every2-compile": {"activation_checkpointing": "full", "checkpoint_every": 2, "compile": True},
     "none-compile": {"activation_checkpointing": "none", "compile": True},
     "projections-compile": {"activation_checkpointing": "projections", "compile": True},
+    "eager": {"compile": False},
 }
 
 
-def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def model_config(name: str) -> dict[str, Any]:
+    """The architecture fields of `name`: a key of CONFIGS, or `key:N` for its first N decoder layers."""
+    base, _, layers = name.partition(":")
+    if base not in CONFIGS:
+        raise SystemExit(f"unknown model {base!r}: one of {', '.join(CONFIGS)}, optionally as NAME:LAYERS")
+    config = dict(CONFIGS[base])
+    if layers:
+        config["num_hidden_layers"] = int(layers)
+    return config
 
-    config = Qwen3Config(**CONFIGS[name], attn_implementation="sdpa", use_cache=False)
+
+def is_moe(config: dict[str, Any]) -> bool:
+    return config.get("num_experts", 0) > 0
+
+
+def build_model(
+    name: str, dtype: torch.dtype, device: torch.device, seed: int, experts: str | None = None
+) -> torch.nn.Module:
+    """A random-init Qwen3 (or Qwen3-MoE) of `name`'s shape; `experts` is transformers' experts implementation
+    for an MoE model (None: its default)."""
+    fields = model_config(name)
+    if is_moe(fields):
+        from transformers import Qwen3MoeConfig as Config
+        from transformers import Qwen3MoeForCausalLM as Model
+
+        if experts is not None:
+            fields["experts_implementation"] = experts
+    else:
+        from transformers import Qwen3Config as Config  # type: ignore[assignment]
+        from transformers import Qwen3ForCausalLM as Model  # type: ignore[assignment]
+    config = Config(**fields, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(seed)
     with device:  # initialise in place on the GPU: seconds, not minutes
-        model = Qwen3ForCausalLM(config)
+        model = Model(config)
     return model.to(dtype)
 
 
@@ -103,12 +157,28 @@ def make_row(seq: int, vocab: int, lengths: list[int], seed: int) -> dict[str, l
     return {"input_ids": ids, "position_ids": positions, "targets": targets}
 
 
-def model_flops_per_token(name: str, num_params: int, span: float) -> float:
-    """Training FLOPs per token: 6 per parameter, plus causal attention over `span` keys on average (the
-    forward's 2·2·span·heads·dim per layer for scores and values, halved by the causal mask, times 3 for
-    the backward)."""
-    c = CONFIGS[name]
-    return 6 * num_params + 6 * c["num_hidden_layers"] * span * c["num_attention_heads"] * c["head_dim"]
+def model_flops_per_token(config: dict[str, Any], num_params: int, span: float) -> float:
+    """Training FLOPs per token: 6 per parameter (per active parameter for an MoE model, `num_params` being
+    all of them), plus causal attention over `span` keys on average (the forward's 2·2·span·heads·dim per
+    layer for scores and values, halved by the causal mask, times 3 for the backward)."""
+    params = active_params(config, num_params) if is_moe(config) else num_params
+    attention = 6 * config["num_hidden_layers"] * span * config["num_attention_heads"] * config["head_dim"]
+    return 6 * params + attention
+
+
+def active_params(config: dict[str, Any], num_params: int) -> int:
+    """An MoE model's parameters that one token's forward multiplies by (MOE_MFU_FORMULA): all `num_params`
+    but the input embedding (a lookup; with tied weights the same matrix is the head, which counts) and, in
+    every MoE layer, the E − k experts the token is not routed to (gate, up and down: 3·hidden·inter each)."""
+    layers = config["num_hidden_layers"]
+    sparse_step = config.get("decoder_sparse_step", 1)
+    moe_layers = [
+        i for i in range(layers) if i not in config.get("mlp_only_layers", []) and (i + 1) % sparse_step == 0
+    ]  # as Qwen3-MoE's decoder layers choose a sparse block
+    per_expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    idle = len(moe_layers) * (config["num_experts"] - config["num_experts_per_tok"]) * per_expert
+    embedding = 0 if config["tie_word_embeddings"] else config["vocab_size"] * config["hidden_size"]
+    return num_params - embedding - idle
 
 
 def attention_span(lengths: list[int]) -> float:
@@ -144,12 +214,33 @@ def liger_patches() -> Any:
 
 
 def hf_runner(
-    name: str, row: dict[str, list[int]], device: torch.device, seed: int, impl: str = "hf"
+    name: str,
+    row: dict[str, list[int]],
+    device: torch.device,
+    seed: int,
+    impl: str = "hf",
+    experts: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """A transformers step (Liger kernels or not, checkpointing or not, as `HF_IMPLS[impl]` says); returns
-    (step function returning the loss, facts about the run)."""
+    """A transformers step (Liger kernels or not, checkpointing or not, as `HF_IMPLS[impl]` says; for an MoE
+    model `experts` as its experts implementation, None: transformers' default, and its load-balancing loss
+    added to the loss as the model's config weighs it); returns (step function returning the loss, facts)."""
     liger, checkpointing = HF_IMPLS[impl]
-    model = build_model(name, torch.bfloat16, device, seed)
+    moe = is_moe(model_config(name))
+    if liger and moe:
+        raise ValueError("the Liger baselines here patch dense Qwen3 only")
+    model = build_model(name, torch.bfloat16, device, seed, experts if moe else None)
+    facts: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters())}
+    # the model's load-balancing loss, which tidal adds too (router_aux_loss_coef; transformers computes it
+    # only when asked for the router logits)
+    extra = {"output_router_logits": True} if moe else {}
+    if moe:
+        import transformers
+
+        hf_config: Any = model.config
+        facts |= {
+            "experts_implementation": hf_config._experts_implementation,  # what transformers resolved
+            "transformers": transformers.__version__,
+        }
     if liger:
         # rope, RMSNorm, SwiGLU, and the fused linear cross-entropy (no full logits) that Liger users run
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
@@ -167,13 +258,13 @@ def hf_runner(
     labels = torch.where(positions == 0, -100, ids)  # [1, seq]
 
     def step() -> float:
-        loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+        loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    return step, {"num_params": sum(p.numel() for p in model.parameters())}
+    return step, facts
 
 
 def tidal_setup(
@@ -184,7 +275,7 @@ def tidal_setup(
     from tidal.config.common import SchedulerConfig
     from tidal.config.perf import PerfConfig
     from tidal.trainer.optim import build_optimizer, build_scheduler, resolve_state_dtype
-    from tidal.trainer.parallel import parallelize, resolve_checkpointing
+    from tidal.trainer.parallel import parallelize, resolve_checkpointing, resolve_compile
 
     model = build_model(name, torch.float32, info.device, seed)
     num_params = sum(p.numel() for p in model.parameters())
@@ -195,8 +286,11 @@ def tidal_setup(
         "num_params": num_params,
         "attention": model.config._attn_implementation,
         "activation_checkpointing": resolve_checkpointing(perf, info),
+        "compile": resolve_compile(perf, info),
         "optimizer_state": str(state_dtype).removeprefix("torch."),
     }
+    if scorer.moe is not None:  # the model's own load-balancing loss weight, as transformers' step has it
+        facts |= {"experts_kernel": scorer.moe.kernel, "aux_loss_coef": scorer.moe.aux_loss_coef}
     optimizer = build_optimizer(model, optim, state_dtype)
     scheduler = build_scheduler(optimizer, 1000, SchedulerConfig(type="constant"))
     return scorer, optimizer, scheduler, facts
@@ -213,7 +307,14 @@ def tidal_runner(
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, OptimConfig(lr=1e-5))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
     num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
-    batch = StepBatch([[packed]], num_loss_tokens=num_loss, num_tokens=len(packed), num_truncated=0)
+    num_real = len(packed) * info.world_size  # weighs an MoE model's load-balancing loss
+    batch = StepBatch(
+        [[packed]],
+        num_loss_tokens=num_loss,
+        num_tokens=len(packed),
+        num_truncated=0,
+        num_real_tokens=num_real,
+    )
 
     def step() -> float:
         return train_step(scorer, optimizer, scheduler, batch, info, max_grad_norm=1.0)["loss"]
@@ -268,7 +369,7 @@ def tidal_rl_runner(
     from tidal.orchestrator.batching import make_train_batches
     from tidal.trainer.rl import rl_step
 
-    samples = rl_samples(seq * rows, CONFIGS[name]["vocab_size"], seed + info.rank)
+    samples = rl_samples(seq * rows, model_config(name)["vocab_size"], seed + info.rank)
     [batch] = make_train_batches(0, samples, 1, seq, micro_rows, pad_id=0)  # each rank packs its own samples
     optim = OptimConfig(lr=1e-5)
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, optim)
@@ -291,40 +392,62 @@ def measure(
     make: Any, device: torch.device, warmup: int, steps: int, profile: bool = False
 ) -> dict[str, Any]:
     """Build, warm up, time `steps` steps (then profile one more if asked); tokens/s is filled in by the
-    caller. Frees everything after."""
+    caller. Frees everything after. A failure (out of memory, or any error: a compile that fails, a kernel
+    that does not run) becomes the result's `error`, so the runs after it in the same process still run."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    result: dict[str, Any] = {}
+    stage = "build"
     try:
+        start = time.perf_counter()
         step, facts = make()
+        result["build_s"] = time.perf_counter() - start
+        stage = "first step"
+        start = time.perf_counter()
         first_loss = step()  # random init: close to ln(vocab) for both implementations
+        result["first_step_s"] = time.perf_counter() - start  # compiles, if the run compiles
+        stage = "steps"
         for _ in range(warmup - 1):
             step()
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
-            step()
+            last_loss = step()
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = (time.perf_counter() - start) / steps
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-        result = {"step_s": elapsed, "peak_mem_gib": peak, "first_loss": first_loss, **facts}
+        result |= {
+            "step_s": elapsed, "peak_mem_gib": peak, "first_loss": first_loss, "last_loss": last_loss, **facts
+        }  # fmt: skip
         if profile and cuda:
             result["profile"] = profile_step(step, device)
-        return result
     except torch.OutOfMemoryError:
-        return {"error": "out of memory"}
-    finally:
-        step = None
-        gc.collect()
-        if cuda:
+        result["error"] = f"out of memory ({stage})"
+    except Exception as exc:  # noqa: BLE001  (recorded; the next runs go on)
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"{stage}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    if "error" in result and cuda:
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    step = None
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        if torch.cuda.memory_allocated(device) > 2**30:  # compiled graphs can hold the last model's tensors
+            torch._dynamo.reset()
+            gc.collect()
             torch.cuda.empty_cache()
+        result["mem_left_gib"] = torch.cuda.memory_allocated(device) / 2**30
+    return result
 
 
 KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
     ("attention", ("cudnn", "flash", "fmha", "attn")),
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "grouped_mm")),
     ("optimizer", ("multi_tensor", "adam", "lerp")),  # tidal's compiled AdamW kernels fuse a lerp
     ("collective", ("nccl",)),
     ("copy", ("memcpy", "memset", "copy", "cat", "split_with_sizes")),
@@ -368,9 +491,11 @@ def profile_step(step: Any, device: torch.device) -> dict[str, Any]:
 def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: Any) -> dict[str, Any]:
     """One measurement; under torchrun every rank trains its own row (data parallel, FSDP2 sharded)."""
     seed, device = 0, info.device
+    config = model_config(name)
     lengths = document_lengths(args.seq, "packed" if layout == "rl" else layout, seed)
-    row = make_row(args.seq, CONFIGS[name]["vocab_size"], lengths, seed + info.rank)
-    if layout == "rl" and impl in HF_IMPLS:
+    row = make_row(args.seq, config["vocab_size"], lengths, seed + info.rank)
+    base_impl, _, suffix = impl.partition(":")  # tidal:<variant>, or hf:<experts implementation>
+    if layout == "rl" and base_impl in HF_IMPLS:
         return {"model": name, "seq": args.seq, "impl": impl, "variant": impl, "docs": layout,
                 "error": "the RL-shaped case runs tidal's RL step only"}  # fmt: skip
     if layout == "rl":
@@ -383,20 +508,23 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
             args.profile,
         )
         lengths = []
-    elif impl in HF_IMPLS:
+    elif base_impl in HF_IMPLS:
+        experts = suffix or None
         with liger_patches():
             result = measure(
-                lambda: hf_runner(name, row, device, seed, impl),
+                lambda: hf_runner(name, row, device, seed, base_impl, experts),
                 device,
                 args.warmup,
                 args.steps,
                 args.profile,
             )
-        liger, checkpointing = HF_IMPLS[impl]
+        liger, checkpointing = HF_IMPLS[base_impl]
         options: dict[str, Any] = {
             "liger": liger,
             "activation_checkpointing": "full" if checkpointing else "none",
         }
+        if is_moe(config):
+            options["experts_implementation"] = experts or "transformers' default"
     else:
         options = {**VARIANTS[impl.removeprefix("tidal:")], **args.set}
         result = measure(
@@ -407,15 +535,19 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
             args.profile,
         )
     record: dict[str, Any] = {
-        "model": f"{name}", "seq": args.seq, "impl": impl.split(":")[0], "variant": impl.split(":")[-1],
-        "docs": layout, "num_docs": len(lengths), "gpus": info.world_size, "options": options, **result,
+        "model": f"{name}", "seq": args.seq, "impl": base_impl,
+        "variant": impl if base_impl in HF_IMPLS else impl.split(":")[-1],
+        "docs": layout, "num_docs": len(lengths), "gpus": info.world_size, "options": options,
+        "layers": config["num_hidden_layers"], **result,
     }  # fmt: skip
     if info.world_size > 1 and result.get("peak_mem_gib") is not None:
         record["peak_mem_gib"] = max_over_ranks(result["peak_mem_gib"], device)
     if "step_s" in result:  # per GPU; the RL case counts its real tokens (its row is not quite full)
         record["tokens_per_s"] = result.get("num_tokens", args.seq) / result["step_s"]
         span = result.get("attention_span") or attention_span(lengths)
-        flops = model_flops_per_token(name, result["num_params"], span)
+        flops = model_flops_per_token(config, result["num_params"], span)
+        if is_moe(config):
+            record["num_active_params"] = active_params(config, result["num_params"])
         record["mfu"] = flops * record["tokens_per_s"] / PEAK_FLOPS
     return record
 
@@ -491,7 +623,9 @@ def setup(device: str) -> Any:
 def summarise(results: list[dict[str, Any]]) -> list[str]:
     """One line per run, tidal lines with their ratio to the hf run of the same model, seq and layout."""
     base = {
-        (r["model"], r["seq"], r["docs"]): r for r in results if r["impl"] == "hf" and "tokens_per_s" in r
+        (r["model"], r["seq"], r["docs"]): r
+        for r in results
+        if r["variant"] == "hf" and "tokens_per_s" in r  # hf with transformers' default experts
     }  # tidal rows on several GPUs compare their per-GPU tokens/s with it
     liger: dict[tuple[Any, ...], float] = {}  # the fastest Liger run of each model, seq and layout
     for r in results:
@@ -503,7 +637,7 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
         f"{'x best liger':>12}"
     ]
     for r in results:
-        label = r["impl"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
+        label = r["variant"] if r["impl"] in HF_IMPLS else f"tidal:{r['variant']}"
         micro = r.get("num_micro_batches", 1)
         # micro-batches per step (of `seq` tokens times rows_per_micro_batch)
         docs = (
@@ -541,10 +675,13 @@ def merge(paths: list[str], out: str) -> None:
     """Join result files of several runs (e.g. one process per GPU, or several device calls) into one."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     merged = {
+        **{k: v for p in reversed(parts) for k, v in p.items()},  # the first file's facts win, none is lost
         "command": " ; ".join(p["command"] for p in parts),
-        "device": parts[0]["device"],
         "results": [r for p in parts for r in p["results"]],
     }
+    plans = {name: plan for p in parts for name, plan in p.get("memory_plan", {}).items()}
+    if plans:
+        merged["memory_plan"] = plans
     Path(out).write_text(json.dumps(merged, indent=2) + "\n")
     print("\n".join(summarise(merged["results"])))
 
@@ -552,7 +689,11 @@ def merge(paths: list[str], out: str) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,qwen3-4b", help="comma-separated")
+    parser.add_argument(
+        "--models",
+        default="qwen3-0.6b,qwen3-1.7b,qwen3-4b",
+        help=f"comma-separated: {', '.join(CONFIGS)}; NAME:N keeps the first N decoder layers",
+    )
     parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one packed row)")
     parser.add_argument(
         "--docs",
@@ -563,7 +704,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--impls",
         default="hf,tidal:default",
         help="comma-separated: hf (full checkpointing), hf+none, liger, liger+ckpt (transformers + Liger "
-        "kernels, without / with full checkpointing), tidal:<variant>",
+        "kernels, without / with full checkpointing), hf:<experts> (an MoE model's experts implementation in "
+        "transformers: grouped_mm, batched_mm, eager; hf alone: transformers' default), tidal:<variant>",
     )
     parser.add_argument(
         "--rows", type=int, default=1, help="rl layout: rows of --seq tokens per step (default 1)"
@@ -604,6 +746,72 @@ def _field(item: str) -> tuple[str, Any]:
         return name, raw
 
 
+def run_facts(models: list[str], device: torch.device) -> dict[str, Any]:
+    """What a results file states besides its runs: the MFU formula(s), versions, and for MoE shapes cut to
+    fewer layers why that many (`what`, `memory_plan`)."""
+    import transformers
+
+    moe = [name for name in models if is_moe(model_config(name))]
+    formulas = ([MFU_FORMULA] if len(moe) < len(models) else []) + ([MOE_MFU_FORMULA] if moe else [])
+    facts: dict[str, Any] = {
+        "mfu": " | MoE: ".join(formulas) if len(formulas) == 2 else formulas[0],
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    plans = {name: memory_plan(name) for name in moe}
+    if plans:
+        facts["memory_plan"] = plans
+        facts["what"] = " ".join(layers_reason(name, plan, total) for name, plan in plans.items())
+    return facts
+
+
+STATE_BYTES = {
+    "tidal": 12,  # fp32 master weights and gradients, bf16 AdamW moments (perf.optimizer_state auto on GPU)
+    "hf": 8,  # bf16 weights, gradients and AdamW moments
+}
+"""Bytes per parameter of the training state that lives through a step, by implementation."""
+
+
+def param_count(config: dict[str, Any]) -> int:
+    """Parameters of a model of this shape (built on the meta device: no memory, no time)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, use_cache=False))
+    return sum(p.numel() for p in model.parameters())
+
+
+def memory_plan(name: str) -> dict[str, Any]:
+    """Training-state memory of an MoE shape at its layer count and one layer more, per implementation."""
+    config = model_config(name)
+    layers = config["num_hidden_layers"]
+    plan: dict[str, Any] = {"layers": layers}
+    for count in (layers, layers + 1):
+        params = param_count({**config, "num_hidden_layers": count})
+        plan[f"{count}_layers"] = {
+            "params": params,
+            "active_params": active_params({**config, "num_hidden_layers": count}, params),
+            **{f"{impl}_state_gib": params * size / 2**30 for impl, size in STATE_BYTES.items()},
+        }
+    return plan
+
+
+def layers_reason(name: str, plan: dict[str, Any], total_gib: float | None) -> str:
+    base = name.partition(":")[0]
+    layers = plan["layers"]
+    now, more = plan[f"{layers}_layers"], plan[f"{layers + 1}_layers"]
+    of = f" of this GPU's {total_gib:.1f} GiB" if total_gib else ""
+    return (
+        f"{name}: {base}'s shape with {layers} of its {CONFIGS[base]['num_hidden_layers']} decoder layers "
+        f"({now['params'] / 1e9:.2f}B parameters, {now['active_params'] / 1e9:.2f}B active per token). "
+        f"tidal's training state is {STATE_BYTES['tidal']} bytes per parameter (fp32 master weights and "
+        f"gradients, bf16 AdamW moments): {now['tidal_state_gib']:.1f} GiB with {layers} layers, "
+        f"{more['tidal_state_gib']:.1f} GiB with {layers + 1}{of}, before activations, the gathered bf16 "
+        f"copies of a layer and of the embedding and head, and the expert dispatch buffers (see peak_mem_gib); "
+        f"transformers' is {STATE_BYTES['hf']} bytes per parameter ({now['hf_state_gib']:.1f} GiB)."
+    )
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     args.warmup = max(1, args.warmup)
@@ -617,7 +825,7 @@ def main(argv: list[str]) -> None:
     quiet_transformers()
     info = setup(args.device)
     device = info.device
-    if info.world_size > 1 and set(args.impls.split(",")) & set(HF_IMPLS):
+    if info.world_size > 1 and {i.partition(":")[0] for i in args.impls.split(",")} & set(HF_IMPLS):
         raise SystemExit("under torchrun only tidal variants run (the hf baseline is single-GPU)")
     command = "python " + shlex.join(["benchmarks/trainer_mfu.py", *argv])
     if info.world_size > 1:
@@ -633,8 +841,11 @@ def main(argv: list[str]) -> None:
             for line in attention_kernels(args.seq, device):
                 say(json.dumps(line), flush=True)
             return
+    models = args.models.split(",")
+    head = run_facts(models, device)
+    say(json.dumps(head), flush=True)
     results: list[dict[str, Any]] = []
-    for name in args.models.split(","):
+    for name in models:
         for layout in args.docs.split(","):
             for impl in args.impls.split(","):
                 record = run_one(args, name, layout, impl, info)
@@ -642,7 +853,7 @@ def main(argv: list[str]) -> None:
                 results.append(record)
                 if args.out and info.is_main:  # after every run, so a timeout keeps what was measured
                     where = device_name(device, info.world_size)
-                    payload = {"command": command, "device": where, "mfu": MFU_FORMULA, "results": results}
+                    payload = {"command": command, "device": where, **head, "results": results}
                     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
     say("\n".join(summarise(results)))
     if info.world_size > 1:

@@ -252,6 +252,43 @@ def test_bf16_compute_under_fsdp_trains_the_moe_model():
             assert grad.isfinite().all() and grad.abs().sum() > 0, name
 
 
+@pytest.mark.skipif(not grouped_mm_works("cpu", torch.bfloat16), reason="no bf16 grouped GEMM on this CPU")
+def test_compiled_moe_layers_share_one_graph_and_train_like_eager(monkeypatch):
+    """torch.compile (as on GPU: bf16 compute, checkpointed layers) traces the MoE layers without a graph
+    break and without a graph per layer (the routing statistics are a side effect of each layer's forward),
+    and gives eager's logprobs, load-balancing loss and router gradients from that loss alone. Dynamo and
+    AOT autograd as on GPU, without Inductor's code generation (the slow part on a CPU)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    layers = 6
+    reference = tiny_moe_lm(num_hidden_layers=layers)
+    ids, targets = torch.randint(0, 61, (1, 32)), torch.randint(0, 61, (1, 32))
+    positions = torch.cat([torch.arange(20), torch.arange(12)]).unsqueeze(0)
+    results = []
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = copy.deepcopy(reference)
+        perf = PerfConfig(mixed_precision="bf16", compile=compile_, activation_checkpointing="projections")
+        scorer = parallelize(model, CPU, perf, MoEConfig(aux_loss_coef=1.0))
+        scorer.moe.start_step(32.0)
+        logprobs, _ = scorer(ids, positions, targets, token_mask=torch.ones(1, 32, dtype=torch.bool))
+        aux = scorer.moe.aux_loss()
+        (logprobs.sum() * 0.0 + aux).backward()  # router gradients from the load-balancing loss alone
+        grads = [m.mlp.gate.weight.grad for m in model.model.layers]
+        results.append((logprobs.detach(), aux.detach(), [g.full_tensor() for g in grads]))
+        if compile_:
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            assert counters["frames"]["total"] < layers  # not a compiled frame per layer
+    (want, want_aux, want_grads), (got, got_aux, got_grads) = results
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got_aux, want_aux, atol=1e-3, rtol=1e-3)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        assert want_grad.norm() > 0  # bf16 rounding differs; a dropped gradient would differ by all of it
+        assert (got_grad - want_grad).norm() < 0.2 * want_grad.norm()
+
+
 def test_cpu_moe_kernels_are_reset_before_a_reload_and_only_on_cpu():
     from types import SimpleNamespace
 

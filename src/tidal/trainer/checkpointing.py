@@ -141,5 +141,11 @@ def apply_compile(layers: list[torch.nn.Module]) -> None:
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), len(layers) + 8))
+    # MoE blocks record their routing statistics in forward (tidal.trainer.moe), a Python side effect that
+    # dynamo refuses inside a checkpointed region unless told it need not replay it when backward recomputes
+    # the layer; eager recomputation records nothing either (only the training forward collects), and without
+    # this every MoE layer broke out of its compiled graph
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]

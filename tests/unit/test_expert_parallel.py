@@ -1,5 +1,6 @@
 """Expert parallelism on two gloo ranks: the token exchange's reordering, and ep = 2 against ep = 1 (every
-rank running every expert) on the same data: logprobs, the load-balancing loss and every gradient."""
+rank running every expert) on the same data: logprobs, the load-balancing loss and every gradient, also with
+routing replay (inference's experts given for every token)."""
 
 import os
 import socket
@@ -28,13 +29,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def given_routes(
+    generator: torch.Generator, num_tokens: int, num_layers: int, num_experts: int
+) -> torch.Tensor:
+    """[tokens, layers, 2] random pairs of distinct experts: routes as inference might have chosen them."""
+    first = torch.randint(0, num_experts, (num_tokens, num_layers), generator=generator)
+    second = (
+        first + torch.randint(1, num_experts, (num_tokens, num_layers), generator=generator)
+    ) % num_experts
+    return torch.stack([first, second], dim=-1)
+
+
 def train_step(
-    ep: int, mixed_precision: str, rank: int, world: int
+    ep: int, mixed_precision: str, rank: int, world: int, replay: bool = False
 ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """One forward/backward of the tiny MoE on this rank's data: (logprobs, aux term, full gradients)."""
     from tests.unit.test_moe import tiny_moe_lm
     from tidal.config.moe import MoEConfig
     from tidal.config.perf import PerfConfig
+    from tidal.trainer.moe import Routes
     from tidal.trainer.parallel import DistInfo, parallelize
 
     info = DistInfo(rank, world, rank, world, torch.device("cpu"))
@@ -44,8 +57,12 @@ def train_step(
     generator = torch.Generator().manual_seed(rank)  # each rank its own tokens
     ids, targets = (torch.randint(0, 61, (2, 12), generator=generator) for _ in range(2))
     positions = torch.arange(12).repeat(2, 1)
+    routes = None
+    if replay:
+        routes = Routes(given_routes(generator, 24, 2, 4), torch.ones(24, dtype=torch.bool))
     scorer.moe.start_step(num_tokens_global=24.0 * world, gradient_scale=world)
-    logprobs, _ = scorer(ids, positions, targets, token_mask=torch.ones(2, 12, dtype=torch.bool))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    logprobs, _ = scorer(ids, positions, targets, token_mask=mask, routes=routes)
     aux = scorer.moe.aux_loss()
     (logprobs.sum() * world + aux).backward()
     grads = {}
@@ -60,14 +77,18 @@ def compare_worker(rank: int, world: int, port: int, failures: "mp.Queue[str]") 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for mixed_precision, tol in (("off", 1e-5), ("bf16", 2e-2)):
-            want_lp, want_aux, want = train_step(1, mixed_precision, rank, world)
-            got_lp, got_aux, got = train_step(2, mixed_precision, rank, world)
+        for mixed_precision, tol, replay in (
+            ("off", 1e-5, False),
+            ("bf16", 2e-2, False),
+            ("off", 1e-5, True),
+        ):
+            want_lp, want_aux, want = train_step(1, mixed_precision, rank, world, replay)
+            got_lp, got_aux, got = train_step(2, mixed_precision, rank, world, replay)
             torch.testing.assert_close(got_lp, want_lp, atol=tol, rtol=tol)
             assert abs(got_aux - want_aux) <= tol * abs(want_aux), (got_aux, want_aux)
             assert sorted(got) == sorted(want)
             for name in want:
-                label = f"{mixed_precision} {name}"
+                label = f"{mixed_precision}{' replay' if replay else ''} {name}"
                 torch.testing.assert_close(got[name], want[name], atol=tol, rtol=tol, msg=label)
     except BaseException:
         failures.put(f"rank {rank}: {traceback.format_exc()}")

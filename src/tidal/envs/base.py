@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidal.rollout.chat import token_ids
+from tidal.types import RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Turn:
     logprobs: list[float]
     text: str
     finish_reason: str | None = None
+    routed_experts: RoutedExperts | None = None
+    """The experts an MoE model routed prompt and completion to (all but the last token), when inference
+    returned them (routing replay)."""
 
 
 class ContextFull(Exception):
@@ -86,11 +90,19 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     """What a multi-turn environment tracked during the rollout (game state, tool calls) for its rewards."""
 
+    routed_experts: RoutedExperts | None = None
+    """Routes of the last model turn when it continued exactly this episode's context (they then cover every
+    token up to that turn's last one); None otherwise."""
+
     def add_model_turn(self, turn: Turn) -> None:
+        # the turn's routes describe its own prompt + completion: the episode's tokens only when that prompt
+        # is exactly the context so far (as tidal.rollout.chat.continue_prompt builds it)
+        continues = turn.routed_experts is not None and turn.prompt_ids == self.context_ids
         self.completion_ids += turn.completion_ids
         self.completion_logprobs += turn.logprobs
         self.completion_mask += [1] * len(turn.completion_ids)
         self.num_turns += 1
+        self.routed_experts = turn.routed_experts if continues else None
 
     def add_env_tokens(self, ids: list[int]) -> None:
         self.completion_ids += ids

@@ -32,6 +32,7 @@ import aiohttp
 
 from tidal.inference.guard import TOKEN_HEADER
 from tidal.inference.http_workers import HttpWorkerDied, HttpWorkers, Slim
+from tidal.inference.routes import decode_routes, routes_problem
 from tidal.inference.routing import LeastLoaded, ServerState
 from tidal.inference.types import (
     ChatRequest,
@@ -75,6 +76,11 @@ class NoHealthyServer(InferenceError):
     """Every server is out of rotation."""
 
 
+class RoutesMissing(ServerFailed):
+    """Routing replay asked for the experts the model routed each token to, and an answer lacks them (a
+    server without `--enable-return-routed-experts`, or routes that do not cover the tokens)."""
+
+
 def is_infrastructure_error(exc: BaseException) -> bool:
     """Inference unreachable (or the work cancelled): not an environment's failure, so it must stop the
     run rather than be counted as one failed rollout."""
@@ -106,6 +112,7 @@ class InferenceClient:
         pause_mode: PauseMode = "wait",
         http_workers: int = 0,
         recovery_timeout: float = 0.0,
+        require_routes: bool = False,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
@@ -120,6 +127,8 @@ class InferenceClient:
         self.pause_mode = pause_mode
         # Seconds a request waits for a server to return while none is in rotation (a restarted replica).
         self.recovery_timeout = recovery_timeout
+        # Routing replay: an answer without the experts of every token stops the run (RoutesMissing).
+        self.require_routes = require_routes
         self._admin_headers = {TOKEN_HEADER: admin_token} if admin_token else {}
         # Like a read timeout: seconds without a byte from the server (vLLM answers a completion at its end).
         self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=timeout)
@@ -204,6 +213,7 @@ class InferenceClient:
         )
         completions = tuple(_completion(c, c["logprobs"]["token_logprobs"]) for c in _choices(data))
         prompt_ids = tuple(data["choices"][0]["prompt_token_ids"])
+        self._check_routes(server, prompt_ids, completions)
         self._count(server, completions)
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
@@ -232,6 +242,7 @@ class InferenceClient:
             for c in _choices(data)
         )
         prompt_ids = tuple(data["prompt_token_ids"])
+        self._check_routes(server, prompt_ids, completions)
         self._count(server, completions)
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
@@ -251,6 +262,15 @@ class InferenceClient:
             adapter_version = self._policy_adapters.get(model, (None, ""))[0]
             server, version, data = await self._dispatch(path, {"model": model, **body}, session_id, shape)
         return server, version if adapter_version is None else adapter_version, data
+
+    def _check_routes(self, url: str, prompt_ids: Sequence[int], completions: Sequence[Completion]) -> None:
+        """With `require_routes`, every completion must carry routes for all its tokens but the last."""
+        if not self.require_routes:
+            return
+        for completion in completions:
+            problem = routes_problem(completion.routed_experts, len(prompt_ids), len(completion.token_ids))
+            if problem is not None:
+                raise RoutesMissing(f"{url}: {problem}")
 
     def _count(self, url: str, completions: Sequence[Completion]) -> None:
         state = self.servers.get(url)
@@ -691,9 +711,11 @@ def _choices(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion:
     # The model validates and converts (lists to tuples, ints to floats) faster than Python loops would.
+    routes = choice.get("routed_experts")
     return Completion(
         token_ids=choice["token_ids"],
         logprobs=logprobs,
         text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
+        routed_experts=None if routes is None else decode_routes(routes),
     )

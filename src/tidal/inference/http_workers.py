@@ -57,7 +57,7 @@ class HttpWorkerDied(RuntimeError):
 def slim_answer(data: dict[str, Any], shape: Slim) -> dict[str, Any]:
     """The parts of a vLLM completion answer that `InferenceClient` reads, in the same layout (a valid
     answer of that route, only smaller): the prompt's token ids once, and per choice its index, token ids,
-    text, finish reason and sampled-token logprobs."""
+    text, finish reason, sampled-token logprobs and routed experts (when there)."""
     if shape == "completions":
         choices = [
             {
@@ -66,6 +66,7 @@ def slim_answer(data: dict[str, Any], shape: Slim) -> dict[str, Any]:
                 "text": c.get("text"),
                 "finish_reason": c.get("finish_reason"),
                 "logprobs": {"token_logprobs": c["logprobs"]["token_logprobs"]},
+                **_routes(c),
             }
             for c in data["choices"]
         ]
@@ -81,10 +82,17 @@ def slim_answer(data: dict[str, Any], shape: Slim) -> dict[str, Any]:
                 "finish_reason": c.get("finish_reason"),
                 "message": {"content": c["message"]["content"]},
                 "logprobs": {"content": [{"logprob": t["logprob"]} for t in c["logprobs"]["content"]]},
+                **_routes(c),
             }
             for c in data["choices"]
         ],
     }
+
+
+def _routes(choice: dict[str, Any]) -> dict[str, Any]:
+    """A choice's routed experts (routing replay), where the server returned them."""
+    routes = choice.get("routed_experts")
+    return {} if routes is None else {"routed_experts": routes}
 
 
 # ---- framing over a stream socket ------------------------------------------------------------------------

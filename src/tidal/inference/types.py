@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.types import RoutedExperts
+
 
 class Message(BaseModel):
     """Base of every message: immutable, unknown fields are errors (a typo never passes silently)."""
@@ -70,6 +72,9 @@ class Completion(Message):
     text: str
     finish_reason: str | None
     """`stop` (EOS or a stop token), `length` (max_tokens), `abort`."""
+    routed_experts: RoutedExperts | None = None
+    """The experts the model routed the prompt and these tokens to (all but the last token), when the server
+    returns them (routing replay); else None."""
 
 
 class Generation(Message):

@@ -153,6 +153,10 @@ class Launcher:
         addresses = self.node.addresses if self.node is not None else None
         roles = split_config(self.config, on_gpu, addresses=addresses)
         local = roles.node_replicas(self.index)
+        if local:  # before anything starts: a server that cannot return routes would fail only minutes later
+            from tidal.inference.server import check_route_return
+
+            check_route_return(roles.inference, "cuda" if on_gpu else "cpu")
         paths = self._write_configs(roles, local)
         env = self._device_env(roles, on_gpu, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

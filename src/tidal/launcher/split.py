@@ -106,6 +106,7 @@ def split_config(
         update={
             **shared,
             "max_async_level": rl.max_async_level,
+            "routing_replay": rl.trainer.moe.routing_replay,
             "transport": transport,
             "client": rl.orchestrator.client.model_copy(
                 update={
@@ -233,8 +234,9 @@ def _join_broadcast(replica: InferenceConfig, publish: NcclPublish, index: int) 
 
 
 def _vllm_for(rl: RLConfig) -> VLLMConfig:
-    """The run's seed, and with `trainer.lora` the LoRA flags the published adapters need."""
-    update: dict[str, object] = {"seed": rl.seed}
+    """The run's seed, route return for routing replay, and with `trainer.lora` the LoRA flags the published
+    adapters need."""
+    update: dict[str, object] = {"seed": rl.seed, "return_routed_experts": rl.trainer.moe.routing_replay}
     lora, vllm = rl.trainer.lora, rl.inference.vllm
     if lora.enabled:
         assert lora.rank is not None

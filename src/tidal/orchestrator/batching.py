@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
-from tidal.types import Group, MicroBatch, Rollout, TrainBatch, TrainSample
+from tidal.types import Group, MicroBatch, Rollout, RoutedExperts, TrainBatch, TrainSample
 
 
 def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
@@ -17,6 +17,7 @@ def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
         advantage=float(advantage),
         policy_version=rollout.policy_version,
         rollout_id=rollout.rollout_id,
+        routed_experts=rollout.routed_experts,
     )
 
 
@@ -113,6 +114,32 @@ class _Row:
         self.sample_ids += [-1] * num
 
 
+def pack_routes(
+    rows: Sequence[Sequence[TrainSample]], seq_len: int
+) -> tuple[RoutedExperts | None, list[list[int]]]:
+    """The samples' routes laid out as `_Row` lays out their tokens: (routes of every position [rows ·
+    seq_len], zeros where there is none; mask [rows][seq_len], 1 where there is one). (None, []) when no
+    sample has routes. A sample's routes cover its first tokens (all but the last one, from vLLM)."""
+    given = [s.routed_experts for samples in rows for s in samples if s.routed_experts is not None]
+    if not given:
+        return None, []
+    shape = given[0]
+    if not all(r.same_shape(shape) for r in given):
+        raise ValueError("routed experts of one micro-batch differ in layers, top-k or id size")
+    width = shape.token_bytes
+    data, mask = bytearray(), []
+    for samples in rows:
+        row_mask: list[int] = []
+        for sample in samples:
+            raw = b"" if sample.routed_experts is None else sample.routed_experts.raw()
+            covered = min(len(raw) // width, len(sample))
+            data += raw[: covered * width] + bytes((len(sample) - covered) * width)
+            row_mask += [1] * covered + [0] * (len(sample) - covered)
+        data += bytes((seq_len - len(row_mask)) * width)
+        mask.append(row_mask + [0] * (seq_len - len(row_mask)))
+    return RoutedExperts.from_raw(bytes(data), shape.num_layers, shape.top_k, shape.itemsize), mask
+
+
 def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_id: int) -> MicroBatch:
     """Pack rows of samples into one micro-batch of shape [len(rows), seq_len]; sample ids count up across rows."""
     built: list[_Row] = []
@@ -124,6 +151,7 @@ def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_i
             num_samples += 1
         row.pad(seq_len, pad_id)
         built.append(row)
+    routed_experts, routed_mask = pack_routes(rows, seq_len)
     return MicroBatch(
         input_ids=[r.input_ids for r in built],
         position_ids=[r.position_ids for r in built],
@@ -134,6 +162,8 @@ def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_i
         sample_ids=[r.sample_ids for r in built],
         num_samples=num_samples,
         rollout_ids=[sample.rollout_id for samples in rows for sample in samples],
+        routed_experts=routed_experts,
+        routed_mask=routed_mask,
     )
 
 

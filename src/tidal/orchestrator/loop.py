@@ -99,6 +99,7 @@ class Orchestrator:
             pause_mode=cfg.client.weight_update_pause,
             http_workers=cfg.client.http_workers,
             recovery_timeout=cfg.client.recovery_timeout,
+            require_routes=cfg.routing_replay,
         )
         events = EventLog(self.out)
 

@@ -144,6 +144,7 @@ def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[in
         env=env_name(env, task),
         task_id=task.task_id,
         metrics=episode.summary_metrics(),
+        routed_experts=episode.routed_experts,
     )
 
 

@@ -73,7 +73,7 @@ class ClientSampler:
         self.servers.append(generation.server)
         prompt = list(generation.prompt_token_ids)
         return [
-            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason)
+            Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason, c.routed_experts)
             for c in generation.completions
         ]
 

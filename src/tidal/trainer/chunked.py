@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tidal.trainer.attention import ATTN_NAME, document_bounds
-from tidal.trainer.moe import MoERouting
+from tidal.trainer.moe import MoERouting, Routes
 
 
 def chunk_scores(
@@ -212,11 +212,13 @@ class TokenScorer(torch.nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         token_mask: torch.Tensor | None = None,
+        routes: Routes | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids, targets [rows, seq] → logprobs [rows, seq], entropy [rows, seq] or None.
 
         token_mask [rows, seq] (True: a real token, False: padding) keeps padding out of MoE routing
-        statistics and the load-balancing loss; None counts every token.
+        statistics and the load-balancing loss; None counts every token. `routes`: the experts inference
+        routed these tokens to, which MoE layers then use (routing replay, tidal.trainer.moe).
         """
         kwargs = {}
         if self.lm.config._attn_implementation == ATTN_NAME:  # type: ignore[union-attr]
@@ -226,7 +228,8 @@ class TokenScorer(torch.nn.Module):
             }
         decoder = getattr(self.lm, str(self.lm.base_model_prefix))  # e.g. Qwen3ForCausalLM.model
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
-        collect = self.moe.collect(token_mask) if self.moe is not None else contextlib.nullcontext()
+        assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
+        collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
         with collect:
             hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]

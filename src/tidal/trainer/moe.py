@@ -7,13 +7,20 @@ routing is exactly the model's), runs the experts through `tidal.trainer.experts
 probabilities to a `MoERouting`. The trainers use that object around each micro-batch:
 
     routing.start_step(num_tokens_global, gradient_scale)      # once per optimizer step
-    logprobs = scorer(..., token_mask=...)                     # the scorer collects every MoE layer
+    logprobs = scorer(..., token_mask=..., routes=...)         # the scorer collects every MoE layer
     loss = task_loss + routing.aux_loss()                      # coef · share of tokens · load-balancing loss
     metrics |= routing.step_metrics(all_reduce)                # after the step
 
 The blocks compute their statistics in every forward, also when activation checkpointing recomputes a layer
 in backward (the recomputed ops must be the forward's), but only the trainer's own forward (inside
 `collect`) records them. The token mask of the last forward stays set for the recomputation.
+
+Routing replay (`moe.routing_replay`): a forward may be given the experts inference routed each token to
+(`Routes`, from vLLM). Those tokens then go to the given experts instead of the router's own top-k, with
+weights the router's rule computes over the given experts (softmax over all router logits, gathered at the
+given experts, renormalised as the model does): the router still gets gradients, through the weights and the
+load-balancing loss, while the experts that compute are inference's. How often the router's own top-k agrees
+with the given routes is logged (`moe/route_agreement`).
 
 A family is a sparse block class plus where its router and experts live (`MoEFamily`); Qwen3-MoE is the one
 so far. transformers fuses each layer's experts into 3-D tensors (`experts.gate_up_proj`,
@@ -49,6 +56,9 @@ class MoEFamily:
     hidden, inter], `act_fn`."""
     checkpoint_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """Checkpoint names of an expert's gate, up and down projections: `…experts.<e>.<name>.weight`."""
+    norm_topk: str = "norm_topk_prob"
+    """Attribute of the router module: whether the top-k weights are renormalised to sum to 1 (what
+    routing replay applies to the weights of the given experts)."""
 
 
 FAMILIES = {family.block_class: family for family in (MoEFamily("Qwen3MoeSparseMoeBlock"),)}
@@ -91,6 +101,34 @@ def load_balancing_loss(layers: list[LayerRouting], num_experts: int) -> torch.T
     return num_experts * (fraction * mean_prob).sum()
 
 
+@dataclass
+class Routes:
+    """Experts inference routed tokens to, for one forward (routing replay)."""
+
+    experts: torch.Tensor
+    """[tokens, layers, k] integer: expert ids per decoder layer (the layer index of the model, dense layers
+    included), in the forward's token order ([rows, seq] flattened)."""
+    mask: torch.Tensor
+    """[tokens] bool: which tokens have routes (the others route themselves: padding, a sample's last
+    token, a rollout inference returned no routes for)."""
+
+
+def replay_weights(router_logits: torch.Tensor, expert_index: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The router's top-k weights for the experts `expert_index` [tokens, k] instead of its own top-k:
+    softmax over router_logits [tokens, experts] in fp32, gathered at the experts, renormalised over them when
+    `normalize` (as Qwen3-MoE's `norm_topk_prob`), in the logits' dtype → [tokens, k] (differentiable)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [tokens, experts]
+    weights = probs.gather(1, expert_index)  # [tokens, k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype)
+
+
+def same_experts(own: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: whether own [tokens, k] and given [tokens, k] name the same set of experts."""
+    return (own.sort(dim=-1).values == given.to(own.dtype).sort(dim=-1).values).all(dim=-1)
+
+
 class MoERouting:
     """Router statistics of the trainer's forwards, the load-balancing loss term, and the step's metrics."""
 
@@ -107,17 +145,22 @@ class MoERouting:
         self.blocks: list[torch.nn.Module] = []
         """The sparse blocks `apply_moe` runs, in model order: each keeps its last training forward's
         statistics as an attribute of its own (STATS_ATTR), which `aux_loss` reads."""
+        self.routes: Routes | None = None
+        """Inference's routes of the last forward (routing replay); kept, like `mask`, for the recomputation."""
         self._collecting = False
         self._layers: list[LayerRouting] = []  # from observe() calls that name no block
         self._token_share = 0.0  # 1 / the step's tokens
         self._gradient_scale = 1.0
         self._step_counts: list[torch.Tensor] = []  # [layers, experts] per forward
         self._step_aux: list[torch.Tensor] = []  # token-weighted loss value per forward
+        self._step_replay: list[torch.Tensor] = []  # [(token, layer) pairs replayed, of them agreeing]
 
     @contextlib.contextmanager
-    def collect(self, token_mask: torch.Tensor | None) -> Iterator[None]:
-        """Record every MoE layer's routing during one forward; token_mask [rows, seq] (True: a real token)."""
+    def collect(self, token_mask: torch.Tensor | None, routes: Routes | None = None) -> Iterator[None]:
+        """Record every MoE layer's routing during one forward; token_mask [rows, seq] (True: a real token).
+        With `routes`, the tokens they cover go to inference's experts (routing replay)."""
         self.mask = None if token_mask is None else token_mask.reshape(-1).float()
+        self.routes = routes
         self._clear()
         self._collecting = True
         try:
@@ -153,13 +196,42 @@ class MoERouting:
         self._clear()
         return layers
 
+    def route(
+        self,
+        layer: int,
+        router_logits: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        normalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts [tokens, k] and weights [tokens, k] decoder layer `layer` computes with: the router's
+        own (index, weights), or inference's routes where the forward has them (their weights by the router's
+        rule, `replay_weights`). Books how often the router's own top-k agrees with the routes."""
+        routes = self.routes
+        if routes is None:
+            return index, weights
+        assert routes.experts.shape[0] == index.shape[0], "routes and the forward differ in token count"
+        _, num_layers, top_k = routes.experts.shape
+        if layer >= num_layers or top_k != index.shape[1]:
+            raise ValueError(
+                f"routes hold {num_layers} layers × top-{top_k}, but decoder layer {layer} routes its tokens to "
+                f"{index.shape[1]} experts: they are not this model's"
+            )
+        given = routes.experts[:, layer].to(index.dtype)  # [tokens, k]
+        use = routes.mask.unsqueeze(-1)  # [tokens, 1]
+        chosen = torch.where(use, given, index)
+        if self._collecting:
+            agree = same_experts(index, given) & routes.mask
+            self._step_replay.append(torch.stack([routes.mask.sum(), agree.sum()]).float())
+        return chosen, replay_weights(router_logits, chosen, normalize)
+
     def start_step(self, num_tokens_global: float, gradient_scale: float = 1.0) -> None:
         """Begin an optimizer step of `num_tokens_global` real tokens (all micro-batches of all ranks);
         `gradient_scale` multiplies the loss term as the caller multiplies its task loss (e.g. the world
         size, when FSDP averages gradients over ranks)."""
         self._token_share = 1.0 / max(1.0, num_tokens_global)
         self._gradient_scale = gradient_scale
-        self._step_counts, self._step_aux = [], []
+        self._step_counts, self._step_aux, self._step_replay = [], [], []
 
     def aux_loss(self) -> torch.Tensor:
         """The term to add to the last forward's loss: coef × (its tokens / the step's) × load-balancing loss.
@@ -178,8 +250,20 @@ class MoERouting:
             return {}
         counts = torch.stack(self._step_counts).sum(0)  # [layers, experts]
         aux = torch.stack(self._step_aux).sum().reshape(1)
-        total = all_reduce(torch.cat([counts.flatten(), aux]))
-        return router_metrics(total[:-1].view(counts.shape), float(total[-1]))
+        # every rank sends the replay counts (zeros without routes): all_reduce needs equal shapes on all ranks
+        zero = torch.zeros(2, device=counts.device)
+        replay = torch.stack(self._step_replay).sum(0).to(counts.device) if self._step_replay else zero
+        total = all_reduce(torch.cat([counts.flatten(), aux, replay]))
+        metrics = router_metrics(total[: counts.numel()].view(counts.shape), float(total[counts.numel()]))
+        return metrics | replay_metrics(float(total[-2]), float(total[-1]))
+
+
+def replay_metrics(num_replayed: float, num_agreeing: float) -> dict[str, float]:
+    """`moe/route_agreement`: the share of replayed (token, MoE layer) pairs whose router's own top-k is the
+    set of experts inference chose; `moe/replayed`: how many such pairs there were. Nothing without replay."""
+    if num_replayed <= 0:
+        return {}
+    return {"moe/route_agreement": num_agreeing / num_replayed, "moe/replayed": num_replayed}
 
 
 def router_metrics(counts: torch.Tensor, aux_loss: float) -> dict[str, float]:
@@ -199,11 +283,17 @@ def router_metrics(counts: torch.Tensor, aux_loss: float) -> dict[str, float]:
 def sparse_block_forward(
     block: torch.nn.Module, family: MoEFamily, routing: MoERouting, hidden_states: torch.Tensor
 ) -> torch.Tensor:
-    """A sparse block's forward: hidden_states [batch, seq, hidden] → [batch, seq, hidden]."""
+    """A sparse block's forward: hidden_states [batch, seq, hidden] → [batch, seq,
+    hidden]."""
     batch, seq, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)  # [tokens, hidden]
     # the model's router: logits [tokens, experts], top-k weights and expert indices [tokens, k]
-    router_logits, weights, expert_index = getattr(block, family.router)(x)
+    router = getattr(block, family.router)
+    router_logits, weights, expert_index = router(x)
+    if routing.routes is not None:  # routing replay; the layer index is read only then (see LAYER_ATTR)
+        normalize = bool(getattr(router, family.norm_topk))
+        layer = getattr(block, LAYER_ATTR)
+        expert_index, weights = routing.route(layer, router_logits, expert_index, weights, normalize)
     routing.observe(router_logits, expert_index, block)
     # through the experts module's call, so that FSDP2 gathers (and casts) its tensors when it is a unit
     # of its own (expert parallelism)
@@ -242,6 +332,18 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def find_blocks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, MoEFamily]]:
     """The model's sparse MoE blocks of a known family, in module order."""
     return [(m, FAMILIES[type(m).__name__]) for m in model.modules() if type(m).__name__ in FAMILIES]
+
+
+def decoder_layer_index(model: torch.nn.Module, block: torch.nn.Module) -> int:
+    """The index of the decoder layer holding `block` (`…layers.<i>.…` in its module name): how inference
+    numbers the layers of its routes, dense layers included."""
+    for name, module in model.named_modules():
+        if module is block:
+            parts = name.split(".")
+            for before, index in zip(parts, parts[1:], strict=False):
+                if before == "layers" and index.isdigit():
+                    return int(index)
+    raise ValueError(f"{type(block).__name__} is not inside a `layers.<i>` module of {type(model).__name__}")
 
 
 def is_moe_model(model: torch.nn.Module) -> bool:
@@ -291,6 +393,7 @@ def apply_moe(
     routing = MoERouting(int(experts.gate_up_proj.shape[0]), coef, kernel)
     routing.blocks = [block for block, _ in blocks]
     for block, family in blocks:
+        setattr(block, LAYER_ATTR, decoder_layer_index(model, block))
         experts_module = getattr(block, family.experts)
         # bound methods of one shared function, not a functools.partial per module: torch.compile guards on
         # the identity of an instance's `forward`, so a partial per layer recompiled every layer
@@ -302,6 +405,10 @@ def apply_moe(
 
 ROUTING_ATTR = "_tidal_moe_routing"
 """Attribute of each sparse block and experts module run by tidal: the model's shared `MoERouting`."""
+LAYER_ATTR = "_tidal_moe_layer"
+"""Attribute of each sparse block: its decoder layer's index, which routing replay reads inference's routes by.
+Read only while replaying: torch.compile guards on an int attribute it reads, so reading it in every forward
+would compile a graph per layer (with replay on, each layer does compile its own)."""
 STATS_ATTR = "_tidal_moe_stats"
 """Attribute of each sparse block: its `LayerRouting` of the training forward being collected, or None."""
 

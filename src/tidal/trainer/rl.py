@@ -24,6 +24,7 @@ from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import peft_config
 from tidal.trainer.loss import merge_loss_metrics, rl_loss
 from tidal.trainer.model import served_dtype
+from tidal.trainer.moe import Routes
 from tidal.trainer.parallel import (
     DistInfo,
     all_gather_floats,
@@ -46,7 +47,7 @@ from tidal.trainer.session import (
 )
 from tidal.trainer.signals import StopSignal
 from tidal.transport.rollouts import BatchReceiver, setup_receiver
-from tidal.types import TrainBatch
+from tidal.types import MicroBatch, TrainBatch
 
 
 def main(config: RLTrainerConfig) -> int:
@@ -136,12 +137,20 @@ def rl_step(
     num_tokens = [sum(i >= 0 for row in micro.sample_ids for i in row) for micro in batch.micro_batches]
     if scorer.moe is not None:  # the load-balancing loss weighs each micro-batch by its share of all tokens
         scorer.moe.start_step(all_reduce_sum(sum(num_tokens), info), gradient_scale=info.world_size)
+    routes_of = replay_routes(config, scorer)
+    compare = compares_replay(config, batch.step)
+    own_kl: list[tuple[float, float]] = []  # (KL sum, tokens) per micro-batch, with the trainer's own routing
     for micro in micro_batches(scorer, batch.micro_batches):
         t = micro.to_tensors(info.device)
+        routes = routes_of(micro, info.device)
+        if (
+            compare
+        ):  # on every rank and micro-batch alike: FSDP's and expert parallelism's collectives pair up
+            own_kl.append(own_routing_kl(scorer, t, batch, config))
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
         logprobs, entropy = scorer(
             t["input_ids"], t["position_ids"], t["target_ids"], config.temperature, with_entropy=True,
-            token_mask=t["sample_ids"] >= 0,
+            token_mask=t["sample_ids"] >= 0, routes=routes,
         )  # fmt: skip
         loss, metrics = rl_loss(
             logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
@@ -165,6 +174,8 @@ def rl_step(
         "elapsed": time.perf_counter() - start,
     }  # fmt: skip
     m = across_ranks(local, lambda values: all_gather_floats(values, info))
+    if compare:
+        moe_metrics |= without_replay_metrics(own_kl, info)
     return {
         "loss": m["loss"],
         "mismatch_kl/mean": m["mismatch_kl"],
@@ -180,6 +191,53 @@ def rl_step(
         **peak_memory(info),
         **moe_metrics,
     }
+
+
+def replay_routes(
+    config: RLTrainerConfig, scorer: TokenScorer
+) -> Callable[[MicroBatch, torch.device], Routes | None]:
+    """How to get a micro-batch's routes for the forward: inference's (routing replay), else none. Replay
+    on a model tidal runs no MoE layers of is refused where the layers are applied (tidal.trainer.moe)."""
+    if not config.moe.routing_replay or scorer.moe is None:
+        return lambda micro, device: None
+
+    def routes(micro: MicroBatch, device: torch.device) -> Routes | None:
+        found = micro.routes_tensors(device)
+        return None if found is None else Routes(*found)
+
+    return routes
+
+
+def compares_replay(config: RLTrainerConfig, step: int) -> bool:
+    """Whether this step also scores with the trainer's own routing (`moe.replay_compare_interval`)."""
+    interval = config.moe.replay_compare_interval
+    return config.moe.routing_replay and interval is not None and step % interval == 0
+
+
+def own_routing_kl(
+    scorer: TokenScorer, t: dict[str, torch.Tensor], batch: TrainBatch, config: RLTrainerConfig
+) -> tuple[float, float]:
+    """(mismatch KL × valid tokens, valid tokens) of one micro-batch scored with the trainer's own routing,
+    without gradients: the mismatch routing replay removes, measured on the same weights and tokens."""
+    with torch.no_grad():
+        logprobs, _ = scorer(
+            t["input_ids"], t["position_ids"], t["target_ids"], config.temperature,
+            token_mask=t["sample_ids"] >= 0,
+        )  # fmt: skip
+        _, metrics = rl_loss(
+            logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
+            batch.num_loss_tokens_global, batch.num_samples_global,
+        )  # fmt: skip
+    valid = metrics["num_loss_tokens"] - metrics["num_nonfinite"]
+    return metrics["mismatch_kl"] * valid, valid
+
+
+def without_replay_metrics(own_kl: list[tuple[float, float]], info: DistInfo) -> dict[str, float]:
+    """`mismatch_kl/without_replay`: the token mean over all ranks of what `own_routing_kl` measured."""
+    local = [sum(kl for kl, _ in own_kl), sum(n for _, n in own_kl)]
+    rows = all_gather_floats(local, info)
+    total = sum(row[1] for row in rows)
+    return {"mismatch_kl/without_replay": sum(row[0] for row in rows) / total} if total else {}
 
 
 def peak_memory(info: DistInfo) -> dict[str, float]:

@@ -14,6 +14,7 @@ from tidal.errors import UserError
 from tidal.trainer.experts import expert_mlp, grouped_mm_works
 from tidal.trainer.moe import (
     FAMILIES,
+    LAYER_ATTR,
     MoERouting,
     apply_moe,
     checkpoint_tensors,
@@ -63,6 +64,8 @@ def patched_block(reference, kernel: str, coef: float = 0.0):
     routing = MoERouting(reference.gate.num_experts, coef, kernel)
     family = FAMILIES["Qwen3MoeSparseMoeBlock"]
     block.forward = functools.partial(sparse_block_forward, block, family, routing)
+    setattr(block, LAYER_ATTR, 0)  # decoder layer 0: where routing replay reads its routes
+    routing.blocks.append(block)  # the blocks whose statistics `aux_loss` reads
     block.experts.forward = functools.partial(experts_forward, block.experts, routing)
     return block
 

@@ -19,7 +19,7 @@ from tidal.config.deployment import SFTDeploymentConfig, check_table_used
 from tidal.config.kubernetes import SFTKubernetesConfig, check_sft_run
 from tidal.config.lora import LoraConfig
 from tidal.config.moe import MoEConfig
-from tidal.config.perf import PerfConfig, check_ep
+from tidal.config.perf import PerfConfig, check_cp, check_ep
 from tidal.config.slurm import SFTSlurmConfig
 
 
@@ -110,6 +110,7 @@ class SFTConfig(TrainerRunConfig):
     @model_validator(mode="after")
     def _check_combinations(self) -> "SFTConfig":
         check_ep(self.perf, self.deployment.total_trainer_ranks)
+        check_cp(self.perf, self.deployment.total_trainer_ranks)
         if self.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
                 "scheduler.warmup_steps",

@@ -45,6 +45,46 @@ def test_repeated_kv_heads_keep_every_query_head_on_its_key_value_head():
         ]
 
 
+def test_models_whose_attention_cannot_split_are_refused_when_they_load():
+    from tests.unit.models import tiny_lm
+    from tests.unit.test_moe import tiny_moe_lm
+    from tidal.config.perf import PerfConfig
+    from tidal.errors import UserError
+    from tidal.trainer.parallel import DistInfo, parallelize
+
+    def refused(model: torch.nn.Module, cp: int) -> str:
+        info = DistInfo(0, cp, 0, cp, torch.device("cpu"), cp=cp)
+        with pytest.raises(UserError) as error:  # before any process group is needed
+            parallelize(model, info, PerfConfig(cp=cp))
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    assert "its 4 attention heads do not split over 3 ranks" in refused(tiny_lm(), 3)
+    windowed = tiny_lm()
+    windowed.config.sliding_window, windowed.config.layer_types = 4, ["sliding_attention"] * 3
+    assert "sliding_window = 4" in refused(windowed, 2)
+    assert "mixture-of-experts models is not supported yet" in refused(tiny_moe_lm(num_experts=4), 2)
+
+
+def test_a_batch_laid_out_for_another_cp_is_refused_and_metrics_count_each_group_once():
+    from tidal.errors import UserError
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.rl import across_ranks, check_world_size
+    from tidal.types import TrainBatch
+
+    info = DistInfo(0, 4, 0, 4, torch.device("cpu"), cp=2)
+    assert (info.dp_rank, info.dp_size, info.cp_rank) == (0, 2, 0)
+    check_world_size(TrainBatch(0, [], 1, 1, num_trainer_ranks=4, cp=2), info)
+    with pytest.raises(UserError, match="laid out for cp = 1"):
+        check_world_size(TrainBatch(0, [], 1, 1, num_trainer_ranks=4), info)
+    # four ranks, two cp groups: each group's ranks report the same numbers; the trainer keeps one per group
+    rows = [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 10.0, 1.0]] * 2 + [
+        [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.25, 30.0, 2.0]
+    ] * 2
+    merged = across_ranks({}, lambda values: rows[:: info.cp])
+    assert (merged["loss"], merged["tokens"], merged["num_loss_tokens"]) == (0.75, 40.0, 4.0)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

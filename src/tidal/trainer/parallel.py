@@ -273,32 +273,30 @@ class Meshes:
 
 def device_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
     """(shard,) for FSDP, (replicate, shard) for HSDP; with `perf.ep` a (experts_dp, ep) mesh whose
-    flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it."""
-    shape = mesh_shape(info.world_size, perf.replicate)
+    flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it; with
+    `perf.cp` the dense mesh as without it (data parallel × cp ranks) and a (dp, cp) mesh of the cp groups."""
     if perf.cp > 1:
-        return cp_meshes(info, perf)
+        shape = cp_mesh_shape(info.world_size, perf)
+        cp_groups = init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "cp"))
+        return Meshes(dense_mesh(info, perf), cp=cp_groups["cp"])
     if perf.ep == 1:
-        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-        return Meshes(init_device_mesh(info.device.type, shape, mesh_dim_names=names))
+        return Meshes(dense_mesh(info, perf))
     mesh = init_device_mesh(
         info.device.type, ep_mesh_shape(info.world_size, perf), mesh_dim_names=("experts_dp", "ep")
     )
     return Meshes(mesh[("experts_dp", "ep")]._flatten("shard"), mesh["ep"], mesh["experts_dp"])
 
 
-def cp_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
-    """A (replicate, dp_shard, cp) mesh: FSDP2 shards over dp_shard × cp flattened (the same ranks as
-    without cp) and replicates over `replicate` (HSDP); the cp groups are consecutive ranks."""
-    mesh = init_device_mesh(
-        info.device.type, cp_mesh_shape(info.world_size, perf), mesh_dim_names=("replicate", "dp_shard", "cp")
-    )
-    mesh[("dp_shard", "cp")]._flatten("shard")
-    dense = mesh["shard"] if perf.replicate == 1 else mesh[("replicate", "shard")]
-    return Meshes(dense, cp=mesh["cp"])
+def dense_mesh(info: DistInfo, perf: PerfConfig) -> Any:
+    """FSDP2's (shard,) mesh over every rank, or HSDP's (replicate, shard)."""
+    shape = mesh_shape(info.world_size, perf.replicate)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
 
 
-def cp_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int, int]:
-    """(replicate, dp_shard, cp) for `perf.cp` ranks per cp group; ValueError for what cannot be split so."""
+def cp_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
+    """(dp, cp) for `perf.cp` consecutive ranks per cp group; ValueError for what cannot be split so (with
+    HSDP a group must lie within one replica, whose ranks are consecutive too)."""
     if perf.ep > 1:
         raise ValueError(
             "perf.cp with perf.ep (expert parallelism) is not supported yet: set one of them to 1"
@@ -306,7 +304,7 @@ def cp_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int, int]:
     shard = mesh_shape(world_size, perf.replicate)[-1]
     if shard % perf.cp:
         raise ValueError(f"perf.cp = {perf.cp} does not divide the {shard} ranks that shard each replica")
-    return perf.replicate, shard // perf.cp, perf.cp
+    return world_size // perf.cp, perf.cp
 
 
 def ep_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:

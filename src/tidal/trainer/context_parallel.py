@@ -51,8 +51,10 @@ class ContextParallel:
         """Pad the rows [rows, seq] to a multiple of the group size; returns this rank's chunk of each
         ([rows, seq / size]) and the padded full position ids (the document boundaries attention needs)."""
         input_ids, position_ids, targets = pad_rows(input_ids, position_ids, targets, self.size)
-        chunks = (chunk_of(x, self.rank, self.size) for x in (input_ids, position_ids, targets))
-        return *chunks, position_ids  # type: ignore[return-value]
+        ids, positions, chunk_targets = (
+            chunk_of(x, self.rank, self.size) for x in (input_ids, position_ids, targets)
+        )
+        return ids, positions, chunk_targets, position_ids
 
     def gather(self, local: torch.Tensor, seq: int) -> torch.Tensor:
         """Every rank's chunk [rows, chunk] in rank order, cut to the unpadded `seq` [rows, seq]. Autograd

@@ -182,10 +182,11 @@ def context_parallel(
 
 
 # (perf settings, key/value heads, loss): varlen and auto attention; 2 key/value heads split over cp = 2,
-# 1 is repeated; activation checkpointing recomputes the all-to-alls in backward; GSPO's sequence ratio and
+# 1 is repeated; the chunked head scores a rank's chunk in several pieces (and one); activation
+# checkpointing recomputes the all-to-alls in backward; GSPO's sequence ratio and
 # sequence normalisation span both halves of a row
 CASES = [
-    ({"attention": "auto"}, 2, {}),
+    ({"attention": "auto", "loss_chunk_tokens": 3}, 2, {}),
     (
         {"attention": "varlen", "activation_checkpointing": "full"},
         1,

@@ -248,6 +248,9 @@ class TrainBatch:
     num_samples_global: int
     metrics: dict[str, float] = field(default_factory=dict)
     num_trainer_ranks: int = 1
+    cp: int = 1
+    """Trainer ranks per context-parallel group: the batch of rank r is that of every rank r' with
+    r' // cp == r // cp (they split its rows along the sequence)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -261,4 +264,5 @@ class TrainBatch:
             num_samples_global=data["num_samples_global"],
             metrics=dict(data["metrics"]),
             num_trainer_ranks=data["num_trainer_ranks"],
+            cp=data.get("cp", 1),
         )

@@ -149,6 +149,30 @@ BAD_CONFIGS = [
         ["command line: perf.ep:", "do not divide the 3 trainer rank(s)"],
     ),
     ("negative_aux_loss", BASE + "[moe]\naux_loss_coef = -1\n", [], ["bad.toml", "moe.aux_loss_coef"]),
+    (
+        "cp_does_not_divide_ranks",
+        BASE + "[deployment]\nnum_trainer_ranks = 3\n",
+        ["--perf.cp", "2"],
+        ["command line: perf.cp:", "do not divide the 3 trainer rank(s)"],
+    ),
+    (
+        "cp_does_not_divide_a_replica",
+        BASE + "[deployment]\nnum_trainer_ranks = 4\n[perf]\nreplicate = 2\n",
+        ["--perf.cp", "4"],
+        ["command line: perf.cp:", "do not divide the 2 ranks of each replica"],
+    ),
+    (
+        "cp_with_ep",
+        BASE + "[deployment]\nnum_trainer_ranks = 4\n",
+        ["--perf.cp", "2", "--perf.ep", "2"],
+        ["perf.cp:", "expert parallelism", "not supported yet"],
+    ),
+    (
+        "cp_with_hf_attention",
+        BASE + '[deployment]\nnum_trainer_ranks = 2\n[perf]\nattention = "hf"\n',
+        ["--perf.cp", "2"],
+        ["perf.cp:", "attention = 'hf'", "'auto' or 'varlen'"],
+    ),
 ]
 
 
@@ -212,6 +236,7 @@ SHADOWED_BY_TOP_LEVEL = [
     ('[orchestrator.transport]\ntype = "filesystem"\nkeep_last = 9\n', "orchestrator.transport", "transport"),
     ('[orchestrator.client]\nurls = ["http://x:1"]\n', "orchestrator.client.urls", "inference.server"),
     ("[orchestrator.batch]\nnum_trainer_ranks = 2\n", "orchestrator.batch.num_trainer_ranks", "deployment"),
+    ("[orchestrator.batch]\ncp = 1\n", "orchestrator.batch.cp", "trainer.perf.cp"),
     ("[inference.vllm]\nseed = 3\n", "inference.vllm.seed", "seed"),
     (
         '[inference.cpu]\nomp_threads_bind = "1"\n',

@@ -187,6 +187,16 @@ def test_make_train_batches_carries_global_counts():
     assert sum(mb.num_loss_tokens for b in batches for mb in b.micro_batches) == 3
 
 
+def test_context_parallel_groups_get_the_same_rows_and_the_counts_stay_global():
+    samples = [sample([1, 2, 3], mask=[0, 1, 1]), sample([4, 5], mask=[0, 1]), sample([6, 7], mask=[1, 0])]
+    batches = make_train_batches(3, samples, world_size=4, seq_len=4, micro_batch_size=1, pad_id=PAD, cp=2)
+    assert len(batches) == 4 and {(b.num_trainer_ranks, b.cp) for b in batches} == {(4, 2)}
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
+    assert {b.num_loss_tokens_global for b in batches} == {3}  # counted once, not once per cp rank
+    two_groups = make_train_batches(3, samples, world_size=2, seq_len=4, micro_batch_size=1, pad_id=PAD)
+    assert [b.micro_batches for b in batches[::2]] == [b.micro_batches for b in two_groups]
+
+
 def test_micro_batch_tensors_have_one_shape_and_the_right_dtypes():
     [[mb]] = pack_for_ranks([sample([1, 2, 3]), sample([4, 5])], 1, seq_len=4, micro_batch_size=2, pad_id=PAD)
     tensors = mb.to_tensors()

@@ -50,6 +50,22 @@ def test_split_copies_shared_keys_and_pins_cpu_threads(tmp_path):
     assert two_cores.inference.cpu.omp_threads_bind == "0" and two_cores.trainer.num_threads == 1
 
 
+def test_split_gives_the_orchestrator_the_trainers_cp_and_rl_checks_it_against_the_ranks(tmp_path):
+    base = {
+        "output_dir": str(tmp_path),
+        "model": {"name": "some/model"},
+        "deployment": {"num_trainer_ranks": 4},
+    }
+    rl = RLConfig.model_validate({**base, "trainer": {"perf": {"cp": 2}}})
+    assert split_config(rl, on_gpu=False, num_cpus=8).orchestrator.batch.cp == 2
+    with pytest.raises(ValueError, match="do not divide the 4 trainer rank"):
+        RLConfig.model_validate({**base, "trainer": {"perf": {"cp": 3}}})
+    with pytest.raises(ValueError, match="do not divide the 3 trainer rank"):
+        OrchestratorConfig.model_validate(
+            {"output_dir": str(tmp_path), "model": {"name": "m"}, "batch": {"num_trainer_ranks": 3, "cp": 2}}
+        )
+
+
 def test_filesystem_transport_is_atomic_per_step_and_prunes(tmp_path):
     sender = FilesystemSender(tmp_path, FilesystemTransport(keep_last=2))
     receivers = [

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tidal.config.base import Config, ConfigProblem
 
@@ -82,10 +82,33 @@ class PerfConfig(Config):
     FSDP2 shards each rank's experts further over the other data-parallel ranks. 1: off (every rank runs
     all experts, FSDP2-sharded). Must divide the world size and the number of experts; not with
     `replicate` (HSDP) yet."""
+    cp: int = Field(default=1, ge=1)
+    """Context parallelism for long rows: groups of this many consecutive ranks get the same packed rows and
+    split each along the sequence; attention exchanges sequence for heads by all-to-all (DeepSpeed-Ulysses),
+    so each rank attends over the whole row for its share of the heads, documents masked as usual. FSDP2
+    shards over all ranks (data parallel × cp). 1: off. Must divide the trainer ranks (per replica with
+    `replicate`) and the model's attention heads (key/value heads are repeated where it does not divide
+    theirs); runs tidal's varlen attention whatever `attention` says (`hf` is refused); dense models only,
+    not with `ep` yet. See docs/parallelism.md."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
     backward (ZeRO-2-like). On one H200 with Qwen3-4B at 16k tokens False was within noise of True in
     speed (11.74k vs 11.70k tokens/s) for 6.4 GiB more peak memory."""
+
+    @model_validator(mode="after")
+    def _check_cp(self) -> "PerfConfig":
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigProblem(
+                "cp", "context parallelism with expert parallelism (ep > 1) is not supported yet"
+            )
+        if self.cp > 1 and self.attention == "hf":
+            raise ConfigProblem(
+                "cp",
+                "context parallelism runs tidal's varlen attention between its all-to-alls; attention = 'hf' "
+                "cannot be split: set attention to 'auto' or 'varlen'",
+                also=("attention",),
+            )
+        return self
 
 
 def check_ep(perf: PerfConfig, num_ranks: int, key: str = "perf.ep") -> None:
@@ -97,3 +120,20 @@ def check_ep(perf: PerfConfig, num_ranks: int, key: str = "perf.ep") -> None:
         )
     if perf.ep > 1 and perf.replicate > 1:
         raise ConfigProblem(key, "expert parallelism with replicate > 1 (HSDP) is not supported yet")
+
+
+def check_cp(perf: PerfConfig, num_ranks: int, key: str = "perf.cp") -> None:
+    """Context parallelism must split the trainer's ranks (each replica's, with HSDP) into whole groups
+    (config time; combinations it does not run yet are refused by PerfConfig, the heads when the model
+    loads)."""
+    if perf.cp == 1:
+        return
+    if num_ranks % perf.cp:
+        raise ConfigProblem(
+            key, f"{perf.cp} ranks per context-parallel group do not divide the {num_ranks} trainer rank(s)"
+        )
+    if perf.replicate > 1 and (num_ranks // perf.replicate) % perf.cp:
+        raise ConfigProblem(
+            key,
+            f"{perf.cp} ranks per group do not divide the {num_ranks // perf.replicate} ranks of each replica (perf.replicate)",
+        )

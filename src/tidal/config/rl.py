@@ -24,7 +24,7 @@ from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.moe import MoEConfig
-from tidal.config.perf import PerfConfig, check_ep
+from tidal.config.perf import PerfConfig, check_cp, check_ep
 from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
 
@@ -119,6 +119,18 @@ class BatchConfig(Config):
     """Packed rows per forward pass."""
     num_trainer_ranks: int = Field(default=1, gt=0)
     """Trainer processes to shard each batch over (set by `tidal rl`)."""
+    cp: int = Field(default=1, gt=0)
+    """Trainer ranks per context-parallel group (set by `tidal rl` from trainer.perf.cp): each group of this
+    many consecutive ranks gets the same rows, so a step is split num_trainer_ranks / cp ways."""
+
+    @model_validator(mode="after")
+    def _check_cp(self) -> "BatchConfig":
+        if self.num_trainer_ranks % self.cp:
+            raise ConfigProblem(
+                "cp", f"{self.cp} ranks per context-parallel group do not divide the {self.num_trainer_ranks} "
+                "trainer rank(s)", also=("num_trainer_ranks",),
+            )  # fmt: skip
+        return self
 
 
 class OnlineEvalConfig(Config):
@@ -392,6 +404,7 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
     ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
+    ("orchestrator", "batch", "cp"): "trainer.perf.cp",
     ("orchestrator", "client", "recovery_timeout"): "startup_timeout` and `restarts",
     ("orchestrator", "resume_from"): "resume` and `restarts",
     ("inference", "vllm", "seed"): "seed",
@@ -497,6 +510,7 @@ class RLConfig(RunConfig):
     def _check_combinations(self) -> "RLConfig":
         check_ep(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.ep")
         check_routing_replay(self.trainer.moe, "trainer.moe")
+        check_cp(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.cp")
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport

@@ -117,7 +117,7 @@ def split_config(
                 }
             ),
             "batch": rl.orchestrator.batch.model_copy(
-                update={"num_trainer_ranks": rl.deployment.total_trainer_ranks}
+                update={"num_trainer_ranks": rl.deployment.total_trainer_ranks, "cp": rl.trainer.perf.cp}
             ),
         }
     )

@@ -216,12 +216,18 @@ def make_train_batches(
     micro_batch_size: int,
     pad_id: int,
     metrics: dict[str, float] | None = None,
+    cp: int = 1,
 ) -> list[TrainBatch]:
-    """One TrainBatch per rank for optimizer step `step`, carrying the global normalisers of the loss."""
-    per_rank = pack_for_ranks(samples, world_size, seq_len, micro_batch_size, pad_id)
-    num_loss_tokens = sum(mb.num_loss_tokens for micro_batches in per_rank for mb in micro_batches)
+    """One TrainBatch per rank for optimizer step `step`, carrying the global normalisers of the loss.
+
+    With context parallelism (`cp` ranks per group, consecutive), the step is split into world_size / cp
+    shards and each group's ranks get the same one: they split its rows along the sequence.
+    """
+    per_group = pack_for_ranks(samples, world_size // cp, seq_len, micro_batch_size, pad_id)
+    num_loss_tokens = sum(mb.num_loss_tokens for micro_batches in per_group for mb in micro_batches)
     num_samples = num_trainable_samples(samples)
     return [
-        TrainBatch(step, micro_batches, num_loss_tokens, num_samples, dict(metrics or {}), world_size)
-        for micro_batches in per_rank
+        TrainBatch(step, micro_batches, num_loss_tokens, num_samples, dict(metrics or {}), world_size, cp)
+        for micro_batches in per_group
+        for _ in range(cp)
     ]

@@ -146,8 +146,9 @@ class Orchestrator:
         self._warn_too_long(step, too_long, len(samples))
         try:
             batches = make_train_batches(
-                step, samples, b.num_trainer_ranks, b.seq_len, b.micro_batch_size, self.tokenizer.pad_token_id
-            )
+                step, samples, b.num_trainer_ranks, b.seq_len, b.micro_batch_size, self.tokenizer.pad_token_id,
+                cp=b.cp,
+            )  # fmt: skip
         except ValueError as exc:
             raise UserError(f"orchestrator.batch.seq_len: {exc}") from None
         elapsed = time.perf_counter() - start

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tidal.trainer.attention import ATTN_NAME, document_bounds
+from tidal.trainer.context_parallel import CP_ATTN_NAME, ContextParallel
 from tidal.trainer.moe import MoERouting, Routes
 
 
@@ -181,6 +182,8 @@ class TokenScorer(torch.nn.Module):
 
     The wrapped model keeps its HF parameter names (checkpoints and exported weights use `self.lm`).
     With `moe` (a mixture-of-experts model run by tidal.trainer.moe), each forward records its routing there.
+    With `context_parallel` (set by `parallelize` for `perf.cp`), the rows are split along the sequence over
+    the cp group, and the returned scores are the whole rows' (tidal.trainer.context_parallel).
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class TokenScorer(torch.nn.Module):
         self.moe = moe
         self.chunk_size = chunk_size
         self.head_fns = compiled_head() if compile_head else EAGER_HEAD
+        self.context_parallel: ContextParallel | None = None
         self.accumulate_unsharded: bool | None = None
         """None, or (set by `parallelize` when micro-batches accumulate unsharded, `perf.accumulate_unsharded`)
         the layers' configured reshard-after-forward, restored for each step's last micro-batch."""
@@ -220,12 +224,20 @@ class TokenScorer(torch.nn.Module):
         statistics and the load-balancing loss; None counts every token. `routes`: the experts inference
         routed these tokens to, which MoE layers then use (routing replay, tidal.trainer.moe).
         """
-        kwargs = {}
-        if self.lm.config._attn_implementation == ATTN_NAME:  # type: ignore[union-attr]
+        seq = input_ids.shape[1]
+        cp = self.context_parallel
+        full_positions = position_ids
+        if cp is not None:  # this rank's chunk of the rows; attention still needs the whole rows' documents
+            assert self.moe is None, "parallelize refuses perf.cp for a mixture-of-experts model"
+            input_ids, position_ids, targets, full_positions = cp.split(input_ids, position_ids, targets)
+        kwargs: dict[str, Any] = {}
+        if self.lm.config._attn_implementation in (ATTN_NAME, CP_ATTN_NAME):  # type: ignore[union-attr,operator]
             kwargs = {
-                "tidal_cu_seqlens": document_bounds(position_ids),
-                "tidal_max_seqlen": input_ids.shape[1],
+                "tidal_cu_seqlens": document_bounds(full_positions),
+                "tidal_max_seqlen": full_positions.shape[1],
             }
+        if cp is not None:
+            kwargs["tidal_cp_group"] = cp.group
         decoder = getattr(self.lm, str(self.lm.base_model_prefix))  # e.g. Qwen3ForCausalLM.model
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
@@ -233,7 +245,7 @@ class TokenScorer(torch.nn.Module):
         with collect:
             hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
-        return chunked_head_scores(
+        logprobs, entropy = chunked_head_scores(
             hidden.last_hidden_state,
             head.weight,
             head.bias,
@@ -243,3 +255,6 @@ class TokenScorer(torch.nn.Module):
             with_entropy,
             self.head_fns,
         )
+        if cp is None:
+            return logprobs, entropy
+        return cp.gather(logprobs, seq), None if entropy is None else cp.gather(entropy, seq)

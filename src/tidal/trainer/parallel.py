@@ -1,4 +1,9 @@
-"""Process group, device placement and FSDP2 sharding: one `parallelize()` that composes the pieces."""
+"""Process group, device placement and FSDP2 sharding: one `parallelize()` that composes the pieces.
+
+Rank layout with context parallelism (`perf.cp` = C): ranks r and r' hold the same rows when r // C ==
+r' // C (a cp group of consecutive ranks); FSDP2 shards over every rank (data parallel × cp), as torchtitan
+does, so the dense mesh is the same as without cp.
+"""
 
 import os
 from collections.abc import Iterator, Sequence
@@ -15,6 +20,7 @@ from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.context_parallel import ContextParallel, check_context_parallel, use_context_parallel
 from tidal.trainer.expert_parallel import shard_experts
 from tidal.trainer.moe import MoERouting, apply_moe, expert_modules
 
@@ -30,27 +36,46 @@ class DistInfo:
     local_rank: int
     local_world_size: int
     device: torch.device
+    cp: int = 1
+    """Ranks per context-parallel group (`perf.cp`): consecutive ranks that split the same rows."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """Which rows this rank trains: its data-parallel index (its cp group's)."""
+        return self.rank // self.cp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: how many ways a step's rows are split."""
+        return self.world_size // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Join the torchrun process group when there is one (NCCL on GPU, gloo on CPU); else a single process."""
+def init_distributed(device: str = "auto", cp: int = 1) -> DistInfo:
+    """Join the torchrun process group when there is one (NCCL on GPU, gloo on CPU); else a single process.
+    `cp`: ranks per context-parallel group (`perf.cp`), which must divide the world size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if device == "cuda" and not torch.cuda.is_available():
-        from tidal.errors import UserError
+    from tidal.errors import UserError
 
+    if device == "cuda" and not torch.cuda.is_available():
         raise UserError("device = 'cuda' but no CUDA device is available")
+    if world_size % cp:
+        raise UserError(f"perf.cp = {cp} does not divide the {world_size} trainer rank(s) of this run")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -58,7 +83,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-    return DistInfo(rank, world_size, local_rank, local_world_size, dev)
+    return DistInfo(rank, world_size, local_rank, local_world_size, dev, cp)
 
 
 def set_num_threads(num_threads: int | None, info: DistInfo) -> int:
@@ -87,6 +112,8 @@ def parallelize(
     setup_attention(model, perf.attention, info.device)
     routing = apply_moe(model, moe or MoEConfig(), info.device.type, compute_dtype(perf, info))
     check_moe_settings(routing is not None, perf, info)
+    if perf.cp > 1:
+        setup_context_parallel(model, perf, info)
     layers = _decoder_layers(model)
     apply_activation_checkpointing(
         layers, resolve_checkpointing(perf, info), perf.checkpoint_every, perf.save_mlp_layers
@@ -120,6 +147,23 @@ def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
         )
     if perf.ep > 1 and not info.distributed:
         raise UserError(f"perf.ep = {perf.ep} needs that many trainer ranks at least; this run has one")
+    if perf.cp > 1 and is_moe:
+        raise UserError(
+            f"perf.cp = {perf.cp}: context parallelism for mixture-of-experts models is not supported yet"
+        )
+
+
+def setup_context_parallel(model: torch.nn.Module, perf: PerfConfig, info: DistInfo) -> None:
+    """Check that the model's attention splits over `perf.cp` ranks and switch it to tidal_cp; the cp
+    group itself comes with the device mesh (`apply_fsdp`)."""
+    from tidal.errors import UserError
+
+    if info.cp != perf.cp:
+        raise ValueError(f"perf.cp = {perf.cp} but the process group was set up for cp = {info.cp}")
+    problem = check_context_parallel(model, perf.cp)
+    if problem is not None:
+        raise UserError(f"perf.cp = {perf.cp}: {type(model).__name__} cannot split its attention: {problem}")
+    use_context_parallel(model)
 
 
 def resolve_accumulate_unsharded(perf: PerfConfig, info: DistInfo) -> bool:
@@ -218,24 +262,49 @@ def mesh_shape(world_size: int, replicate: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Meshes:
     """FSDP2's mesh for the dense parameters and, with expert parallelism, the two halves of the expert
-    mesh: `ep` (the ranks that split the experts) and `experts_dp` (the ranks holding the same slice)."""
+    mesh: `ep` (the ranks that split the experts) and `experts_dp` (the ranks holding the same slice); with
+    context parallelism, `cp` (the ranks that split the same rows)."""
 
     dense: Any
     ep: Any = None
     experts_dp: Any = None
+    cp: Any = None
 
 
 def device_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
     """(shard,) for FSDP, (replicate, shard) for HSDP; with `perf.ep` a (experts_dp, ep) mesh whose
-    flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it."""
-    shape = mesh_shape(info.world_size, perf.replicate)
+    flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it; with
+    `perf.cp` the dense mesh as without it (data parallel × cp ranks) and a (dp, cp) mesh of the cp groups."""
+    if perf.cp > 1:
+        shape = cp_mesh_shape(info.world_size, perf)
+        cp_groups = init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "cp"))
+        return Meshes(dense_mesh(info, perf), cp=cp_groups["cp"])
     if perf.ep == 1:
-        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-        return Meshes(init_device_mesh(info.device.type, shape, mesh_dim_names=names))
+        return Meshes(dense_mesh(info, perf))
     mesh = init_device_mesh(
         info.device.type, ep_mesh_shape(info.world_size, perf), mesh_dim_names=("experts_dp", "ep")
     )
     return Meshes(mesh[("experts_dp", "ep")]._flatten("shard"), mesh["ep"], mesh["experts_dp"])
+
+
+def dense_mesh(info: DistInfo, perf: PerfConfig) -> Any:
+    """FSDP2's (shard,) mesh over every rank, or HSDP's (replicate, shard)."""
+    shape = mesh_shape(info.world_size, perf.replicate)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+
+
+def cp_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
+    """(dp, cp) for `perf.cp` consecutive ranks per cp group; ValueError for what cannot be split so (with
+    HSDP a group must lie within one replica, whose ranks are consecutive too)."""
+    if perf.ep > 1:
+        raise ValueError(
+            "perf.cp with perf.ep (expert parallelism) is not supported yet: set one of them to 1"
+        )
+    shard = mesh_shape(world_size, perf.replicate)[-1]
+    if shard % perf.cp:
+        raise ValueError(f"perf.cp = {perf.cp} does not divide the {shard} ranks that shard each replica")
+    return world_size // perf.cp, perf.cp
 
 
 def ep_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
@@ -248,7 +317,7 @@ def ep_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
 
 
 def apply_fsdp(
-    root: torch.nn.Module,
+    root: TokenScorer,
     layers: list[torch.nn.Module],
     info: DistInfo,
     perf: PerfConfig,
@@ -258,6 +327,7 @@ def apply_fsdp(
 
     With `perf.ep`, each layer's experts are first split over the `ep` ranks, then sharded by FSDP2 over
     the ranks that hold the same slice (tidal.trainer.expert_parallel scales their gradients to match).
+    With `perf.cp`, the scorer gets its cp group (tidal.trainer.context_parallel).
     """
     _ensure_process_group(info)
     try:
@@ -266,6 +336,9 @@ def apply_fsdp(
         from tidal.errors import UserError
 
         raise UserError(str(exc)) from None
+    if meshes.cp is not None:
+        cp_mesh = meshes.cp
+        root.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     common: dict[str, Any] = {"mp_policy": mp_policy(perf, info)}
     if perf.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()

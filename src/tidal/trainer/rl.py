@@ -51,7 +51,7 @@ from tidal.types import MicroBatch, TrainBatch
 
 
 def main(config: RLTrainerConfig) -> int:
-    info = init_distributed(config.device)
+    info = init_distributed(config.device, config.perf.cp)
     try:
         return train(config, info)
     finally:
@@ -156,7 +156,9 @@ def rl_step(
             logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,
             batch.num_loss_tokens_global, batch.num_samples_global, entropy,
         )  # fmt: skip
-        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average. With
+        # context parallelism every rank of a cp group computes its rows' loss, and each rank's backward
+        # carries only its chunk of the sequence (tidal.trainer.context_parallel): the same factor holds.
         backward = loss * info.world_size
         if scorer.moe is not None:
             backward = backward + scorer.moe.aux_loss()
@@ -173,7 +175,7 @@ def rl_step(
         **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(sum(num_tokens)),
         "elapsed": time.perf_counter() - start,
     }  # fmt: skip
-    m = across_ranks(local, lambda values: all_gather_floats(values, info))
+    m = across_ranks(local, lambda values: all_gather_floats(values, info)[:: info.cp])
     if compare:
         moe_metrics |= without_replay_metrics(own_kl, info)
     return {
@@ -269,8 +271,9 @@ RANK_METRICS = (
 def across_ranks(
     local: dict[str, float], gather: Callable[[list[float]], list[list[float]]]
 ) -> dict[str, float]:
-    """This rank's step metrics combined with every rank's (`gather` returns each rank's values): token means
-    as if one rank had seen every micro-batch, counts and losses summed, the slowest rank's time (pure)."""
+    """This rank's step metrics combined with every rank's (`gather` returns each rank's values; with context
+    parallelism one rank per cp group, whose ranks all hold the same rows' metrics): token means as if one
+    rank had seen every micro-batch, counts and losses summed, the slowest rank's time (pure)."""
     rows = [
         dict(zip(RANK_METRICS, row, strict=True)) for row in gather([local.get(k, 0.0) for k in RANK_METRICS])
     ]
@@ -291,6 +294,11 @@ def check_world_size(batch: TrainBatch, info: DistInfo) -> None:
             f"trainer: batch {batch.step} was split for {batch.num_trainer_ranks} trainer rank(s) "
             f"(orchestrator.batch.num_trainer_ranks) but this trainer runs {info.world_size} rank(s); "
             "make them equal (tidal rl sets both from deployment.num_trainer_ranks)"
+        )
+    if batch.cp != info.cp:  # other rows on the ranks of one cp group would train on a mix of both
+        raise UserError(
+            f"trainer: batch {batch.step} was laid out for cp = {batch.cp} (orchestrator.batch.cp) but the "
+            f"trainer runs perf.cp = {info.cp}; make them equal (tidal rl sets both from trainer.perf.cp)"
         )
 
 

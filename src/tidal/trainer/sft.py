@@ -89,7 +89,8 @@ class SFTData:
         data = self.config.data
         samples = [self._sample(i) for i in self.sampler.next_indices(data.batch_size)]
         rows, num_truncated = pack_samples(samples, data.seq_len, self.tokenizer.pad_token_id)
-        micro = shard_rows(rows, self.info.rank, self.info.world_size, data.micro_batch_size)
+        # the ranks of a context-parallel group train the same rows (each a chunk of their sequence)
+        micro = shard_rows(rows, self.info.dp_rank, self.info.dp_size, data.micro_batch_size)
         return StepBatch(
             micro_batches=micro,
             num_loss_tokens=sum(r.num_loss_tokens for r in rows),
@@ -100,7 +101,7 @@ class SFTData:
 
 
 def main(config: SFTConfig) -> int:
-    info = init_distributed(config.device)
+    info = init_distributed(config.device, config.perf.cp)
     try:
         return train(config, info)
     finally:
@@ -166,7 +167,8 @@ def train_step(
     model, the load-balancing loss: tidal.trainer.moe)."""
     start = time.perf_counter()
     scorer.train()
-    # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean.
+    # FSDP averages gradients over ranks; scaling by world_size turns that average into a global token mean
+    # (with context parallelism too: each rank's backward carries only its chunk of its group's rows).
     scale = info.world_size / max(1, batch.num_loss_tokens)
     if scorer.moe is not None:  # every rank packed the whole batch: the global count is known here
         scorer.moe.start_step(batch.num_real_tokens, gradient_scale=info.world_size)
@@ -191,7 +193,8 @@ def train_step(
     loss_sum = float(torch.stack(nll_sums).sum()) if nll_sums else 0.0
     elapsed = time.perf_counter() - start
     return {
-        "loss": all_reduce_sum(loss_sum, info) / max(1, batch.num_loss_tokens),
+        # every rank of a cp group holds its rows' whole loss: count it once per group
+        "loss": all_reduce_sum(loss_sum, info) / info.cp / max(1, batch.num_loss_tokens),
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": batch.num_tokens / elapsed,

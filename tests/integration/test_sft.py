@@ -140,6 +140,21 @@ def test_wandb_offline_mode_logs_without_network(tmp_path):
     assert len(losses(out)) == 3
 
 
+def test_a_finished_run_is_checkpointed_at_its_end_and_resumes_to_more_steps(tmp_path):
+    """An interval longer than the run used to leave no checkpoint at all; the end is saved, so `--resume`
+    with a larger max_steps trains on from it (steps 4 and 5 only)."""
+    out = tmp_path / "short"
+    common = ["sft", "@", CI_CONFIG, "--output-dir", str(out), "--ckpt.interval", "100",
+              "--scheduler.warmup-steps", "1", "--eval.num-examples", "2"]  # fmt: skip
+    first = run_tidal(*common, "--max-steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3"]
+    more = run_tidal(*common, "--max-steps", "5", "--resume")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]
+    assert "step_5" in {p.name for p in (out / "checkpoints").iterdir()}
+
+
 def test_bad_dataset_row_is_one_line_error(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

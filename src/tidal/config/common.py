@@ -125,7 +125,8 @@ class CheckpointConfig(Config):
 
     interval: int | None = Field(default=50, gt=0)
     """Save every N steps, so a run killed without warning (out of memory, a lost node) resumes from the last
-    one; None: only when stopped by a signal (SIGTERM, SIGINT) and at the end."""
+    one; also when stopped by a signal (SIGTERM, SIGINT) and at the end (so `--resume` with a larger
+    max_steps continues a finished run). None: only those two."""
     keep_last: int = Field(default=2, gt=0)
     """How many checkpoints to keep on disk."""
 

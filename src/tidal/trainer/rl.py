@@ -104,6 +104,8 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
                 step, state, ckpt_root, config.ckpt.interval, config.ckpt.keep_last, stop, info, say
             ):
                 return stop.exit_code
+        # the end is checkpointed too, so `--resume --max-steps <more>` continues a finished run
+        save_unless_saved(step, state, ckpt_root, config.ckpt.keep_last, info, say)
     finally:
         receiver.close()
         publisher.close()

@@ -50,6 +50,7 @@ from tidal.trainer.session import (
     open_trainer,
     optimizer_step,
     out_of_memory_as_user_error,
+    save_unless_saved,
 )
 from tidal.trainer.signals import StopSignal
 from tidal.trainer.sources import Conversation, load_conversations
@@ -146,6 +147,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
         ):
             return stop.exit_code
     bar.close()
+    # the end is checkpointed too, so `--resume --max-steps <more>` continues a finished run
+    save_unless_saved(step, state, ckpt_root, config.ckpt.keep_last, info, say)
 
     final = _export_final(config, out, model, tokenizer, t.lora_modules, info, say)
     if info.is_main and config.eval.dataset is not None:

@@ -12,7 +12,10 @@ during that window; staggered starts after every SFT has exited keep that from h
 
 With `--sft-steps ENV=N1,N2` the warm-ups of those lengths run side by side and RL starts from the one whose
 held-out greedy exact match is nearest `--target`: too little SFT leaves RL no rewarded rollouts to learn from,
-too much leaves it nothing to improve.
+too much leaves it nothing to improve. `--phase all` (or `select`) chooses better: it runs `tidal eval` on
+each warm-up as RL samples it (the RL config's environment, temperature and lengths, `--select-k` samples per
+task) and starts RL from the warm-up with the most tasks whose samples' rewards differ; the last-turn match
+says little about multi-turn episodes (tool_use: 0.47 last turn, 0.01 whole episodes).
 
 `--deadline` counts from this script's start: on a device call, subtract what ran before it (unpacking vLLM),
 e.g. `--deadline $((570 - SECONDS))` in the call's shell.
@@ -29,7 +32,7 @@ import tarfile
 import time
 import tomllib
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +190,91 @@ def run_rls(
         on_result(env, lr, summary)
 
 
+# ---- choosing the warm-up by what RL will see ----------------------------------------------------------
+
+
+def rl_settings(env: str) -> dict[str, Any]:
+    return tomllib.loads((REPO / "examples" / env / "rl_one_gpu.toml").read_text())
+
+
+def inline_table(values: dict[str, Any]) -> str:
+    """A TOML inline table of plain values (JSON writes strings, numbers and booleans as TOML does)."""
+    return "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items()) + "}"
+
+
+def eval_command(env: str, workdir: Path, steps: int | None, index: int, k: int, num_tasks: int) -> list[str]:
+    """`tidal eval` of a warm-up as RL samples it: the RL config's environment, temperature and lengths,
+    k samples per task; its own port (the RL port + 5 + index) and a fixed KV cache so several start at once."""
+    rl = rl_settings(env)
+    spec = rl["orchestrator"]["env"][0]
+    table = inline_table({"name": spec["name"]}) if not spec.get("kwargs") else (
+        "{name = " + json.dumps(spec["name"]) + ", kwargs = " + inline_table(spec["kwargs"]) + "}"
+    )  # fmt: skip
+    sampling, vllm = rl["orchestrator"]["sampling"], rl["inference"]["vllm"]
+    args = [
+        "eval", "--model.name", str(sft_dir(env, workdir, steps) / "final"),
+        "--output-dir", str(workdir / env / f"select_{steps}"), "--env", f"[{table}]",
+        "--num-tasks", str(num_tasks), "--k", str(k),
+        "--sampling.temperature", str(sampling.get("temperature", 1.0)),
+        "--sampling.max-tokens", str(sampling["max_tokens"]),
+        "--inference.vllm.max-model-len", str(vllm["max_model_len"]), "--inference.vllm.enforce-eager",
+        "--inference.vllm.gpu-memory-utilization", "0.05",
+        "--inference.vllm.extra-args", '["--kv-cache-memory-bytes", "2G"]',
+        "--inference.server.port", str(int(rl["inference"]["server"]["port"]) + 5 + index),
+    ]  # fmt: skip
+    if "dtype" in rl.get("model", {}):
+        args += ["--model.dtype", rl["model"]["dtype"]]
+    return args
+
+
+def group_signal(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """From rollouts.jsonl: the mean reward, and the share of tasks whose samples' rewards differ (a group
+    RL can learn from; the others it drops as zero-signal)."""
+    by_task: dict[str, list[float]] = {}
+    for record in records:
+        by_task.setdefault(record["task_id"], []).append(float(record.get("reward", 0.0)))
+    rewards = [r for task in by_task.values() for r in task]
+    differ = [len(set(task)) > 1 for task in by_task.values()]
+    return {
+        "tasks": float(len(by_task)),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "signal_fraction": sum(differ) / len(differ) if differ else 0.0,
+    }
+
+
+def select_by_eval(
+    envs: list[str], workdir: Path, steps: dict[str, list[int]], deadline: float, k: int, num_tasks: int
+) -> dict[str, dict[str, Any]]:
+    """Every warm-up evaluated at once as RL would sample it; each environment's RL starts from the one with
+    the most groups that differ (ties: the shorter warm-up)."""
+    running = {}
+    for env in envs:
+        for index, n in enumerate(steps.get(env) or [None]):
+            command = eval_command(env, workdir, n, index, k, num_tasks)
+            log = workdir / env / f"select_{n}.log"
+            running[env, n] = (start(command, log), time.monotonic(), command)
+    chosen: dict[str, dict[str, Any]] = {}
+    for (env, n), (process, started, command) in running.items():
+        ran = finish(process, started, deadline)
+        signal = group_signal(read_jsonl(workdir / env / f"select_{n}" / "rollouts.jsonl"))
+        summary = {"command": "tidal " + " ".join(command), **ran, **signal}
+        print(f"[recipes] {env} select ({n} steps): {summary}", flush=True)
+        entry = chosen.setdefault(env, {"candidates": {}})
+        entry["candidates"][str(n)] = summary
+    for env, entry in chosen.items():
+        scored = [
+            (-v["signal_fraction"], int(n) if n != "None" else 0, n)
+            for n, v in entry["candidates"].items()
+            if v["exit_code"] == 0 and v["tasks"] > 0
+        ]
+        if scored:
+            best = min(scored)[2]
+            entry["chosen_steps"] = best
+            name = sft_dir(env, workdir, None if best == "None" else int(best)).name
+            (workdir / env / "warm_up").write_text(name)
+    return chosen
+
+
 def parse_steps(items: list[str]) -> dict[str, list[int]]:
     """`ENV=N1,N2` → {ENV: [N1, N2]}: SFT warm-ups of these lengths, run side by side."""
     steps = {}
@@ -212,7 +300,16 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, required=True, help="results JSON (entries merged by environment)"
     )
-    parser.add_argument("--phase", choices=["sft", "rl", "both"], default="both")
+    parser.add_argument(
+        "--phase", choices=["sft", "select", "rl", "both", "all"], default="both",
+        help="both: sft then rl; select: evaluate each warm-up as RL samples it and start RL from the one with "
+        "the most groups that differ; all: sft, select, rl",
+    )  # fmt: skip
+    parser.add_argument("--select-k", type=int, default=8, help="select: samples per task (RL's group size)")
+    parser.add_argument("--select-tasks", type=int, default=64, help="select: tasks per warm-up")
+    parser.add_argument(
+        "--select-share", type=float, default=0.2, help="with --phase all: the selection's share of the time"
+    )
     parser.add_argument(
         "--deadline", type=float, default=540, help="seconds from now when every run is stopped"
     )
@@ -244,8 +341,8 @@ def main() -> None:
     for env in args.envs:
         entry = results.setdefault(env, {})
         entry.update({"machine": f"{gpu_name()}, {machine()}", "commit": commit()})
-    if args.phase in ("sft", "both"):
-        sft_end = t0 + args.deadline * args.sft_share if args.phase == "both" else end
+    if args.phase in ("sft", "both", "all"):
+        sft_end = t0 + args.deadline * args.sft_share if args.phase in ("both", "all") else end
         for env, variants in run_sfts(args.envs, args.workdir, steps, sft_end).items():
             chosen = pick_warm_up(variants, args.target) if len(variants) > 1 else next(iter(variants))
             (args.workdir / env / "warm_up").write_text(sft_dir(env, args.workdir, chosen).name)
@@ -256,7 +353,15 @@ def main() -> None:
                 entry["sft_variants"] = {str(n): v for n, v in variants.items()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-    if args.phase in ("rl", "both"):
+    if args.phase in ("select", "all"):
+        select_end = time.monotonic() + args.deadline * args.select_share if args.phase == "all" else end
+        for env, entry in select_by_eval(
+            args.envs, args.workdir, steps, select_end, args.select_k, args.select_tasks
+        ).items():
+            results[env]["selection"] = entry
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if args.phase in ("rl", "both", "all"):
         LR_VARIANTS.extend(v for v in args.rl_lr.split(",") if v)
         lrs: list[str | None] = list(LR_VARIANTS) or [None]
 

@@ -26,6 +26,19 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+NO_RESTART_EXIT = 3
+"""Exit code of a process of `tidal rl` that stopped for a reason a restart would meet again (`RunStop`)."""
+
+
+class RunStop(UserError):
+    """A stop during a run that restarting the process cannot change: it resumes from the same state into the
+    same situation (no rollout of a step differs from its group's others, every rollout too long to train on).
+    Exit code 3, which `tidal rl` takes as "stop the run now" instead of spending its restarts on it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, exit_code=NO_RESTART_EXIT)
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none), for one-line errors."""
     text = str(exc).strip()

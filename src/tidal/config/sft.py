@@ -121,19 +121,5 @@ class SFTConfig(TrainerRunConfig):
                 f"warmup ({self.scheduler.warmup_steps} steps) is longer than max_steps ({self.max_steps})",
                 also=("max_steps",),
             )
-        ckpt = self.ckpt
-        if (
-            ckpt.interval is not None
-            and ckpt.interval > self.max_steps
-            and "interval" not in ckpt.model_fields_set
-        ):
-            # the default interval on a shorter run: say so in the resolved config instead of failing
-            self.ckpt = ckpt.model_copy(update={"interval": None})
-        elif ckpt.interval is not None and ckpt.interval > self.max_steps:
-            raise ConfigProblem(
-                "ckpt.interval",
-                f"checkpoint interval {ckpt.interval} exceeds max_steps {self.max_steps}: no checkpoint would "
-                "be written",
-                also=("max_steps",),
-            )
+        # an interval past max_steps is fine: the trainer also checkpoints the end of the run
         return self

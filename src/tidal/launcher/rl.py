@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
-from tidal.errors import UserError
+from tidal.errors import NO_RESTART_EXIT, UserError
 from tidal.launcher.argv import tidal_argv, torchrun_argv
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.restarts import (
@@ -406,6 +406,8 @@ class Launcher:
         """Restart the role that failed, as `[restarts]` allows, or stop the run naming it."""
         self._follow_progress()  # what was logged before the failure is not its recovery
         role = failure.child.name
+        if failure.code == NO_RESTART_EXIT:
+            self._stop_run(failure, "it stopped for a reason a restart would meet again")
         if self.policy.limit == 0 or (role not in self.up and (failure.code or 0) > 0):
             self._stop_run(failure, None)
         if not self.policy.allow(role, failure.when):

@@ -22,7 +22,7 @@ from tidal import run_layout
 from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Environment, Task
 from tidal.envs.reward_pool import reward_workers
-from tidal.errors import UserError
+from tidal.errors import RunStop, UserError
 from tidal.inference.client import InferenceClient, InferenceError
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
@@ -225,7 +225,7 @@ class Orchestrator:
             return
         reason = shortfall(step, num_kept, num_prompts, stats)
         if num_kept == 0:
-            raise UserError(reason)
+            raise RunStop(reason)
         print(f"orchestrator: {reason}; training on them", flush=True)
 
     async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
@@ -315,7 +315,7 @@ class Orchestrator:
         seq_len = self.config.batch.seq_len
         advice = "raise orchestrator.batch.seq_len or lower orchestrator.sampling.max_tokens"
         if not kept:
-            raise UserError(
+            raise RunStop(
                 f"step {step}: every rollout is longer than orchestrator.batch.seq_len ({seq_len} tokens, "
                 f"prompt + completion): nothing to train on; {advice}"
             )

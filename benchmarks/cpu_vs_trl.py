@@ -441,6 +441,11 @@ def run_trl(task: Task, warmup: str, workdir: Path, trl_site: Path, timeout: flo
         "after_last_step_s": wall - step_ends[-1] if steps else None,
         "step_s": [round(x, 3) for x in intervals([worker["train_begin"] - start, *step_ends])],
         "step_s_median": median(intervals(step_ends)),
+        # a step's two halves: sampling and scoring (from the previous step's end), then loss and update
+        "generation_s_median": median(
+            [s["scored"] - begin for s, begin in zip(steps[1:], [x["end"] for x in steps], strict=False)]
+        ),
+        "train_s_median": median([s["end"] - s["scored"] for s in steps[1:]]),
         "reward_times": [round(s["scored"] - start, 3) for s in steps],
         "rewards": [s["reward"] for s in steps],
         # tidal's orchestrator takes the environment's tasks 0, 1, 2, ... (zero-signal groups kept)

@@ -131,9 +131,16 @@ def check_loss_matches(rl: Mapping[str, Any]) -> None:
 
 
 def tidal_rl_config(
-    rl: Mapping[str, Any], task: Task, model: str, output_dir: str, port: int, online_eval: bool
+    rl: Mapping[str, Any],
+    task: Task,
+    model: str,
+    output_dir: str,
+    port: int,
+    online_eval: bool,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """rl.toml as this run uses it, and what was changed (key path → new value)."""
+    """rl.toml as this run uses it, and what was changed (key path → new value); `extra` (--tidal-set)
+    comes last, for experiments that change tidal's side alone."""
     changes: dict[str, Any] = {
         "output_dir": output_dir,
         "max_steps": task.steps,
@@ -146,6 +153,7 @@ def tidal_rl_config(
         # TRL trains every group, so each step takes the next 16 tasks; with "drop" tidal would draw extra
         # tasks to replace zero-signal groups and the two would no longer see the same prompts
         "orchestrator.batch.zero_signal": "keep",
+        **(extra or {}),
     }
     config = json.loads(json.dumps(rl))  # a deep copy
     for key, value in changes.items():
@@ -465,6 +473,17 @@ def tasks_in_order(states: Path, task: Task) -> bool | None:
     return bool(state["position"] == state["step"] * task.num_prompts and not state.get("requeued"))
 
 
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """`a.b=<TOML value>` items as {"a.b": value}."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"cpu_vs_trl: --tidal-set wants KEY=TOML, got {item!r}")
+        out[key] = tomllib.loads(f"v = {value}")["v"]
+    return out
+
+
 def run_tidal(
     task: Task,
     rl: Mapping[str, Any],
@@ -473,11 +492,12 @@ def run_tidal(
     port: int,
     online_eval: bool,
     timeout: float,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
     import tomli_w
 
     run_dir = workdir / f"seed{task.seed}" / "tidal"
-    config, changes = tidal_rl_config(rl, task, warmup, str(run_dir / "out"), port, online_eval)
+    config, changes = tidal_rl_config(rl, task, warmup, str(run_dir / "out"), port, online_eval, extra)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "rl.toml"
     config_path.write_text(tomli_w.dumps(config))
@@ -591,12 +611,20 @@ def main() -> None:
         "--tidal-steps", type=int, default=80, help="tidal's steps: past TRL's, to see when it gets there"
     )
     parser.add_argument("--tidal-online-eval", action="store_true", help="keep rl.toml's online eval")
+    parser.add_argument(
+        "--tidal-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=TOML",
+        help="change tidal's side only, e.g. max_async_level=0 (recorded with the run)",
+    )
     parser.add_argument("--port", type=int, default=18650)
     parser.add_argument("--sides", nargs="+", choices=["trl", "tidal"], default=["trl", "tidal"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
     args = parser.parse_args()
 
     rl = tomllib.loads((REPO / RL_CONFIG).read_text())
+    tidal_set = parse_settings(args.tidal_set)
     check_loss_matches(rl)
     args.workdir.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -634,7 +662,14 @@ def main() -> None:
             entry["trl"] = run_trl(trl_task, warmup, args.workdir, args.trl_site, args.timeout)
         if "tidal" in args.sides:
             entry["tidal"] = run_tidal(
-                tidal_task, rl, warmup, args.workdir, args.port, args.tidal_online_eval, args.timeout
+                tidal_task,
+                rl,
+                warmup,
+                args.workdir,
+                args.port,
+                args.tidal_online_eval,
+                args.timeout,
+                tidal_set,
             )
         if "trl" in entry and "tidal" in entry:
             entry["comparison"] = compare(entry["trl"], entry["tidal"])

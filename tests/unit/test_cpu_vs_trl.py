@@ -12,6 +12,7 @@ from benchmarks.cpu_vs_trl import (
     check_loss_matches,
     compare,
     lr_factor,
+    parse_settings,
     running_means,
     task_from_rl_config,
     tidal_rl_config,
@@ -93,3 +94,12 @@ def test_trl_lr_schedule_is_tidal_s() -> None:
     config = SchedulerConfig(type="constant", warmup_steps=10)
     for step in range(30):
         assert lr_factor(step, 10) == pytest.approx(tidal_lr_factor(step, 60, config))
+
+
+def test_tidal_set_changes_tidal_s_side_last(rl: dict) -> None:
+    extra = parse_settings(["max_async_level=0", 'orchestrator.batch.zero_signal="drop"'])
+    assert extra == {"max_async_level": 0, "orchestrator.batch.zero_signal": "drop"}
+    task = task_from_rl_config(rl, seed=0, steps=60)
+    config, changes = tidal_rl_config(rl, task, "/w/final", "/w/out", 18650, online_eval=True, extra=extra)
+    assert config["max_async_level"] == 0 and config["orchestrator"]["batch"]["zero_signal"] == "drop"
+    assert changes["max_async_level"] == 0 and "online_eval" in config["orchestrator"]

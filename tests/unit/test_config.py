@@ -161,12 +161,6 @@ BAD_CONFIGS = [
         ["command line: perf.cp:", "do not divide the 2 ranks of each replica"],
     ),
     (
-        "cp_with_ep",
-        BASE + "[deployment]\nnum_trainer_ranks = 4\n",
-        ["--perf.cp", "2", "--perf.ep", "2"],
-        ["perf.cp:", "expert parallelism", "not supported yet"],
-    ),
-    (
         "cp_with_hf_attention",
         BASE + '[deployment]\nnum_trainer_ranks = 2\n[perf]\nattention = "hf"\n',
         ["--perf.cp", "2"],

@@ -63,7 +63,7 @@ def test_models_whose_attention_cannot_split_are_refused_when_they_load():
     windowed = tiny_lm()
     windowed.config.sliding_window, windowed.config.layer_types = 4, ["sliding_attention"] * 3
     assert "sliding_window = 4" in refused(windowed, 2)
-    assert "mixture-of-experts models is not supported yet" in refused(tiny_moe_lm(num_experts=4), 2)
+    assert "its 4 attention heads do not split over 8 ranks" in refused(tiny_moe_lm(num_experts=4), 8)
 
 
 def test_a_batch_laid_out_for_another_cp_is_refused_and_metrics_count_each_group_once():

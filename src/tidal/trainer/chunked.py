@@ -228,7 +228,9 @@ class TokenScorer(torch.nn.Module):
         cp = self.context_parallel
         full_positions = position_ids
         if cp is not None:  # this rank's chunk of the rows; attention still needs the whole rows' documents
-            assert self.moe is None, "parallelize refuses perf.cp for a mixture-of-experts model"
+            if self.moe is not None:  # before the split: the mask defaults to the whole rows' tokens
+                token_mask = cp.split_token_mask(token_mask, input_ids)
+                routes = None if routes is None else cp.split_routes(routes, input_ids.shape[0])
             input_ids, position_ids, targets, full_positions = cp.split(input_ids, position_ids, targets)
         kwargs: dict[str, Any] = {}
         if self.lm.config._attn_implementation in (ATTN_NAME, CP_ATTN_NAME):  # type: ignore[union-attr,operator]

@@ -22,6 +22,11 @@ splits evenly whatever the document lengths (a causal ring needs load-balanced c
 per-document masks across ring steps), and each layer exchanges q, k, v and the output once, whatever C is.
 The limits: C must divide the number of attention heads (key/value heads that C does not divide are
 repeated until it does), and a group's sequence is split at most `heads` ways.
+
+Mixture-of-experts layers are token-local too: each rank routes its chunk's tokens. The token mask and
+routing replay's routes are split like the tokens (`split_token_mask`, `split_routes`), and the router
+statistics of the load-balancing loss are summed over the group (tidal.trainer.moe), so each rank's loss
+is the whole rows' loss.
 """
 
 import math
@@ -33,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from tidal.trainer.attention import unsupported_attention, varlen_attention_forward
+from tidal.trainer.moe import Routes
 
 CP_ATTN_NAME = "tidal_cp"
 
@@ -55,6 +61,20 @@ class ContextParallel:
             chunk_of(x, self.rank, self.size) for x in (input_ids, position_ids, targets)
         )
         return ids, positions, chunk_targets, position_ids
+
+    def split_token_mask(self, token_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk [rows, seq / size] of token_mask [rows, seq] (None: every token of input_ids is
+        real), the split's padding marked False: it must stay out of the routing statistics."""
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if token_mask is None else token_mask.bool()
+        return chunk_of(pad_seq(mask, self.size), self.rank, self.size)
+
+    def split_routes(self, routes: Routes, rows: int) -> Routes:
+        """This rank's tokens of `routes` (flattened [rows, seq] order), in its chunk's order; the split's
+        padding has no routes."""
+        experts = routes.experts.reshape(rows, -1, *routes.experts.shape[1:])  # [rows, seq, layers, k]
+        mask = routes.mask.reshape(rows, -1)  # [rows, seq]
+        experts, mask = (chunk_of(pad_seq(x, self.size), self.rank, self.size) for x in (experts, mask))
+        return Routes(experts.flatten(0, 1), mask.flatten())
 
     def gather(self, local: torch.Tensor, seq: int) -> torch.Tensor:
         """Every rank's chunk [rows, chunk] in rank order, cut to the unpadded `seq` [rows, seq]. Autograd
@@ -88,8 +108,16 @@ def pad_rows(
     )
 
 
+def pad_seq(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """rows [rows, seq, ...] padded with zeros (False) at the end of dim 1 to a multiple of `multiple` (pure)."""
+    pad = -rows.shape[1] % multiple
+    if pad == 0:
+        return rows
+    return torch.cat([rows, rows.new_zeros((rows.shape[0], pad, *rows.shape[2:]))], dim=1)
+
+
 def chunk_of(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous chunk [rows, seq / size] of `rows` [rows, seq] (pure)."""
+    """Rank `rank`'s contiguous chunk [rows, seq / size, ...] of `rows` [rows, seq, ...] (pure)."""
     return rows.chunk(size, dim=1)[rank].contiguous()
 
 

@@ -22,6 +22,9 @@ given experts, renormalised as the model does): the router still gets gradients,
 load-balancing loss, while the experts that compute are inference's. How often the router's own top-k agrees
 with the given routes is logged (`moe/route_agreement`).
 
+With context parallelism (`cp_group`), each rank's forward holds a chunk of the rows, already split with its
+token mask and routes (tidal.trainer.context_parallel); `aux_loss` sums the statistics over the cp group.
+
 A family is a sparse block class plus where its router and experts live (`MoEFamily`); Qwen3-MoE is the one
 so far. transformers fuses each layer's experts into 3-D tensors (`experts.gate_up_proj`,
 `experts.down_proj`), while checkpoints on the hub and what vLLM loads name every expert's projections
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tidal.config.moe import MoEConfig
 from tidal.errors import UserError
@@ -145,6 +149,9 @@ class MoERouting:
         self.blocks: list[torch.nn.Module] = []
         """The sparse blocks `apply_moe` runs, in model order: each keeps its last training forward's
         statistics as an attribute of its own (STATS_ATTR), which `aux_loss` reads."""
+        self.cp_group: Any = None
+        """With context parallelism (`perf.cp`), the process group of this rank's cp group: each rank's
+        forward sees a chunk of the rows, and `aux_loss` sums the statistics over the group; None: alone."""
         self.routes: Routes | None = None
         """Inference's routes of the last forward (routing replay); kept, like `mask`, for the recomputation."""
         self._collecting = False
@@ -236,12 +243,16 @@ class MoERouting:
     def aux_loss(self) -> torch.Tensor:
         """The term to add to the last forward's loss: coef × (its tokens / the step's) × load-balancing loss.
         Call once after each training forward; it also books the forward's router statistics."""
-        layers = self._collected()
-        assert layers, "aux_loss() needs a forward of the scorer in between"
+        local = self._collected()
+        assert local, "aux_loss() needs a forward of the scorer in between"
+        layers = local if self.cp_group is None else sum_over_group(local, self.cp_group)
         loss = load_balancing_loss(layers, self.num_experts)
         share = layers[0].num_tokens * self._token_share  # [] this forward's tokens / the step's
-        self._step_counts.append(torch.stack([layer.counts for layer in layers]))
-        self._step_aux.append((loss * share).detach())
+        # the metrics sum every rank's bookings: each rank books its own tokens' counts, and its part of a
+        # loss that every rank of its cp group holds whole
+        group_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        self._step_counts.append(torch.stack([layer.counts for layer in local]))
+        self._step_aux.append((loss * share).detach() / group_size)
         return (self.aux_loss_coef * self._gradient_scale) * share * loss
 
     def step_metrics(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
@@ -256,6 +267,20 @@ class MoERouting:
         total = all_reduce(torch.cat([counts.flatten(), aux, replay]))
         metrics = router_metrics(total[: counts.numel()].view(counts.shape), float(total[counts.numel()]))
         return metrics | replay_metrics(float(total[-2]), float(total[-1]))
+
+
+def sum_over_group(layers: list[LayerRouting], group: Any) -> list[LayerRouting]:
+    """Each layer's statistics summed over the ranks of `group` (one all-reduce): the whole rows' when each
+    rank's forward saw a chunk of them. The gradient flows only into this rank's own statistics: every rank
+    of the group computes the same loss from the sums, so the ranks' gradients add up to the whole loss's."""
+    num_experts = layers[0].counts.shape[0]
+    local = torch.stack(
+        [torch.cat([layer.prob_sums, layer.counts, layer.num_tokens.reshape(1)]) for layer in layers]
+    )  # [layers, 2·experts + 1]
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    summed = local + (total - local.detach())  # the group's values; d summed / d local = 1
+    return [LayerRouting(row[:num_experts], row[num_experts:-1].detach(), row[-1].detach()) for row in summed]
 
 
 def replay_metrics(num_replayed: float, num_agreeing: float) -> dict[str, float]:

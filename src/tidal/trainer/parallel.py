@@ -5,6 +5,7 @@ r' // C (a cp group of consecutive ranks); FSDP2 shards over every rank (data pa
 does, so the dense mesh is the same as without cp.
 """
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -147,10 +148,6 @@ def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
         )
     if perf.ep > 1 and not info.distributed:
         raise UserError(f"perf.ep = {perf.ep} needs that many trainer ranks at least; this run has one")
-    if perf.cp > 1 and is_moe:
-        raise UserError(
-            f"perf.cp = {perf.cp}: context parallelism for mixture-of-experts models is not supported yet"
-        )
 
 
 def setup_context_parallel(model: torch.nn.Module, perf: PerfConfig, info: DistInfo) -> None:
@@ -274,13 +271,18 @@ class Meshes:
 def device_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
     """(shard,) for FSDP, (replicate, shard) for HSDP; with `perf.ep` a (experts_dp, ep) mesh whose
     flattening is the dense (shard,) mesh, so that FSDP2 composes the expert DTensors with it; with
-    `perf.cp` the dense mesh as without it (data parallel × cp ranks) and a (dp, cp) mesh of the cp groups."""
-    if perf.cp > 1:
-        shape = cp_mesh_shape(info.world_size, perf)
-        cp_groups = init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "cp"))
-        return Meshes(dense_mesh(info, perf), cp=cp_groups["cp"])
-    if perf.ep == 1:
-        return Meshes(dense_mesh(info, perf))
+    `perf.cp` these as without it (data parallel × cp ranks) and a (dp, cp) mesh of the cp groups: the cp
+    groups need no mesh of their own for FSDP2 or the experts, whose exchanges are token by token."""
+    meshes = expert_meshes(info, perf) if perf.ep > 1 else Meshes(dense_mesh(info, perf))
+    if perf.cp == 1:
+        return meshes
+    shape = cp_mesh_shape(info.world_size, perf)
+    cp_groups = init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "cp"))
+    return dataclasses.replace(meshes, cp=cp_groups["cp"])
+
+
+def expert_meshes(info: DistInfo, perf: PerfConfig) -> Meshes:
+    """A (experts_dp, ep) mesh whose flattening is the dense (shard,) mesh, and its two halves."""
     mesh = init_device_mesh(
         info.device.type, ep_mesh_shape(info.world_size, perf), mesh_dim_names=("experts_dp", "ep")
     )
@@ -297,10 +299,6 @@ def dense_mesh(info: DistInfo, perf: PerfConfig) -> Any:
 def cp_mesh_shape(world_size: int, perf: PerfConfig) -> tuple[int, int]:
     """(dp, cp) for `perf.cp` consecutive ranks per cp group; ValueError for what cannot be split so (with
     HSDP a group must lie within one replica, whose ranks are consecutive too)."""
-    if perf.ep > 1:
-        raise ValueError(
-            "perf.cp with perf.ep (expert parallelism) is not supported yet: set one of them to 1"
-        )
     shard = mesh_shape(world_size, perf.replicate)[-1]
     if shard % perf.cp:
         raise ValueError(f"perf.cp = {perf.cp} does not divide the {shard} ranks that shard each replica")
@@ -339,6 +337,8 @@ def apply_fsdp(
     if meshes.cp is not None:
         cp_mesh = meshes.cp
         root.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        if routing is not None:
+            routing.cp_group = cp_mesh.get_group()
     common: dict[str, Any] = {"mp_policy": mp_policy(perf, info)}
     if perf.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()

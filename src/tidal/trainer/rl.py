@@ -138,7 +138,9 @@ def rl_step(
     # real (non-padding) tokens per micro-batch, from host data: no device sync
     num_tokens = [sum(i >= 0 for row in micro.sample_ids for i in row) for micro in batch.micro_batches]
     if scorer.moe is not None:  # the load-balancing loss weighs each micro-batch by its share of all tokens
-        scorer.moe.start_step(all_reduce_sum(sum(num_tokens), info), gradient_scale=info.world_size)
+        # the ranks of a cp group hold the same rows: count them once
+        num_tokens_global = all_reduce_sum(sum(num_tokens), info) / info.cp
+        scorer.moe.start_step(num_tokens_global, gradient_scale=info.world_size)
     routes_of = replay_routes(config, scorer)
     compare = compares_replay(config, batch.step)
     own_kl: list[tuple[float, float]] = []  # (KL sum, tokens) per micro-batch, with the trainer's own routing

@@ -5,12 +5,12 @@ Not run yet (written on a CPU machine); run through the device tool with the vLL
 
 import asyncio
 import dataclasses
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ranks import free_port
 from tidal.config.inference import InferenceConfig
 from tidal.inference.client import InferenceClient
 from tidal.inference.server import ServerProcess, build_launch
@@ -19,12 +19,6 @@ from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PROMPT = (1, 91, 89, 75, 88, 4)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_gpu_server(backend: str, gpu: str) -> ServerProcess:

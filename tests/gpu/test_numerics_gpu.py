@@ -7,7 +7,6 @@ gpu_tests_h200x2.txt for the command); the measured numbers are printed (`pytest
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.ranks import free_port
 from tidal.testing import RANDOM_QWEN3_0_6B
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -62,12 +62,6 @@ max_tokens = 128
 [trainer.optim]
 lr = 1e-5
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -9,18 +9,13 @@ from typing import Any
 
 import pytest
 
+from tests.ranks import free_port
 from tidal.config.inference import InferenceConfig
 from tidal.inference.server import ServerProcess, start_server
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 
 SERVER_STARTUP_TIMEOUT = 180.0
 LORA_RANK = 8
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def non_loopback_ip() -> str | None:

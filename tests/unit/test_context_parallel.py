@@ -2,7 +2,6 @@
 (cp = 1) on packed rows of several documents: per-token logprobs, entropy, the RL loss and every gradient."""
 
 import os
-import socket
 import sys
 import traceback
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ranks import run_ranks
 from tidal.trainer.context_parallel import chunk_of, pad_rows, repeat_kv_heads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo process group")
@@ -83,12 +83,6 @@ def test_a_batch_laid_out_for_another_cp_is_refused_and_metrics_count_each_group
     ] * 2
     merged = across_ranks({}, lambda values: rows[:: info.cp])
     assert (merged["loss"], merged["tokens"], merged["num_loss_tokens"]) == (0.75, 40.0, 4.0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # three packed rows of 13 tokens, several documents each (position ids restart at 0); 13 is no multiple of
@@ -227,28 +221,15 @@ def compare_worker(
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(world: int, cp: int, replicate: int = 1) -> None:
-    context = mp.get_context("spawn")
-    failures = context.Queue()
-    port = free_port()
-    procs = [
-        context.Process(target=compare_worker, args=(rank, world, cp, replicate, port, failures))
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=240)
-    problems = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
-    assert not problems, "\n".join(problems)
-    assert [proc.exitcode for proc in procs] == [0] * world
+def run_cp_ranks(world: int, cp: int, replicate: int = 1) -> None:
+    run_ranks(compare_worker, world, cp, replicate)
 
 
 @pytest.mark.slow  # spawns gloo ranks
 def test_cp2_matches_cp1_logprobs_loss_and_gradients_on_packed_rows():
     """Two ranks, one cp group: each rank runs half of every row, attention over all of it for half the
     heads; logprobs, entropy, the RL loss and every gradient equal one process's to fp32 reordering."""
-    run_ranks(world=2, cp=2)
+    run_cp_ranks(world=2, cp=2)
 
 
 @pytest.mark.slow
@@ -256,4 +237,4 @@ def test_cp2_matches_cp1_logprobs_loss_and_gradients_on_packed_rows():
 def test_cp2_with_two_data_parallel_groups_matches_cp1(replicate: int):
     """Four ranks: two cp groups training different rows, FSDP2-sharded over all four (replicate = 1) or
     HSDP, replicated over the groups and sharded within each (replicate = 2)."""
-    run_ranks(world=4, cp=2, replicate=replicate)
+    run_cp_ranks(world=4, cp=2, replicate=replicate)

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.unit.test_context_parallel import ROWS_OF_GROUP, SEQ, free_port, packed_rows
+from tests.ranks import run_ranks
+from tests.unit.test_context_parallel import ROWS_OF_GROUP, SEQ, packed_rows
 from tests.unit.test_expert_parallel import given_routes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo process group")
@@ -143,29 +144,15 @@ def compare_worker(rank: int, world: int, port: int, failures: "mp.Queue[str]") 
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(world: int) -> None:
-    context = mp.get_context("spawn")
-    failures = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=compare_worker, args=(r, world, port, failures)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=240)
-    problems = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
-    assert not problems, "\n".join(problems)
-    assert [proc.exitcode for proc in procs] == [0] * world
-
-
 @pytest.mark.slow  # spawns gloo ranks
 def test_cp2_moe_matches_cp1_logprobs_aux_loss_metrics_and_gradients():
     """Two ranks, one cp group: each routes half of every row's tokens; the load-balancing loss, its
     gradient and the router metrics count the whole rows' tokens, padding excluded."""
-    run_ranks(world=2)
+    run_ranks(compare_worker, 2)
 
 
 @pytest.mark.slow
 def test_cp2_moe_with_two_data_parallel_groups_matches_cp1():
     """Four ranks, two cp groups training different rows: the statistics sum within a group only, the
     step's token count and metrics span both, and with ep = 4 tokens travel between the groups."""
-    run_ranks(world=4)
+    run_ranks(compare_worker, 4)

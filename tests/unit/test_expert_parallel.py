@@ -3,7 +3,6 @@ rank running every expert) on the same data: logprobs, the load-balancing loss a
 routing replay (inference's experts given for every token)."""
 
 import os
-import socket
 import sys
 import traceback
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ranks import run_ranks
 from tidal.trainer.expert_parallel import expert_major_order
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo process group")
@@ -21,12 +21,6 @@ def test_received_rows_are_reordered_expert_major():
     recv_counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
     assert expert_major_order(recv_counts).tolist() == [0, 1, 3, 4, 5, 6, 2]
     assert expert_major_order(torch.zeros(2, 3, dtype=torch.long)).tolist() == []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def given_routes(
@@ -101,16 +95,4 @@ def compare_worker(rank: int, world: int, port: int, failures: "mp.Queue[str]") 
 def test_ep2_matches_ep1_logprobs_loss_and_gradients(world: int):
     """Two ranks: the experts split over both; four: split over pairs, each slice FSDP-sharded over two
     ranks. fp32: equal to float reordering; bf16 compute: equal to bf16 rounding."""
-    context = mp.get_context("spawn")
-    failures = context.Queue()
-    port = free_port()
-    procs = [
-        context.Process(target=compare_worker, args=(rank, world, port, failures)) for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=240)
-    problems = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
-    assert not problems, "\n".join(problems)
-    assert [proc.exitcode for proc in procs] == [0] * world
+    run_ranks(compare_worker, world)

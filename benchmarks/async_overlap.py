@@ -212,8 +212,11 @@ class StepTimes:
             return
         complete = data[: data.rfind(b"\n") + 1]
         self._offset += len(complete)
-        for line in complete.decode().splitlines():
-            step = json.loads(line).get("step")
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                step = json.loads(line).get("step")
+            except ValueError:  # a line a writer left broken: not a step
+                continue
             if isinstance(step, int):
                 self.done_at.setdefault(step, now)
 

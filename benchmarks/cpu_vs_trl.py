@@ -43,7 +43,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -55,6 +54,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from async_overlap import StepTimes  # sibling benchmarks: the same step-time tail and machine line
+from recipes_cpu import machine
 
 REPO = Path(__file__).resolve().parents[1]
 SFT_CONFIG = "examples/reverse_text/sft.toml"
@@ -313,14 +315,6 @@ def tidal_breakdown(
 # ---- running --------------------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    model = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
-    return f"{os.cpu_count()} CPU cores ({model}), {platform.system()}"
-
-
 def commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -360,10 +354,10 @@ class Tail(threading.Thread):
 
     def __init__(self, path: Path, start: float, interval: float = 0.05):
         super().__init__(daemon=True)
-        self.path, self.start_time, self.interval = path, start, interval
-        self.seen: dict[int, float] = {}
+        self.start_time, self.interval = start, interval
+        self.times = StepTimes(path)
+        self.seen = self.times.done_at
         self._halt = threading.Event()
-        self._offset = 0
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
@@ -375,21 +369,7 @@ class Tail(threading.Thread):
         self._poll()  # whatever came after the last poll gets the end time: an upper bound
 
     def _poll(self) -> None:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return
-        now = time.time() - self.start_time
-        complete = data[: data.rfind(b"\n") + 1]
-        self._offset += len(complete)
-        for line in complete.splitlines():
-            try:
-                step = int(json.loads(line)["step"])
-            except (ValueError, KeyError):
-                continue
-            self.seen.setdefault(step, now)
+        self.times.poll(time.time() - self.start_time)
 
 
 def run_sft(workdir: Path, timeout: float) -> dict[str, Any]:

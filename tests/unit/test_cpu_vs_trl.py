@@ -2,11 +2,15 @@
 
 Nothing here imports trl (a benchmark-only dependency)."""
 
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from benchmarks.cpu_vs_trl import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
+
+from benchmarks.cpu_vs_trl import (  # noqa: E402
     REPO,
     RL_CONFIG,
     check_loss_matches,
@@ -19,8 +23,8 @@ from benchmarks.cpu_vs_trl import (
     time_to_reach,
     trl_config_kwargs,
 )
-from tidal.config.common import SchedulerConfig
-from tidal.trainer.optim import lr_factor as tidal_lr_factor
+from tidal.config.common import SchedulerConfig  # noqa: E402
+from tidal.trainer.optim import lr_factor as tidal_lr_factor  # noqa: E402
 
 
 @pytest.fixture

@@ -40,7 +40,6 @@ from one_gpu_reverse_text import read_jsonl
 from recipes_cpu import commit, machine, rl_summary, sft_summary  # the same summaries as the CPU recipes
 
 REPO = Path(__file__).resolve().parents[1]
-LR_VARIANTS: list[str] = []  # --rl-lr, set once in main()
 
 
 def gpu_name() -> str:
@@ -67,15 +66,15 @@ def sft_command(env: str, workdir: Path, steps: int | None) -> list[str]:
 
 
 def rl_command(
-    env: str, workdir: Path, start: Path, lr: str | None = None, extra: Sequence[str] = ()
+    env: str, workdir: Path, start: Path, lr: str | None = None, variant: int = 0, extra: Sequence[str] = ()
 ) -> list[str]:
-    """The README's RL command from the warm-up `start`; `lr` runs a variant at another learning rate (own
-    output directory and port, so variants run side by side)."""
+    """The README's RL command from the warm-up `start`; `lr` runs variant number `variant` at another
+    learning rate (own output directory and port, so variants run side by side)."""
     args = ["rl", "@", f"examples/{env}/rl_one_gpu.toml", "--model.name", str(start / "final"),
             "--output-dir", str(rl_dir(env, workdir, lr)), *extra]  # fmt: skip
     if lr is None:
         return args
-    return [*args, "--trainer.optim.lr", lr, "--inference.server.port", str(rl_port(env, lr))]
+    return [*args, "--trainer.optim.lr", lr, "--inference.server.port", str(rl_port(env, variant))]
 
 
 def rl_dir(env: str, workdir: Path, lr: str | None) -> Path:
@@ -122,11 +121,11 @@ def healthy(port: int) -> bool:
         return False
 
 
-def rl_port(env: str, lr: str | None = None, lrs: Sequence[str] = ()) -> int:
-    """The config's port; a learning-rate variant takes the next ones (the examples' ports are 10 apart)."""
-    config = tomllib.loads((REPO / "examples" / env / "rl_one_gpu.toml").read_text())
-    base = int(config["inference"]["server"]["port"])
-    return base if lr is None else base + 1 + sorted(LR_VARIANTS or lrs).index(lr)
+def rl_port(env: str, variant: int | None = None) -> int:
+    """The config's port; learning-rate variant i takes the config's + 1 + i (the examples' ports are 10
+    apart; the selection's evals take + 5 on)."""
+    base = int(rl_settings(env)["inference"]["server"]["port"])
+    return base if variant is None else base + 1 + variant
 
 
 def run_sfts(
@@ -146,6 +145,11 @@ def run_sfts(
         results.setdefault(env, {})[n] = summary
         print(f"[recipes] {env} sft ({n or 'config'} steps): {summary}", flush=True)
     return results
+
+
+def mark_warm_up(env: str, workdir: Path, steps: int | None) -> None:
+    """Record which SFT run the RL phase starts from (read by `chosen_warm_up`, also in a later call)."""
+    (workdir / env / "warm_up").write_text(sft_dir(env, workdir, steps).name)
 
 
 def chosen_warm_up(env: str, workdir: Path) -> Path:
@@ -171,12 +175,13 @@ def run_rls(
         if not (warm_up / "final" / "config.json").exists():
             print(f"[recipes] {env}: no SFT {warm_up}/final, RL skipped", flush=True)
             continue
-        for lr in lrs:
-            command = rl_command(env, workdir, warm_up, lr, extra)
+        for variant, lr in enumerate(lrs):
+            command = rl_command(env, workdir, warm_up, lr, variant, extra)
             log = workdir / env / f"{rl_dir(env, workdir, lr).name}.log"
             process, started = start(command, log), time.monotonic()
             running[env, lr] = (process, started, command)
-            port, waited_until = rl_port(env, lr), min(deadline, time.monotonic() + health_timeout)
+            port = rl_port(env, None if lr is None else variant)
+            waited_until = min(deadline, time.monotonic() + health_timeout)
             while time.monotonic() < waited_until and process.poll() is None and not healthy(port):
                 time.sleep(1.0)
             print(
@@ -253,25 +258,26 @@ def select_by_eval(
             command = eval_command(env, workdir, n, index, k, num_tasks)
             log = workdir / env / f"select_{n}.log"
             running[env, n] = (start(command, log), time.monotonic(), command)
-    chosen: dict[str, dict[str, Any]] = {}
+    candidates: dict[str, dict[int | None, dict[str, Any]]] = {}
     for (env, n), (process, started, command) in running.items():
         ran = finish(process, started, deadline)
         signal = group_signal(read_jsonl(workdir / env / f"select_{n}" / "rollouts.jsonl"))
         summary = {"command": "tidal " + " ".join(command), **ran, **signal}
         print(f"[recipes] {env} select ({n} steps): {summary}", flush=True)
-        entry = chosen.setdefault(env, {"candidates": {}})
-        entry["candidates"][str(n)] = summary
-    for env, entry in chosen.items():
+        candidates.setdefault(env, {})[n] = summary
+    chosen: dict[str, dict[str, Any]] = {}
+    for env, by_steps in candidates.items():
+        entry: dict[str, Any] = {"candidates": {str(n): v for n, v in by_steps.items()}}
         scored = [
-            (-v["signal_fraction"], int(n) if n != "None" else 0, n)
-            for n, v in entry["candidates"].items()
+            (-v["signal_fraction"], n or 0, n)
+            for n, v in by_steps.items()
             if v["exit_code"] == 0 and v["tasks"] > 0
         ]
         if scored:
             best = min(scored)[2]
-            entry["chosen_steps"] = best
-            name = sft_dir(env, workdir, None if best == "None" else int(best)).name
-            (workdir / env / "warm_up").write_text(name)
+            entry["chosen_steps"] = str(best)
+            mark_warm_up(env, workdir, best)
+        chosen[env] = entry
     return chosen
 
 
@@ -345,7 +351,7 @@ def main() -> None:
         sft_end = t0 + args.deadline * args.sft_share if args.phase in ("both", "all") else end
         for env, variants in run_sfts(args.envs, args.workdir, steps, sft_end).items():
             chosen = pick_warm_up(variants, args.target) if len(variants) > 1 else next(iter(variants))
-            (args.workdir / env / "warm_up").write_text(sft_dir(env, args.workdir, chosen).name)
+            mark_warm_up(env, args.workdir, chosen)
             entry = results[env]
             entry["sft_command"] = "tidal " + " ".join(sft_command(env, args.workdir, chosen))
             entry["sft"] = {"max_steps": chosen, **variants[chosen]}
@@ -362,8 +368,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     if args.phase in ("rl", "both", "all"):
-        LR_VARIANTS.extend(v for v in args.rl_lr.split(",") if v)
-        lrs: list[str | None] = list(LR_VARIANTS) or [None]
+        lrs: list[str | None] = [v for v in args.rl_lr.split(",") if v] or [None]
 
         def keep(env: str, lr: str | None, summary: dict[str, Any]) -> None:
             if lr is None:

@@ -11,7 +11,7 @@ import torch
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.errors import UserError
-from tidal.trainer.experts import expert_mlp, grouped_mm_works
+from tidal.trainer.experts import dispatch, expert_mlp, grouped_mm_works, sorted_rows
 from tidal.trainer.moe import (
     FAMILIES,
     LAYER_ATTR,
@@ -109,6 +109,26 @@ def test_both_kernels_agree_when_one_expert_takes_every_token_and_others_none():
     if "grouped_mm" in KERNELS:
         grouped = expert_mlp(x, expert_index, weights, gate_up, down, torch.nn.functional.silu, "grouped_mm")
         torch.testing.assert_close(grouped, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_backward_sums_each_tokens_k_row_gradients_without_index_add():
+    torch.manual_seed(0)
+    tokens, top_k, hidden = 50, 3, 8
+    expert_index = torch.stack(
+        [torch.randperm(6)[:top_k] for _ in range(tokens)]
+    )  # distinct experts per token
+    plan = dispatch(expert_index, 6)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
+    rows = sorted_rows(x, plan, top_k)
+    torch.testing.assert_close(rows, x.index_select(0, plan.order // top_k), rtol=0, atol=0)
+    grad_rows = torch.randn_like(rows)
+    (got,) = torch.autograd.grad(rows, x, grad_rows)
+    want = torch.zeros_like(x).index_add_(0, plan.order // top_k, grad_rows)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # in bf16 the k row gradients are summed in one reduction, not rounded after each add
+    x_bf16 = x.detach().bfloat16().requires_grad_()
+    (got_bf16,) = torch.autograd.grad(sorted_rows(x_bf16, plan, top_k), x_bf16, grad_rows.bfloat16())
+    assert (got_bf16.double() - want).abs().max() <= (want.abs().max() * 2**-8).item()
 
 
 def test_aux_loss_and_its_gradient_equal_transformers_with_padding_masked():

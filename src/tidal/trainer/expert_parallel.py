@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.trainer.experts import combine, dispatch, sorted_expert_mlp
+from tidal.trainer.experts import combine, dispatch, sorted_expert_mlp, sorted_rows
 
 
 class AllToAll(torch.autograd.Function):
@@ -93,7 +93,7 @@ def expert_mlp_ep(
     # mean (FSDP2's own divide factor would need a pre-multiplied reduce-scatter, which gloo lacks)
     gate_up_proj, down_proj = ScaleGrad.apply(gate_up_proj, 1 / ep), ScaleGrad.apply(down_proj, 1 / ep)
     plan = dispatch(expert_index, local_experts * ep)
-    rows = x.index_select(0, plan.order // expert_index.shape[1])  # [tokens·k, hidden] by expert = by rank
+    rows = sorted_rows(x, plan, expert_index.shape[1])  # [tokens·k, hidden] by expert = by rank
     send_counts = plan.counts.view(ep, local_experts)  # [destination rank, its local expert]
     recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
     dist.all_to_all_single(recv_counts, send_counts, group=group)

@@ -18,13 +18,15 @@ Two kernels do the grouped matmul:
   at most `experts ×` the rows when routing is very uneven. It is the fallback where `grouped_mm` does not
   run (fp32 or pre-Hopper GPUs, old torch) and the reference `grouped_mm` is checked against.
 
-The combine step un-sorts with a permutation and sums each token's k rows, so no atomic adds are involved
-and the result is deterministic on GPU too. Nothing is ever dropped: every routed pair is computed.
+The combine step un-sorts with a permutation and sums each token's k rows, and the dispatch's backward does
+the same with the row gradients, so no atomic adds are involved and the result is deterministic on GPU too.
+Nothing is ever dropped: every routed pair is computed.
 """
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +98,31 @@ def sorted_expert_mlp(
     return group_matmul(act(gate) * up, down_proj.transpose(1, 2), counts, kernel)  # [n, hidden]
 
 
+class _SortedRows(torch.autograd.Function):
+    """x [tokens, hidden] → rows [tokens·k, hidden]: each token's row once per routed expert, in the plan's
+    sorted order. `index_select` does the same forward, but its backward is an `index_add_` in which the k
+    rows of a token collide: atomic adds, rounded to the activations' dtype (bf16) at each add, and the one
+    slow kernel of the expert layer's backward on a GPU. Here the backward un-permutes the row gradients (a
+    copy) and sums each token's k of them in one reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        unsorted = torch.index_copy(torch.empty_like(grad), 0, order, grad)  # [tokens·k, hidden], (token, k)
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None
+
+
+def sorted_rows(x: torch.Tensor, plan: Dispatch, top_k: int) -> torch.Tensor:
+    """x [tokens, hidden] → [tokens·k, hidden]: the row of each routed (token, expert) pair, sorted by expert."""
+    return _SortedRows.apply(x, plan.order, top_k)
+
+
 def combine(
     out: torch.Tensor, plan: Dispatch, routing_weights: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -123,7 +150,7 @@ def expert_mlp(
     `sorted_expert_mlp` → [tokens, hidden].
     """
     plan = dispatch(expert_index, gate_up_proj.shape[0])
-    rows = x.index_select(0, plan.order // expert_index.shape[1])  # [tokens·k, hidden], sorted by expert
+    rows = sorted_rows(x, plan, expert_index.shape[1])  # [tokens·k, hidden], sorted by expert
     out = sorted_expert_mlp(rows, plan.counts, gate_up_proj, down_proj, act, kernel)
     return combine(out, plan, routing_weights, x.dtype)
 

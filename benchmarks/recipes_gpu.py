@@ -15,7 +15,9 @@ held-out greedy exact match is nearest `--target`: too little SFT leaves RL no r
 too much leaves it nothing to improve. `--phase all` (or `select`) chooses better: it runs `tidal eval` on
 each warm-up as RL samples it (the RL config's environment, temperature and lengths, `--select-k` samples per
 task) and starts RL from the warm-up with the most tasks whose samples' rewards differ; the last-turn match
-says little about multi-turn episodes (tool_use: 0.47 last turn, 0.01 whole episodes).
+says little about multi-turn episodes (tool_use: 0.47 last turn, 0.01 whole episodes). Ten warm-ups
+evaluated at once (ten vLLM servers starting together on a 16-core H200 machine) had not finished 64 tasks × 8
+samples in 110 s: give the selection ~200 s there.
 
 `--deadline` counts from this script's start: on a device call, subtract what ran before it (unpacking vLLM),
 e.g. `--deadline $((570 - SECONDS))` in the call's shell.
@@ -100,17 +102,28 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
         )
 
 
-def finish(process: subprocess.Popen, started: float, deadline: float) -> dict[str, Any]:
-    """Wait for `process` until the absolute `deadline` (time.monotonic), then SIGTERM it: a stopped run
-    stops every process it started and keeps what it wrote."""
-    timed_out = False
-    try:
-        code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        process.terminate()
-        code = process.wait()
-    return {"exit_code": code, "timed_out": timed_out, "wall_s": round(time.monotonic() - started, 1)}
+def stop_at(deadline: float, processes: Sequence[subprocess.Popen]) -> set[int]:
+    """Wait until every process has exited or the absolute `deadline` (time.monotonic) has passed, then
+    SIGTERM every one still running, all at once: a stopped run stops every process it started and keeps
+    what it wrote, which takes seconds per run, and stopping ten runs one after another overran a device
+    call. Returns the pids it stopped."""
+    while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+        time.sleep(1.0)
+    stopped = {p.pid for p in processes if p.poll() is None}
+    for process in processes:
+        if process.pid in stopped:
+            process.terminate()
+    return stopped
+
+
+def finish(process: subprocess.Popen, started: float, stopped: set[int]) -> dict[str, Any]:
+    """The exit of a process that has ended or was sent SIGTERM by `stop_at`."""
+    code = process.wait()
+    return {
+        "exit_code": code,
+        "timed_out": process.pid in stopped,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
 
 
 def healthy(port: int) -> bool:
@@ -139,8 +152,9 @@ def run_sfts(
             log = workdir / env / f"{sft_dir(env, workdir, n).name}.log"
             running[env, n] = (start(sft_command(env, workdir, n), log), time.monotonic())
     results: dict[str, dict[int | None, dict[str, Any]]] = {}
+    stopped = stop_at(deadline, [process for process, _ in running.values()])
     for (env, n), (process, started) in running.items():
-        ran = finish(process, started, deadline)
+        ran = finish(process, started, stopped)
         summary = {**ran, **sft_summary(read_jsonl(sft_dir(env, workdir, n) / "metrics.jsonl"))}
         results.setdefault(env, {})[n] = summary
         print(f"[recipes] {env} sft ({n or 'config'} steps): {summary}", flush=True)
@@ -187,8 +201,9 @@ def run_rls(
             print(
                 f"[recipes] {env} rl (lr {lr or 'config'}): server up after {time.monotonic() - started:.0f} s"
             )
+    stopped = stop_at(deadline, [process for process, _, _ in running.values()])
     for (env, lr), (process, started, command) in running.items():
-        ran = finish(process, started, deadline)
+        ran = finish(process, started, stopped)
         records = read_jsonl(rl_dir(env, workdir, lr) / "orchestrator" / "metrics.jsonl")
         summary = {"command": "tidal " + " ".join(command), **ran, **rl_summary(env, records)}
         print(f"[recipes] {env} rl (lr {lr or 'config'}): {summary}", flush=True)
@@ -259,8 +274,9 @@ def select_by_eval(
             log = workdir / env / f"select_{n}.log"
             running[env, n] = (start(command, log), time.monotonic(), command)
     candidates: dict[str, dict[int | None, dict[str, Any]]] = {}
+    stopped = stop_at(deadline, [process for process, _, _ in running.values()])
     for (env, n), (process, started, command) in running.items():
-        ran = finish(process, started, deadline)
+        ran = finish(process, started, stopped)
         signal = group_signal(read_jsonl(workdir / env / f"select_{n}" / "rollouts.jsonl"))
         summary = {"command": "tidal " + " ".join(command), **ran, **signal}
         print(f"[recipes] {env} select ({n} steps): {summary}", flush=True)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_envs_multiturn import ScriptedSampler
-from tidal.envs.base import NonFiniteReward, Turn, run_episode
+from tests.unit.test_envs_multiturn import ContextLimitedSampler, ScriptedSampler
+from tidal.envs.base import ContextFull, NonFiniteReward, Turn, run_episode
 from tidal.envs.registry import load_env
 from tidal.errors import UserError
 
@@ -46,6 +46,39 @@ def test_verifiers_env_rewards_metrics_and_tokens():
     assert good.prompt_ids == sampler.prompts[0]  # rendered with the model's chat template
     assert good.completion_ids == sampler.sampled[0] and all(good.completion_mask)
     assert good.messages[-1] == {"role": "assistant", "content": word[::-1]}
+
+
+def run_with(env, task, sampler):
+    async def go():
+        try:
+            return await run_episode(env, task, sampler)
+        finally:
+            await env.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_verifiers_episode_that_outgrows_the_context_ends_truncated_and_is_scored():
+    env = load_env("vf:vf_follow_ups", num_examples=2)
+    task = env.task(0)
+    replies = ["one", "two", "three", "four"]
+    full_sampler = ScriptedSampler(replies)
+    full = run_with(env, task, full_sampler)
+    assert full.num_turns == 4 and full.reward == 1.0 and "truncated" not in full.info
+    # room for the first two turns' prompts, not the third's
+    sampler = ContextLimitedSampler(replies, limit=len(full_sampler.prompts[2]))
+    episode = run_with(env, task, sampler)
+    assert episode.info["truncated"] is True
+    assert episode.num_turns == 2 and len(sampler.prompts) == 2
+    assert episode.reward == 0.5  # the environment's own reward on the turns it had
+    assert episode.context_ids == sampler.prompts[1] + sampler.sampled[1]
+    assert episode.messages[-1] == {"role": "assistant", "content": "two"}
+
+
+def test_a_verifiers_task_whose_prompt_does_not_fit_fails_its_rollout_with_context_full():
+    env = load_env("vf:vf_follow_ups", num_examples=2)
+    with pytest.raises(ContextFull, match="vf:vf_follow_ups/0"):
+        run_with(env, env.task(0), ContextLimitedSampler(["one"], limit=5))
 
 
 def test_verifiers_reward_exceptions_fail_the_rollout():

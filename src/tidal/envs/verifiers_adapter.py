@@ -21,7 +21,16 @@ import time
 import uuid
 from typing import Any
 
-from tidal.envs.base import Environment, Episode, Sampler, Task, Turn, check_reward, render_prompt
+from tidal.envs.base import (
+    ContextFull,
+    Environment,
+    Episode,
+    Sampler,
+    Task,
+    Turn,
+    check_reward,
+    render_prompt,
+)
 from tidal.errors import UserError, first_line
 from tidal.inference.types import ChatMessage
 from tidal.rollout.chat import continue_prompt
@@ -58,12 +67,27 @@ class SamplerClient(vf.Client if vf is not None else object):  # type: ignore[mi
         self.history: list[ChatMessage] = []
         """The last request's messages plus the reply: what `context` encodes."""
         self.context: list[int] = []
+        self.context_full = False
+        """A later turn's prompt did not fit the served context (the episode ended there)."""
+        self.first_prompt_too_long = False
 
     async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # type: ignore[no-untyped-def]
         request = dialect.parse_request(body)
         messages = [ChatMessage(role=m.role, content=content_text(m.content) or "") for m in request.messages]
         prompt_ids = self.prompt_ids(messages)
-        sampled = await self.sampler.complete(prompt_ids)
+        try:
+            sampled = await self.sampler.complete(prompt_ids)
+        except ContextFull:
+            if not self.turns or turn is None:
+                self.first_prompt_too_long = True  # the rollout fails with this, not the harness's error
+                raise
+            # No turn can follow: end the exchange as verifiers ends one at a token limit. The stopped trace
+            # makes the harness's failed request an expected exit, and the rollout is finalized and scored
+            # on the turns it has (what tidal's own multi-turn environments do); the episode is marked
+            # truncated in `VerifiersEnv.rollout`.
+            self.context_full = True
+            turn.trace.stop("max_input_tokens")
+            raise
         self.turns.append(sampled)
         self.history = [*messages, ChatMessage(role="assistant", content=sampled.text)]
         self.context = [*prompt_ids, *sampled.completion_ids]
@@ -165,12 +189,18 @@ class VerifiersEnv(Environment):
             result = await self.vf_env.run_episode(self.tasks[task.info["vf_index"]], ctx)
         finally:
             interception.clients.pop(key, None)
+        if not result.ok and client.first_prompt_too_long:
+            raise ContextFull(
+                f"{task.task_id}: the task's prompt leaves no room for a reply in the served context"
+            )
         if not result.ok:
             error = result.last_error or next((t.last_error for t in result.traces if t.last_error), None)
             raise VerifiersRolloutFailed(f"{error.type}: {error.message}" if error else "episode not ok")
         messages = [*task.messages, *({"role": "assistant", "content": t.text} for t in client.turns)]
         episode = episode_from_turns(client.turns, messages)
         episode.info["vf_traces"] = result.traces
+        if client.context_full:
+            episode.info["truncated"] = True  # the request no turn could follow is left out
         return episode
 
     async def score(self, task: Task, episode: Episode) -> None:

@@ -62,6 +62,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 16},
     "qwen3-4b": {**QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32},
+    "qwen3-8b": {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "tie_word_embeddings": False},
     "tiny": {"vocab_size": 1000, "head_dim": 16, "num_key_value_heads": 2, "tie_word_embeddings": True,
              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
     # architecture fields of Qwen/Qwen3-30B-A3B's config.json (48 layers; `qwen3-30b-a3b:N` keeps N of them)
@@ -306,8 +308,8 @@ def tidal_runner(
 
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, OptimConfig(lr=1e-5))
     packed = PackedRow(row["input_ids"], row["position_ids"], row["targets"])
-    num_loss = packed.num_loss_tokens * info.world_size  # every rank has a row like it
-    num_real = len(packed) * info.world_size  # weighs an MoE model's load-balancing loss
+    num_loss = packed.num_loss_tokens * info.dp_size  # every data-parallel group has a row like it
+    num_real = len(packed) * info.dp_size  # weighs an MoE model's load-balancing loss
     batch = StepBatch(
         [[packed]],
         num_loss_tokens=num_loss,
@@ -489,12 +491,16 @@ def profile_step(step: Any, device: torch.device) -> dict[str, Any]:
 
 
 def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: Any) -> dict[str, Any]:
-    """One measurement; under torchrun every rank trains its own row (data parallel, FSDP2 sharded)."""
+    """One measurement; under torchrun every data-parallel group trains its own row (FSDP2 sharded; with
+    `--set cp=N` the N ranks of a group split one row)."""
     seed, device = 0, info.device
     config = model_config(name)
     lengths = document_lengths(args.seq, "packed" if layout == "rl" else layout, seed)
-    row = make_row(args.seq, config["vocab_size"], lengths, seed + info.rank)
+    row = make_row(args.seq, config["vocab_size"], lengths, seed + info.dp_rank)
     base_impl, _, suffix = impl.partition(":")  # tidal:<variant>, or hf:<experts implementation>
+    if layout == "rl" and info.cp > 1:
+        return {"model": name, "seq": args.seq, "impl": impl, "variant": impl, "docs": layout,
+                "error": "the RL-shaped case runs without context parallelism"}  # fmt: skip
     if layout == "rl" and base_impl in HF_IMPLS:
         return {"model": name, "seq": args.seq, "impl": impl, "variant": impl, "docs": layout,
                 "error": "the RL-shaped case runs tidal's RL step only"}  # fmt: skip
@@ -543,7 +549,8 @@ def run_one(args: argparse.Namespace, name: str, layout: str, impl: str, info: A
     if info.world_size > 1 and result.get("peak_mem_gib") is not None:
         record["peak_mem_gib"] = max_over_ranks(result["peak_mem_gib"], device)
     if "step_s" in result:  # per GPU; the RL case counts its real tokens (its row is not quite full)
-        record["tokens_per_s"] = result.get("num_tokens", args.seq) / result["step_s"]
+        record["tokens_per_s"] = result.get("num_tokens", args.seq) / result["step_s"] / info.cp
+        record["cp"] = info.cp
         span = result.get("attention_span") or attention_span(lengths)
         flops = model_flops_per_token(config, result["num_params"], span)
         if is_moe(config):
@@ -610,12 +617,13 @@ def device_name(device: torch.device, world_size: int) -> str:
     return f"{torch.cuda.get_device_name(device)} ({world_size} GPU), torch {torch.__version__}"
 
 
-def setup(device: str) -> Any:
-    """This process's DistInfo: torchrun's ranks when launched by it, else one process on GPU 0 or the CPU."""
+def setup(device: str, cp: int = 1) -> Any:
+    """This process's DistInfo: torchrun's ranks when launched by it (`cp` consecutive ranks share each row),
+    else one process on GPU 0 or the CPU."""
     from tidal.trainer.parallel import DistInfo, init_distributed
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return init_distributed(device)
+        return init_distributed(device, cp)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=dev)
 
@@ -823,7 +831,7 @@ def main(argv: list[str]) -> None:
     from tidal.trainer.model import quiet_transformers
 
     quiet_transformers()
-    info = setup(args.device)
+    info = setup(args.device, int(args.set.get("cp", 1)))
     device = info.device
     if info.world_size > 1 and {i.partition(":")[0] for i in args.impls.split(",")} & set(HF_IMPLS):
         raise SystemExit("under torchrun only tidal variants run (the hf baseline is single-GPU)")

@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.ranks import free_port
-from tidal.testing import RANDOM_QWEN3_0_6B
+from tidal.testing import RANDOM_QWEN3_0_6B, TINY_MOE_MODEL_NAME
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -108,15 +108,14 @@ def sft_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_fsdp_on_two_gpus_matches_one_gpu(tmp_path: Path) -> None:
-    """`tidal sft` for 5 steps on one GPU and under torchrun on two: the same global batches, so the same
-    loss curve up to bf16 noise."""
-    common = ["sft", "@", "configs/ci/sft_tiny.toml", "--max-steps", "5", "--ckpt.interval", "5"]
+def sft_one_and_two_gpus(tmp_path: Path, extra: list[str], two_only: list[str]) -> tuple[dict, dict]:
+    """`tidal sft` for 5 steps on one GPU and under torchrun on two (`two_only` added there), both at once:
+    the same global batches, so the same loss curve up to bf16 noise. Returns both runs' losses."""
+    common = ["sft", "@", "configs/ci/sft_tiny.toml", "--max-steps", "5", "--ckpt.interval", "5", *extra]
     one = [sys.executable, "-m", "tidal", *common, "--output-dir", str(tmp_path / "one")]
     two = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "tidal", *common, "--output-dir", str(tmp_path / "two"),
+        "-m", "tidal", *common, *two_only, "--output-dir", str(tmp_path / "two"),
     ]  # fmt: skip
     # both at once: the tiny model leaves the GPUs nearly idle, and device time is what this costs
     procs = [
@@ -130,11 +129,28 @@ def test_fsdp_on_two_gpus_matches_one_gpu(tmp_path: Path) -> None:
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-3000:]
     assert "2 rank(s)" in outputs[1]
-    single, sharded = sft_losses(tmp_path / "one"), sft_losses(tmp_path / "two")
+    return sft_losses(tmp_path / "one"), sft_losses(tmp_path / "two")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    ("what", "extra", "two_only"),
+    [
+        ("fsdp", [], []),
+        # the tiny MoE (8 experts, top-2), 4 on each GPU, tokens exchanged by NCCL all-to-all
+        ("ep", ["--model.name", TINY_MOE_MODEL_NAME, "--moe.aux-loss-coef", "0"], ["--perf.ep", "2"]),
+        # both GPUs take every row, each runs half of its tokens (all-to-all over heads in attention)
+        ("cp", [], ["--perf.cp", "2"]),
+    ],
+    ids=["fsdp", "ep", "cp"],
+)
+def test_two_gpus_match_one_gpu(tmp_path: Path, what: str, extra: list[str], two_only: list[str]) -> None:
+    """FSDP2, expert parallelism and context parallelism over two GPUs (NCCL) train the loss curve of one."""
+    single, sharded = sft_one_and_two_gpus(tmp_path, extra, two_only)
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
     rel = {s: abs(sharded[s] - single[s]) / abs(single[s]) for s in single}
     print(
-        f"\nMEASURED sft loss 1 GPU {single}\n         sft loss 2 GPUs {sharded}\n"
+        f"\nMEASURED {what}: sft loss 1 GPU {single}\n         sft loss 2 GPUs {sharded}\n"
         f"         max relative difference {max(rel.values()):.2e} (bound {LOSS_REL_BOUND})"
     )
     assert single[5] < single[1]  # it trains: the comparison is between moving curves

@@ -1,7 +1,7 @@
 """Local test assets, built without downloads: the tiny char-level Qwen3 (ChatML or a Qwen3-style chat
 template), its mixture-of-experts variant, and random-weight real-shape models."""
 
-from tidal.testing.random_models import RANDOM_QWEN3_0_6B, SMALL_QWEN3
+from tidal.testing.random_models import RANDOM_QWEN3_0_6B, RANDOM_QWEN3_1_7B, SMALL_QWEN3
 from tidal.testing.tiny import (
     TINY_CHAT_MODEL_NAME,
     TINY_MODEL_NAME,
@@ -13,6 +13,7 @@ from tidal.testing.tiny import (
 
 __all__ = [
     "RANDOM_QWEN3_0_6B",
+    "RANDOM_QWEN3_1_7B",
     "SMALL_QWEN3",
     "TINY_CHAT_MODEL_NAME",
     "TINY_MODEL_NAME",

@@ -3,7 +3,7 @@
 `tidal-testing/random-qwen3-0.6b` has Qwen3-0.6B's exact shapes (28 layers, hidden 1024, GQA 16/8 heads,
 151,936-token vocabulary, tied embeddings) with random weights and the tiny model's char-level tokenizer
 padded to Qwen's vocabulary size, so it costs what Qwen3-0.6B costs to serve and to train without a
-download. Random weights never learn to stop: completions run to `max_tokens`, which then sets the length.
+download; `tidal-testing/random-qwen3-1.7b` does the same for Qwen3-1.7B (28 layers, hidden 2048). Random weights never learn to stop: completions run to `max_tokens`, which then sets the length.
 
 `tidal-testing/small-qwen3` is a char-level Qwen3 between the two (8 layers, hidden 512, the tiny model's
 unpadded 101-token vocabulary): big enough to learn the example environments from their demonstrations in a
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 RANDOM_QWEN3_0_6B = "tidal-testing/random-qwen3-0.6b"
+RANDOM_QWEN3_1_7B = "tidal-testing/random-qwen3-1.7b"
 SMALL_QWEN3 = "tidal-testing/small-qwen3"
 
 # Qwen/Qwen3-0.6B's config.json (architecture fields only).
@@ -31,6 +32,17 @@ QWEN3_0_6B_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "initializer_range": 0.02,
     "tie_word_embeddings": True,
+}
+
+
+# Qwen/Qwen3-1.7B's config.json (architecture fields only).
+QWEN3_1_7B_CONFIG: dict[str, Any] = {
+    **QWEN3_0_6B_CONFIG,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
 }
 
 
@@ -66,6 +78,7 @@ class RandomModelSpec:
 # Bump a dir_name's version when its recipe changes so cached copies are rebuilt instead of reused.
 RANDOM_MODELS: dict[str, RandomModelSpec] = {
     RANDOM_QWEN3_0_6B: RandomModelSpec("random-qwen3-0.6b-v1", QWEN3_0_6B_CONFIG),
+    RANDOM_QWEN3_1_7B: RandomModelSpec("random-qwen3-1.7b-v1", QWEN3_1_7B_CONFIG),
     # fp32 like the tiny model: trained from scratch, never served as a released checkpoint
     SMALL_QWEN3: RandomModelSpec("small-qwen3-v1", SMALL_QWEN3_CONFIG, dtype="float32"),
 }

@@ -81,7 +81,7 @@ class SamplerClient(vf.Client if vf is not None else object):  # type: ignore[mi
             if not self.turns:
                 self.first_prompt_too_long = True  # the rollout fails with this, not the harness's error
                 raise
-            if turn is None:  # no trace to stop (a client called without the prepared turn): the rollout fails
+            if turn is None:  # no trace to stop (called without the prepared turn): the rollout fails
                 raise
             # No turn can follow: end the exchange as verifiers ends one at a token limit. The stopped trace
             # makes the harness's failed request an expected exit, and the rollout is finalized and scored

@@ -288,6 +288,7 @@ def _schema_for(path: Path) -> str:
     for prefix, schema in [
         ("rl", "tidal.config.rl:RLConfig"),
         ("async_overlap", "tidal.config.rl:RLConfig"),
+        ("async_node", "tidal.config.rl:RLConfig"),
         ("slurm", "tidal.config.rl:RLConfig"),  # overlays on an rl config; each also validates alone
         ("k8s_", "tidal.config.rl:RLConfig"),  # overlays on a run config (examples/cluster/)
         ("sft", "tidal.config.sft:SFTConfig"),

@@ -59,11 +59,7 @@ case "$stage" in
     parts=()
     for n in 1 2 4 8; do
       [ "$n" -le "$gpus" ] || break
-      if [ "$n" -eq 1 ]; then
-        mfu --models "$model" --seq 16384 --docs single --impls tidal:default --out "$out/${model}_$n.json"
-      else
-        mfu_ranks "$n" --models "$model" --seq 16384 --docs single --impls tidal:default --out "$out/${model}_$n.json"
-      fi
+      mfu_ranks "$n" --models "$model" --seq 16384 --docs single --impls tidal:default --out "$out/${model}_$n.json"
       parts+=("$out/${model}_$n.json")
     done
     mfu --merge "${parts[@]}" --out "$out/trainer_mfu_scaling_${model#qwen3-}_h200x$gpus.json" ;;

@@ -83,15 +83,8 @@ def test_a_verifiers_task_whose_prompt_does_not_fit_fails_its_rollout_with_conte
 
 def test_verifiers_reward_exceptions_fail_the_rollout():
     env = load_env("vf:vf_broken_reward")
-
-    async def go():
-        try:
-            return await run_episode(env, env.task(0), ScriptedSampler(["hi"]))
-        finally:
-            await env.aclose()
-
     with pytest.raises(VerifiersRolloutFailed, match="reward bug"):
-        asyncio.run(go())
+        run_with(env, env.task(0), ScriptedSampler(["hi"]))
 
 
 def test_episodes_from_turns_need_one_token_sequence():
@@ -115,14 +108,7 @@ def test_unknown_verifiers_env_is_a_user_error():
 
 def test_verifiers_nan_reward_fails_the_rollout_naming_env_and_reward():
     env = load_env("vf:vf_nan_reward")
-
-    async def go():
-        try:
-            return await run_episode(env, env.task(0), ScriptedSampler(["hi"]))
-        finally:
-            await env.aclose()
-
     with pytest.raises(
         NonFiniteReward, match="'not_a_number' of environment 'vf:vf_nan_reward' returned nan"
     ):
-        asyncio.run(go())
+        run_with(env, env.task(0), ScriptedSampler(["hi"]))

@@ -3,7 +3,8 @@
 `tidal-testing/random-qwen3-0.6b` has Qwen3-0.6B's exact shapes (28 layers, hidden 1024, GQA 16/8 heads,
 151,936-token vocabulary, tied embeddings) with random weights and the tiny model's char-level tokenizer
 padded to Qwen's vocabulary size, so it costs what Qwen3-0.6B costs to serve and to train without a
-download; `tidal-testing/random-qwen3-1.7b` does the same for Qwen3-1.7B (28 layers, hidden 2048). Random weights never learn to stop: completions run to `max_tokens`, which then sets the length.
+download; `tidal-testing/random-qwen3-1.7b` does the same for Qwen3-1.7B (28 layers, hidden 2048). Random
+weights never learn to stop: completions run to `max_tokens`, which then sets the length.
 
 `tidal-testing/small-qwen3` is a char-level Qwen3 between the two (8 layers, hidden 512, the tiny model's
 unpadded 101-token vocabulary): big enough to learn the example environments from their demonstrations in a

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.trainer.experts import combine, dispatch, sorted_expert_mlp, sorted_rows
+from tidal.trainer.experts import combine, dispatch, sorted_expert_mlp, sorted_rows, unpermute
 
 
 class AllToAll(torch.autograd.Function):
@@ -104,7 +104,7 @@ def expert_mlp_ep(
     local = sorted_expert_mlp(
         received.index_select(0, order), recv_counts.sum(0), gate_up_proj, down_proj, act, kernel
     )
-    back = torch.index_copy(torch.empty_like(local), 0, order, local)  # arrival order again
+    back = unpermute(local, order)  # arrival order again
     out = AllToAll.apply(back, recv_splits, send_splits, group)  # [tokens·k, hidden], as `rows` left
     return combine(out, plan, routing_weights, x.dtype)
 

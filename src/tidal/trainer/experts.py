@@ -98,6 +98,12 @@ def sorted_expert_mlp(
     return group_matmul(act(gate) * up, down_proj.transpose(1, 2), counts, kernel)  # [n, hidden]
 
 
+def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows in sorted order back in their original order: row i goes to position order[i] (a copy, no
+    atomics; `order` is a permutation)."""
+    return torch.index_copy(torch.empty_like(rows), 0, order, rows)
+
+
 class _SortedRows(torch.autograd.Function):
     """x [tokens, hidden] → rows [tokens·k, hidden]: each token's row once per routed expert, in the plan's
     sorted order. `index_select` does the same forward, but its backward is an `index_add_` in which the k
@@ -114,7 +120,7 @@ class _SortedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        unsorted = torch.index_copy(torch.empty_like(grad), 0, order, grad)  # [tokens·k, hidden], (token, k)
+        unsorted = unpermute(grad, order)  # [tokens·k, hidden], (token, k) order
         return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None
 
 
@@ -130,7 +136,7 @@ def combine(
 
     The permutation's inverse is applied as a copy (no atomics, deterministic)."""
     num_tokens, top_k = routing_weights.shape
-    unsorted = torch.index_copy(torch.empty_like(out), 0, plan.order, out)  # [tokens·k, hidden]
+    unsorted = unpermute(out, plan.order)  # [tokens·k, hidden]
     weighted = unsorted.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1).to(out.dtype)
     return weighted.sum(1).to(dtype)  # [tokens, hidden]
 

@@ -67,6 +67,8 @@ def test_a_cpu_bound_reward_does_not_hold_the_orchestrators_event_loop(
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(r["rollouts/failed"] == 0 and r["rollouts/groups_kept"] == 2 for r in records), records
     assert len(pids) == STEPS * 4 and os.getpid() not in pids and len(set(pids)) <= 2
-    # 4 rollouts × 1 s of reward per step: inline that is ≥ 1 s of lag in every step
+    # 4 rollouts × 1 s of reward per step: inline that is ≥ 1 s of lag in every step. A garbage collection
+    # of the test process's heap also holds the loop (0.41 s was seen late in a full suite): the lag it
+    # explains is not the reward's.
     lags = [(r["event_loop/lag_max_s"], r["event_loop/gc_max_s"]) for r in records]
-    assert all(lag < 0.3 for lag, _ in lags), f"(lag max, GC pause max) per step: {lags}"
+    assert all(lag - gc < 0.3 for lag, gc in lags), f"(lag max, GC pause max) per step: {lags}"

@@ -9,7 +9,8 @@ then examples/<env>/rl_tiny.toml from the SFT's final/) and records, per environ
   `zero_signal = "drop"` only groups whose rewards differ, so it can rise while the policy does not), and the
   online eval (greedy reward avg@1 and pass@1 on held-out tasks) at each eval step, the first before any update.
 
-Entries are merged into `--out` by environment (a rerun of one environment replaces its entry only).
+Entries are merged into `--out` under `envs`, by environment: a rerun of one environment replaces its entry
+only, and the entry it replaces moves into the new one's `earlier` list (READMEs cite old runs).
 
     python benchmarks/recipes_cpu.py tool_use alphabet_sort --workdir /tmp/recipes --out benchmarks/results/recipes_cpu.json
 """
@@ -149,11 +150,18 @@ def main() -> None:
     parser.add_argument("--rl-timeout", type=float, default=480, help="seconds before SIGTERM")
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    entries = results.setdefault("envs", {})
     for env in args.envs:
         entry = run_env(env, args.workdir, args.rl_only, (args.sft_timeout, args.rl_timeout))
-        if args.rl_only and "sft" in results.get(env, {}):
-            entry["sft"] = results[env]["sft"]
-        results[env] = entry
+        previous = entries.get(env, {})
+        if args.rl_only and "sft" in previous:
+            entry["sft"] = previous["sft"]
+        if previous:  # the README may cite it: kept, newest first
+            entry["earlier"] = [
+                {k: v for k, v in previous.items() if k != "earlier"},
+                *previous.get("earlier", []),
+            ]
+        entries[env] = entry
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps({env: entry}, indent=1), flush=True)

@@ -312,3 +312,33 @@ def test_trainer_command_joins_a_rendezvous_on_several_nodes():
     assert (
         multi[multi.index("--rdzv-backend") + 1] == "c10d" and multi[multi.index("--rdzv-id") + 1] == "job7"
     )
+
+
+def test_the_orchestrator_and_a_trainer_on_other_gpus_start_while_vllm_loads():
+    from tidal.launcher.rl import roles_while_loading, started_roles
+
+    both = ("inference", "trainer", "orchestrator")
+    # a machine without GPUs: nothing shared, both start beside vLLM
+    assert roles_while_loading(both, set(), [0]) == ["orchestrator", "trainer"]
+    # one GPU shared by vLLM and the trainer: vLLM sizes its cache from the memory free while it starts
+    assert roles_while_loading(both, {0}, [0]) == ["orchestrator"]
+    assert roles_while_loading(both, {0, 1}, [1, 2]) == ["orchestrator"]
+    assert roles_while_loading(both, {0}, [1, 2]) == ["orchestrator", "trainer"]
+    # a cluster node with only replicas, or only the trainer
+    assert roles_while_loading(("inference",), {0}, [0]) == []
+    assert roles_while_loading(("trainer",), set(), [0]) == ["trainer"]
+    assert started_roles(["trainer", "orchestrator"], {"trainer", "orchestrator"}) == (
+        "trainer and orchestrator started while vLLM loaded"
+    )
+    assert started_roles(["trainer", "orchestrator"], {"orchestrator"}) == (
+        "orchestrator started while vLLM loaded; trainer started"
+    )
+
+
+def test_the_orchestrator_waits_for_inference_as_long_as_tidal_rl_does(tmp_path):
+    roles = split_config(RLConfig(startup_timeout=900.0), on_gpu=False)
+    assert roles.orchestrator.client.startup_timeout == 900
+    with pytest.raises(UserError) as raised:
+        load_config(RLConfig, [], [("orchestrator.client.startup_timeout", 30.0)])
+    problem = str(raised.value)  # names the key and the top-level setting to use instead
+    assert problem.count("startup_timeout") >= 2 and "orchestrator.client.startup_timeout" in problem

@@ -76,6 +76,9 @@ class ClientConfig(Config):
     """Token for pause/update routes (default: TIDAL_ADMIN_TOKEN)."""
     timeout: float = Field(default=600.0, gt=0)
     """Seconds per request."""
+    startup_timeout: float = Field(default=600.0, gt=0)
+    """Seconds the orchestrator waits, when it starts, for the servers to answer /health. `tidal rl` sets it
+    to its own startup_timeout: it starts the orchestrator while vLLM loads."""
     max_in_flight: int = Field(default=64, gt=0)
     """Groups generated concurrently."""
     recovery_timeout: float = Field(default=0.0, ge=0)
@@ -406,6 +409,7 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
     ("orchestrator", "batch", "cp"): "trainer.perf.cp",
     ("orchestrator", "client", "recovery_timeout"): "startup_timeout` and `restarts",
+    ("orchestrator", "client", "startup_timeout"): "startup_timeout",
     ("orchestrator", "resume_from"): "resume` and `restarts",
     ("inference", "vllm", "seed"): "seed",
     ("inference", "cpu", "omp_threads_bind"): "deployment.inference_cpus",

@@ -1,5 +1,6 @@
-"""`tidal rl`: start inference (every replica, wait for all to be healthy), then trainer and orchestrator;
-supervise, restarting what dies; stop all cleanly.
+"""`tidal rl`: start inference (every replica) and, while it loads, the orchestrator and a trainer that shares
+no GPU with it; once every replica is healthy, a trainer that does; supervise, restarting what dies; stop all
+cleanly.
 
 Each child runs in its own process group with its output in `<output_dir>/logs/<name>.log`. The launcher
 prints one line per step from the metrics files. A child that fails (the vLLM server under each
@@ -14,7 +15,7 @@ launcher exits non-zero naming the culprit: the process that ended first.
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -211,20 +212,17 @@ class Launcher:
         if local:
             what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
             self._say(f"starting {what} ({roles.inference.model.name}); logs in {logs}/")
+        early = self._start_while_loading(roles, local, paths, env)
         if ORCHESTRATOR in self.here:  # while vLLM loads: W&B takes seconds to start too
             self.reporter = StepReporter(self.out, self.config.max_steps, self.console, self._open_wandb())
-        self._wait_healthy(waiting)
+        self._wait_healthy(waiting, early)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
         for replica in self.replicas:
             self._watch_servers(replica)
-        if TRAINER in self.here:
+        if TRAINER in self.here and self.trainer is None:
             self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
-        if ORCHESTRATOR in self.here:
-            self.orchestrator = self._start(
-                "orchestrator", tidal_argv("orchestrator", paths["orchestrator"]), env["orchestrator"]
-            )
-        self._say_started(len(urls), local)
+        self._say_started(len(urls), local, early)
         reporter = self.reporter
         marked = False
         first_step = _Reminder(STATUS_SECONDS)
@@ -234,8 +232,8 @@ class Launcher:
             self._follow_progress()
             if TRAINER not in self.up and reporter is not None and first_step.due():
                 self._say(
-                    f"waiting for the first step: {first_step.elapsed():.0f} s since the trainer and the orchestrator "
-                    f"started (loading the model, first rollouts); logs in {self.logs}/"
+                    f"waiting for the first step: {first_step.elapsed():.0f} s since inference came up (the "
+                    f"trainer loading the model, the first rollouts); logs in {self.logs}/"
                 )
             if self.stop_signal is not None:
                 print(f"{self.prefix}: signal {self.stop_signal}: stopping every process", file=sys.stderr)
@@ -261,6 +259,26 @@ class Launcher:
                 self.trainer.adopt_descendants()
             self.deaths.wait(POLL_SECONDS)
 
+    def _start_while_loading(
+        self, roles: RoleConfigs, local: list[int], paths: dict[str, Path], env: dict[str, dict[str, str]]
+    ) -> list[ManagedProcess]:
+        """Start what need not wait for vLLM, so that its start-up (imports, loading and sharding the model)
+        overlaps vLLM's: the orchestrator always (it uses no GPU and waits for /health itself), the trainer
+        when it shares no GPU with this node's replicas (vLLM sizes its cache from the memory free while it
+        starts, so a trainer allocating on the same GPU then could make it fail or take too little)."""
+        # (replica_gpus is empty on a machine without GPUs: nothing to share)
+        replica_gpus = {gpu for index in local if roles.replica_gpus for gpu in roles.replica_gpus[index]}
+        started: list[ManagedProcess] = []
+        for role in roles_while_loading(self.here, replica_gpus, self.config.deployment.trainer_gpus):
+            if role == ORCHESTRATOR:
+                argv = tidal_argv("orchestrator", paths["orchestrator"])
+                self.orchestrator = self._start("orchestrator", argv, env["orchestrator"])
+                started.append(self.orchestrator)
+            else:
+                self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
+                started.append(self.trainer)
+        return started
+
     def _trainer_argv(self, config_path: Path) -> list[str]:
         deploy, node = self.config.deployment, self.node
         if node is None:
@@ -276,16 +294,16 @@ class Launcher:
             is_host=self.index == first,
         )
 
-    def _say_started(self, num_replicas: int, local: list[int]) -> None:
+    def _say_started(self, num_replicas: int, local: list[int], early: list[ManagedProcess]) -> None:
         started = [role for role in (TRAINER, ORCHESTRATOR) if role in self.here]
+        roles = started_roles(started, {child.name for child in early})
         if self.node is None:
             are = "are" if len(local) > 1 else "is"
             what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
-            self._say(f"{what} {are} up; trainer and orchestrator started")
+            self._say(f"{what} {are} up; {roles}")
         elif started:
             self._say(
-                f"{' and '.join(started)} started"
-                + (f" ({num_replicas} inference replicas up)" if ORCHESTRATOR in self.here else "")
+                roles + (f" ({num_replicas} inference replicas up)" if ORCHESTRATOR in self.here else "")
             )
         else:
             self._say(f"{len(local)} inference replica(s) up; serving until the run ends")
@@ -330,9 +348,12 @@ class Launcher:
             self.servers[pid] = replica
             self.deaths.watch(pid)
 
-    def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
+    def _wait_healthy(
+        self, waiting: dict[str, ManagedProcess | None], early: Sequence[ManagedProcess] = ()
+    ) -> None:
         """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
-        node's) that exits meanwhile fails the run at once."""
+        node's) that exits meanwhile fails the run at once. A process in `early` (started while vLLM
+        loads) that ends ends the wait too: the supervision loop then restarts it or stops the run."""
         reminder = _Reminder(STATUS_SECONDS)
 
         def still_waiting(left: dict[str, ManagedProcess | None]) -> None:
@@ -343,16 +364,19 @@ class Launcher:
                     f"(startup_timeout {self.config.startup_timeout:.0f} s)"
                 )
 
+        def early_ended() -> bool:
+            return any(child.poll() not in (None, 0) for child in early)
+
         try:
             left = wait_healthy(
                 waiting,
                 self.config.startup_timeout,
-                lambda: self.stop_signal is not None,
+                lambda: self.stop_signal is not None or early_ended(),
                 on_poll=still_waiting,
             )
         except ProcessEnded as ended:
             raise UserError(self._failure(ended.child)) from None
-        if left and self.stop_signal is None:
+        if left and self.stop_signal is None and not early_ended():
             url, replica = next(iter(left.items()))
             what = f"{replica.name} not healthy" if replica is not None else "inference replica not healthy"
             where = f"; see {replica.log_path}" if replica is not None else " (it runs on another node)"
@@ -625,6 +649,29 @@ class _Reminder:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
+
+
+def roles_while_loading(
+    here: Collection[str], replica_gpus: set[int], trainer_gpus: Sequence[int]
+) -> list[str]:
+    """Of this node's roles, those that start while its vLLM replicas load: the orchestrator (no GPU) and
+    the trainer unless it would share a GPU with a replica (on a machine without GPUs it shares none)."""
+    early = [ORCHESTRATOR] if ORCHESTRATOR in here else []
+    if TRAINER in here and replica_gpus.isdisjoint(trainer_gpus):
+        early.append(TRAINER)
+    return early
+
+
+def started_roles(started: Sequence[str], early: set[str]) -> str:
+    """`trainer and orchestrator started while vLLM loaded`, or which did and which started only now."""
+    parts = []
+    while_loading = [role for role in started if role in early]
+    if while_loading:
+        parts.append(f"{' and '.join(while_loading)} started while vLLM loaded")
+    now = [role for role in started if role not in early]
+    if now:
+        parts.append(f"{' and '.join(now)} started")
+    return "; ".join(parts)
 
 
 def _wall(monotonic: float) -> float:

@@ -114,6 +114,8 @@ def split_config(
                     "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
                     # a lost replica is restarted: requests and updates wait for it while no other serves
                     "recovery_timeout": rl.startup_timeout if max_restarts(rl) > 0 else 0.0,
+                    # it starts while vLLM loads (launcher/rl.py): as long a wait as the launcher's own
+                    "startup_timeout": rl.startup_timeout,
                 }
             ),
             "batch": rl.orchestrator.batch.model_copy(

@@ -110,7 +110,7 @@ class Orchestrator:
             # restarted while a replica is down too (`tidal rl` restarts what dies), it starts with the others
             # and takes that one back once it answers (the client's health watch)
             needed = 1 if cfg.client.recovery_timeout > 0 else None
-            await client.wait_healthy(timeout=cfg.client.timeout, count=needed)
+            await client.wait_healthy(timeout=cfg.client.startup_timeout, count=needed)
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
                 self._restore(sender)

@@ -334,6 +334,40 @@ def test_the_health_watch_takes_a_silent_server_out_and_brings_it_back() -> None
     asyncio.run(go())
 
 
+def test_a_server_still_starting_is_not_reported_lost_and_one_that_was_up_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tidal rl` starts the orchestrator while vLLM loads: a server that never answered is loading, and its
+    first answer is "up", not "back"; one that answered and then stopped is out of rotation, then back."""
+    up = {"a": False}
+
+    def health(request: Seen) -> web.Response:
+        if request.path == "/health":
+            return reply(200 if up[request.server] else 503)
+        return reply(200, {"weight_version": "0"})
+
+    async def go() -> None:
+        async with client_over(health, ("a",)) as (client, urls):
+            url = urls["a"]
+            assert await client.check_health() == {url: False}
+            up["a"] = True
+            assert await client.check_health() == {url: True}
+            starting = [r.getMessage() for r in caplog.records]
+            assert starting == [f"inference server {url} up (version 0)"], starting
+            up["a"] = False
+            assert await client.check_health() == {url: False}
+            up["a"] = True
+            assert await client.check_health() == {url: True}
+            lost = [r.getMessage() for r in caplog.records][1:]
+            assert lost == [
+                f"inference server {url} out of rotation: health check failed",
+                f"inference server {url} back in rotation (version 0)",
+            ], lost
+
+    with caplog.at_level("INFO", logger="tidal.inference.client"):
+        asyncio.run(go())
+
+
 def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
     probed: Counter[str] = Counter()
 

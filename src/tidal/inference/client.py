@@ -380,6 +380,7 @@ class InferenceClient:
                 continue
             if response.status < 500:
                 server.answered_at = time.monotonic()
+                server.joined = True
             return server.url, version, _json_or_raise(response, server.url)
         if "healthy" in failure:
             raise NoHealthyServer(f"{path}: {failure} (after {self.max_retries + 1} attempts)")
@@ -453,14 +454,22 @@ class InferenceClient:
 
     async def _probe(self, server: ServerState) -> None:
         if not await self._answers_health(server):
-            self.mark_down(server, "health check failed")
+            if server.joined:
+                self.mark_down(server, "health check failed")
+            else:  # still starting: nothing was lost, so nothing to warn about
+                server.healthy = False
         elif not server.healthy:
             async with self._weights_lock:
                 if await self._catch_up(server):
-                    logger.warning(
-                        "inference server %s back in rotation (version %d)", server.url, server.version
-                    )
-                    server.healthy = True
+                    if server.joined:
+                        logger.warning(
+                            "inference server %s back in rotation (version %d)", server.url, server.version
+                        )
+                    else:
+                        logger.info("inference server %s up (version %d)", server.url, server.version)
+                    server.healthy = server.joined = True
+        else:
+            server.joined = True
 
     async def _catch_up(self, server: ServerState) -> bool:
         """Bring a returning server to the latest weights and adapters; False if that failed."""

@@ -36,6 +36,9 @@ class ServerState:
     servers that answered within its interval."""
     weight_updates: int = 0
     """Policy updates (full weights or a policy adapter) it loaded, catch-ups included (a running total)."""
+    joined: bool = False
+    """It has answered /health once: one that has not is still starting (`tidal rl` starts the orchestrator
+    while vLLM loads), not lost."""
     updating: bool = False
     """A full-weight update runs on it: new requests go elsewhere, or wait for `idle` (a pinned session)."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)

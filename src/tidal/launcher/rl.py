@@ -215,13 +215,13 @@ class Launcher:
         early = self._start_while_loading(roles, local, paths, env)
         if ORCHESTRATOR in self.here:  # while vLLM loads: W&B takes seconds to start too
             self.reporter = StepReporter(self.out, self.config.max_steps, self.console, self._open_wandb())
-        self._wait_healthy(waiting, early)
+        self._wait_healthy(waiting)
         if self.stop_signal is not None:
             return 128 + self.stop_signal
         for replica in self.replicas:
             self._watch_servers(replica)
         if TRAINER in self.here and self.trainer is None:
-            self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
+            self._start_trainer(paths, env)
         self._say_started(len(urls), local, early)
         reporter = self.reporter
         marked = False
@@ -275,9 +275,12 @@ class Launcher:
                 self.orchestrator = self._start("orchestrator", argv, env["orchestrator"])
                 started.append(self.orchestrator)
             else:
-                self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
-                started.append(self.trainer)
+                started.append(self._start_trainer(paths, env))
         return started
+
+    def _start_trainer(self, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> ManagedProcess:
+        self.trainer = self._start("trainer", self._trainer_argv(paths["trainer"]), env["trainer"])
+        return self.trainer
 
     def _trainer_argv(self, config_path: Path) -> list[str]:
         deploy, node = self.config.deployment, self.node
@@ -348,12 +351,12 @@ class Launcher:
             self.servers[pid] = replica
             self.deaths.watch(pid)
 
-    def _wait_healthy(
-        self, waiting: dict[str, ManagedProcess | None], early: Sequence[ManagedProcess] = ()
-    ) -> None:
+    def _wait_healthy(self, waiting: dict[str, ManagedProcess | None]) -> None:
         """Until every URL in `waiting` answers /health; a replica of ours (the value; None: another
-        node's) that exits meanwhile fails the run at once. A process in `early` (started while vLLM
-        loads) that ends ends the wait too: the supervision loop then restarts it or stops the run."""
+        node's) that exits meanwhile fails the run at once. A trainer or orchestrator started while vLLM
+        loads that fails meanwhile is left to the supervision loop after the wait (restarted or named
+        there, as when it fails later): ending the wait early would start a trainer that shares vLLM's GPU
+        while vLLM still sizes its cache."""
         reminder = _Reminder(STATUS_SECONDS)
 
         def still_waiting(left: dict[str, ManagedProcess | None]) -> None:
@@ -364,19 +367,16 @@ class Launcher:
                     f"(startup_timeout {self.config.startup_timeout:.0f} s)"
                 )
 
-        def early_ended() -> bool:
-            return any(child.poll() not in (None, 0) for child in early)
-
         try:
             left = wait_healthy(
                 waiting,
                 self.config.startup_timeout,
-                lambda: self.stop_signal is not None or early_ended(),
+                lambda: self.stop_signal is not None,
                 on_poll=still_waiting,
             )
         except ProcessEnded as ended:
             raise UserError(self._failure(ended.child)) from None
-        if left and self.stop_signal is None and not early_ended():
+        if left and self.stop_signal is None:
             url, replica = next(iter(left.items()))
             what = f"{replica.name} not healthy" if replica is not None else "inference replica not healthy"
             where = f"; see {replica.log_path}" if replica is not None else " (it runs on another node)"

@@ -394,13 +394,18 @@ def run_sft(workdir: Path, timeout: float) -> dict[str, Any]:
     }
 
 
-def run_trl(task: Task, warmup: str, workdir: Path, trl_site: Path, timeout: float) -> dict[str, Any]:
-    """TRL's side in a process of its own, with `trl_site` on its path (and nowhere else)."""
+def run_trl(
+    task: Task, warmup: str, workdir: Path, trl_site: Path, timeout: float, save: Path | None = None
+) -> dict[str, Any]:
+    """TRL's side in a process of its own, with `trl_site` on its path (and nowhere else); `save`: where
+    the trained model goes (in HF format) once the run ends (not timed: none of its steps wait for it)."""
     run_dir = workdir / f"seed{task.seed}" / "trl"
     run_dir.mkdir(parents=True, exist_ok=True)
     record = run_dir / "record.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "trl-worker", "--model", warmup]
     argv += ["--task", json.dumps(asdict(task)), "--run-dir", str(run_dir), "--record", str(record)]
+    if save is not None:
+        argv += ["--save", str(save)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(trl_site), str(REPO / "src")])}
     print("$", shlex.join(argv[1:]), flush=True)
     start = time.time()
@@ -684,6 +689,7 @@ def trl_worker(argv: Sequence[str]) -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--record", type=Path, required=True)
+    parser.add_argument("--save", type=Path, help="save the trained model and tokenizer here at the end")
     args = parser.parse_args(argv)
     spec = json.loads(args.task)
     task = Task(**{**spec, "betas": tuple(spec["betas"])})
@@ -758,6 +764,9 @@ def trl_worker(argv: Sequence[str]) -> None:
         optimizers=(optimizer, scheduler),
     )
     trainer.train()
+    if args.save is not None:  # after the last step's clock mark: saving is not part of the timed run
+        trainer.save_model(str(args.save))
+        tokenizer.save_pretrained(str(args.save))
     args.record.write_text(
         json.dumps(
             {

@@ -394,6 +394,14 @@ def run_sft(workdir: Path, timeout: float) -> dict[str, Any]:
     }
 
 
+def warm_up(reuse: str | None, workdir: Path, timeout: float) -> dict[str, Any]:
+    """The warm-up record: `reuse` (a final/ given on the command line) as is, else a fresh SFT run; its
+    `final_dir` is the model every side starts from."""
+    if reuse:
+        return {"reused": reuse, "final_dir": reuse}
+    return run_sft(workdir, timeout)
+
+
 def run_trl(
     task: Task, warmup: str, workdir: Path, trl_site: Path, timeout: float, save: Path | None = None
 ) -> dict[str, Any]:
@@ -633,12 +641,8 @@ def main() -> None:
         "differences": DIFFERENCES,
         "runs": [],
     }
-    if args.warmup:
-        warmup = args.warmup
-        results["warmup"] = {"reused": warmup}
-    else:
-        results["warmup"] = run_sft(args.workdir, args.timeout)
-        warmup = results["warmup"]["final_dir"]
+    results["warmup"] = warm_up(args.warmup, args.workdir, args.timeout)
+    warmup = results["warmup"]["final_dir"]
     for seed in args.seeds:
         trl_task = task_from_rl_config(rl, seed, args.steps)
         tidal_task = task_from_rl_config(rl, seed, args.tidal_steps)

@@ -26,11 +26,12 @@ from cpu_vs_trl import (
     RL_CONFIG,
     check_loss_matches,
     commit,
-    run_sft,
+    first_last,
     run_tidal,
     run_trl,
     task_from_rl_config,
     versions,
+    warm_up,
 )
 from recipes_cpu import machine
 
@@ -39,13 +40,17 @@ HELDOUT_ENV = '[{name = "reverse_text", kwargs = {split = "heldout", num_example
 SAMPLINGS = (("greedy", 1, 0.0), ("sampled", 8, 1.0))
 
 
-def evaluate(model: str, out_dir: Path, k: int, temperature: float, max_tokens: int, port: int) -> dict:
-    """`tidal eval` of `model` on the held-out split; its avg@k and pass@1 with their 95% intervals."""
+def evaluate(
+    model: str, out_dir: Path, k: int, temperature: float, lengths: tuple[int, int], port: int
+) -> dict:
+    """`tidal eval` of `model` on the held-out split; its avg@k and pass@1 with their 95% intervals.
+    `lengths`: rl.toml's (max new tokens, max model length), as the runs sampled."""
+    max_tokens, max_model_len = lengths
     argv = [
         sys.executable, "-m", "tidal", "eval", "--model.name", model, "--model.dtype", "float32",
         "--output-dir", str(out_dir), "--env", HELDOUT_ENV, "--num-tasks", "100", "--k", str(k),
         "--sampling.temperature", str(temperature), "--sampling.max-tokens", str(max_tokens),
-        "--inference.vllm.max-model-len", "256", "--inference.vllm.enforce-eager",
+        "--inference.vllm.max-model-len", str(max_model_len), "--inference.vllm.enforce-eager",
         "--inference.server.port", str(port),
     ]  # fmt: skip
     print("$", shlex.join(argv[1:]), flush=True)
@@ -60,9 +65,9 @@ def evaluate(model: str, out_dir: Path, k: int, temperature: float, max_tokens: 
     }
 
 
-def evaluate_all(model: str, out_dir: Path, max_tokens: int, port: int) -> dict[str, Any]:
+def evaluate_all(model: str, out_dir: Path, lengths: tuple[int, int], port: int) -> dict[str, Any]:
     return {
-        name: evaluate(model, out_dir / name, k, temperature, max_tokens, port)
+        name: evaluate(model, out_dir / name, k, temperature, lengths, port)
         for name, k, temperature in SAMPLINGS
     }
 
@@ -81,7 +86,10 @@ def main() -> None:
 
     rl = tomllib.loads((REPO / RL_CONFIG).read_text())
     check_loss_matches(rl)
-    max_tokens = int(rl["orchestrator"]["sampling"]["max_tokens"])
+    lengths = (
+        int(rl["orchestrator"]["sampling"]["max_tokens"]),
+        int(rl["inference"]["vllm"]["max_model_len"]),
+    )
     args.workdir.mkdir(parents=True, exist_ok=True)
     start = time.time()
     results: dict[str, Any] = {
@@ -100,13 +108,9 @@ def main() -> None:
         },
         "runs": [],
     }
-    if args.warmup:
-        warmup = args.warmup
-        results["warmup"] = {"reused": warmup}
-    else:
-        results["warmup"] = run_sft(args.workdir, args.timeout)
-        warmup = results["warmup"]["final_dir"]
-    results["warmup"]["heldout"] = evaluate_all(warmup, args.workdir / "eval_warmup", max_tokens, args.port)
+    results["warmup"] = warm_up(args.warmup, args.workdir, args.timeout)
+    warmup = results["warmup"]["final_dir"]
+    results["warmup"]["heldout"] = evaluate_all(warmup, args.workdir / "eval_warmup", lengths, args.port)
     print(json.dumps({"warmup": results["warmup"]["heldout"]}), flush=True)
     for seed in args.seeds:
         task = task_from_rl_config(rl, seed, args.steps)
@@ -131,14 +135,10 @@ def main() -> None:
                 args.workdir / name / f"seed{seed}" / "tidal" / "out" / "weights" / f"step_{args.steps}"
             )
         for name, final in finals.items():
-            rewards = entry[name]["rewards"]
-            entry[name]["train_reward_first_last_10"] = [
-                sum(rewards[:10]) / len(rewards[:10]),
-                sum(rewards[-10:]) / len(rewards[-10:]),
-            ]
+            entry[name]["train_reward_first_last_10"] = list(first_last(entry[name]["rewards"]))
             entry[name]["model"] = final
             entry[name]["heldout"] = evaluate_all(
-                final, args.workdir / f"seed{seed}" / f"eval_{name}", max_tokens, args.port
+                final, args.workdir / f"seed{seed}" / f"eval_{name}", lengths, args.port
             )
             print(
                 json.dumps({"seed": seed, name: {k: v for k, v in entry[name].items() if k != "rewards"}}),

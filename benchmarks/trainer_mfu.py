@@ -11,8 +11,9 @@ row (documents of random lengths, positions restarting per document; or one docu
 - `hf+none`: the same without checkpointing; `liger` / `liger+ckpt`: the same with Liger's kernels (RoPE,
   RMSNorm, SwiGLU, and the fused linear cross-entropy that never builds full logits), without / with full
   checkpointing — what TRL users run for speed (`pip install liger-kernel`);
-- `tidal`: `tidal.trainer.sft.train_step` after `parallelize` — FSDP2 bf16 compute over fp32 master weights,
-  fp32 AdamW, varlen flash attention, activation checkpointing as configured, chunked head, grad clipping.
+- `tidal`: `tidal.trainer.sft.train_step` after `parallelize` — bf16 compute over fp32 master weights (on
+  one GPU by autocast, `+fsdp` variants through FSDP2 as with several GPUs), AdamW with bf16 moments, varlen
+  flash attention, activation checkpointing as configured, chunked head, grad clipping.
 
 `--docs rl`: tidal's RL step (`tidal.trainer.rl.rl_step`: logprobs, entropy, importance ratios, the RL loss)
 on RL-shaped samples (groups of 8 completions of 32-256 tokens after 64-192-token prompts) packed as the
@@ -95,6 +96,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "none-compile": {"activation_checkpointing": "none", "compile": True},
     "projections-compile": {"activation_checkpointing": "projections", "compile": True},
     "eager": {"compile": False},
+    "matmuls": {"activation_checkpointing": "matmuls"},
+    # FSDP2 on one GPU, as every one-GPU run trained before perf.fsdp (auto: without FSDP2 on one GPU)
+    "default+fsdp": {"fsdp": True},
+    "matmuls+fsdp": {"activation_checkpointing": "matmuls", "fsdp": True},
+    "none+fsdp": {"activation_checkpointing": "none", "fsdp": True},
 }
 
 

@@ -25,15 +25,18 @@ class PerfConfig(Config):
     mixed_precision: Literal["auto", "bf16", "off"] = "auto"
     """`bf16`: FSDP2 computes in bf16 while master weights, gradients, optimizer state and gradient
     reductions stay fp32. `off`: compute in the master dtype (fp32). `auto`: bf16 on GPU, off on CPU."""
-    activation_checkpointing: Literal["auto", "none", "full", "selective", "projections", "attention"] = (
-        "auto"
-    )
+    activation_checkpointing: Literal[
+        "auto", "none", "full", "selective", "projections", "matmuls", "attention"
+    ] = "auto"
     """Recompute activations in backward to save memory. `full`: keep only each decoder layer's input.
     `attention`: also keep the attention outputs (attention is the costly op to recompute; on Qwen3-4B at 16k
     tokens it was 7–11% faster than `full` at the same peak memory on an H200). `selective`: attention
     outputs and every second matmul output (less recomputation, more memory). `projections`: attention
     outputs and the q/k/v/o projections' outputs (Qwen3-4B, 16k tokens: +4% tokens/s, +3.4 GiB over
-    `attention`). `none`: keep everything. `auto`: `projections` on GPU, `none` on CPU."""
+    `attention`). `matmuls`: attention outputs and every matmul output that backward reads (all but the
+    MLP's down projection), so backward recomputes no matmul, only norms, RoPE and the MLP activation: close to
+    `none` in speed for much less memory (measured: benchmarks/results/trainer_mfu_h200.json). `none`: keep
+    everything. `auto`: `projections` on GPU, `none` on CPU."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Apply activation checkpointing to every N-th decoder layer only (1 = all layers); the other layers
     keep their activations, trading memory for less recomputation."""
@@ -91,10 +94,34 @@ class PerfConfig(Config):
     theirs); runs tidal's varlen attention whatever `attention` says (`hf` is refused). Mixture-of-experts
     models too, with or without `ep` (the load-balancing loss counts the whole rows' tokens). See
     docs/parallelism.md."""
+    fsdp: Literal["auto"] | bool = "auto"
+    """Wrap the model in FSDP2. With one rank FSDP2 shards nothing, yet it still copies each layer's
+    parameters into and out of its gather buffers (casting them to bf16) in forward and again in backward, and
+    each gradient into its reduce buffer. Without it (one GPU), bf16 compute comes from autocast: each layer
+    casts the fp32 master weights it multiplies by inside its own forward (recomputed with the layer under
+    activation checkpointing), and the gradients reach the masters in fp32 directly. `auto`: FSDP2 with
+    several ranks, `cpu_offload`, a mixture-of-experts model (its expert kernels take FSDP2's bf16 copies) or
+    on a CPU; without it for a dense model on one GPU. `false` where FSDP2 is needed is a one-line error."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
     backward (ZeRO-2-like). On one H200 with Qwen3-4B at 16k tokens False was within noise of True in
-    speed (11.74k vs 11.70k tokens/s) for 6.4 GiB more peak memory."""
+    speed (11.74k vs 11.70k tokens/s) for 6.4 GiB more peak memory. FSDP2 only: a run without it (`fsdp`)
+    gathers nothing, and refuses False."""
+
+    @model_validator(mode="after")
+    def _check_save_mlp_layers(self) -> "PerfConfig":
+        if self.save_mlp_layers and self.activation_checkpointing in ("none", "full", "matmuls"):
+            keeps = {
+                "none": "keeps every activation already",
+                "full": "keeps no matmul output",
+                "matmuls": "keeps gate and up in every layer already",
+            }[self.activation_checkpointing]
+            raise ConfigProblem(
+                "save_mlp_layers",
+                f"activation_checkpointing = '{self.activation_checkpointing}' {keeps}: leave save_mlp_layers at 0",
+                also=("activation_checkpointing",),
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_cp(self) -> "PerfConfig":

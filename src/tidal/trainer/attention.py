@@ -181,6 +181,7 @@ def varlen_attention_forward(
     _refuse_unsupported(module, dropout, sliding_window, softcap, s_aux, is_causal)
     if tidal_cu_seqlens is None or tidal_max_seqlen is None:
         raise ValueError("tidal_varlen attention needs tidal_cu_seqlens / tidal_max_seqlen (see TokenScorer)")
+    query, key, value = in_autocast_dtype(query, key, value)
     batch, heads, seq, dim = query.shape
     scale = scaling if scaling is not None else dim**-0.5
     if tidal_cu_seqlens.shape[0] == batch + 1:
@@ -198,6 +199,17 @@ def varlen_attention_forward(
     else:
         out = reference_varlen(q, k, v, tidal_cu_seqlens, scale)
     return out.view(batch, seq, heads, dim), None
+
+
+def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast (bf16 compute without FSDP2, `perf.fsdp`) the tensors in its dtype: a model's q/k norms
+    multiply by fp32 master weights, so q and k arrive in fp32, and the flash kernel takes half precision
+    only (SDPA would cast by itself; the varlen kernel is no autocast op). Outside autocast, as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def register() -> None:

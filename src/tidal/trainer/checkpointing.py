@@ -39,6 +39,7 @@ SAVED_MATMULS = {
     "attention": frozenset(),
     "selective": frozenset({1, 3, 5, 7}),
     "projections": frozenset({1, 2, 3, 4}),
+    "matmuls": frozenset({1, 2, 3, 4, 5, 6}),
 }
 
 

@@ -199,6 +199,10 @@ class TokenScorer(torch.nn.Module):
         self.chunk_size = chunk_size
         self.head_fns = compiled_head() if compile_head else EAGER_HEAD
         self.context_parallel: ContextParallel | None = None
+        self.autocast_dtype: torch.dtype | None = None
+        """None, or (set by `parallelize` for bf16 compute without FSDP2, `perf.fsdp`) the dtype the decoder
+        computes in under autocast over the fp32 master weights; the embeddings enter it and the head runs in
+        it too, as under FSDP2's bf16 policy."""
         self.accumulate_unsharded: bool | None = None
         """None, or (set by `parallelize` when micro-batches accumulate unsharded, `perf.accumulate_unsharded`)
         the layers' configured reshard-after-forward, restored for each step's last micro-batch."""
@@ -244,13 +248,15 @@ class TokenScorer(torch.nn.Module):
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
         collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
-        with collect:
-            hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        with collect, self._compute():
+            inputs = self._inputs(decoder, input_ids)
+            hidden = decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
+        states, weight, bias = self._in_compute_dtype(hidden.last_hidden_state, head.weight, head.bias)
         logprobs, entropy = chunked_head_scores(
-            hidden.last_hidden_state,
-            head.weight,
-            head.bias,
+            states,
+            weight,
+            bias,
             targets,
             temperature,
             self.chunk_size,
@@ -260,3 +266,26 @@ class TokenScorer(torch.nn.Module):
         if cp is None:
             return logprobs, entropy
         return cp.gather(logprobs, seq), None if entropy is None else cp.gather(entropy, seq)
+
+    def _compute(self) -> Any:
+        """Autocast to `autocast_dtype` for the decoder (without its cache: each layer casts the weights it
+        uses inside its own forward, so activation checkpointing recomputes those casts instead of keeping a
+        bf16 copy of the model alive until backward), or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = next(self.lm.parameters()).device.type
+        return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder's inputs: the token ids, or under autocast their embeddings in the compute dtype (an
+        embedding lookup is not autocast: fp32 rows would make the whole residual stream fp32)."""
+        if self.autocast_dtype is None:
+            return {"input_ids": input_ids}
+        embed = decoder.get_input_embeddings()  # type: ignore[operator]
+        return {"inputs_embeds": embed(input_ids).to(self.autocast_dtype)}
+
+    def _in_compute_dtype(self, *tensors: torch.Tensor | None) -> tuple[Any, ...]:
+        """Under autocast the head's input, weight and bias cast to the compute dtype (autograd returns fp32
+        gradients to the masters); the head itself runs outside autocast, its backward never under it."""
+        dtype = self.autocast_dtype
+        return tuple(t if t is None or dtype is None else t.to(dtype) for t in tensors)

@@ -123,7 +123,9 @@ def parallelize(
     if compiled:
         apply_compile(layers)
     scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=compiled, moe=routing)
-    if not uses_fsdp(perf, info):
+    if not uses_fsdp(perf, info, is_moe=routing is not None):
+        if uses_bf16(perf, info):
+            scorer.autocast_dtype = torch.bfloat16
         return scorer.to(info.device)
     if not perf.cpu_offload:
         scorer.to(info.device)
@@ -141,6 +143,11 @@ def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
         raise UserError(
             "perf.save_mlp_layers keeps a dense MLP's gate and up projections; this model's MLPs are "
             "mixture-of-experts blocks: leave it at 0"
+        )
+    if is_moe and perf.activation_checkpointing == "matmuls":
+        raise UserError(
+            "perf.activation_checkpointing = 'matmuls' keeps a dense MLP's gate and up projections; this "
+            "model's MLPs are mixture-of-experts blocks: use 'projections' (or 'auto') or 'none'"
         )
     if perf.ep > 1 and not is_moe:
         raise UserError(
@@ -188,11 +195,31 @@ def micro_batches(scorer: TokenScorer, items: Sequence[T]) -> Iterator[T]:
         yield item
 
 
-def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:
-    """FSDP2 whenever several ranks, a GPU, bf16 compute or CPU offload is involved; plain fp32 CPU otherwise."""
-    return (
-        info.distributed or info.device.type == "cuda" or perf.mixed_precision == "bf16" or perf.cpu_offload
-    )
+def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
+    """`perf.fsdp`, where `auto` means: FSDP2 with several ranks, CPU offload or MoE layers in bf16, and on
+    a CPU with bf16 compute; one GPU trains a dense model without it (bf16 compute by autocast). A plain fp32 CPU
+    run needs neither. `false` where FSDP2 is needed, or FSDP2-only settings without it: UserError."""
+    needs = [
+        (info.distributed, f"this run has {info.world_size} trainer ranks"),
+        (perf.cpu_offload, "perf.cpu_offload is FSDP2's offload policy"),
+        (is_moe and uses_bf16(perf, info), "this model's expert kernels compute on FSDP2's bf16 copies"),
+    ]
+    if perf.fsdp == "auto":
+        cpu_bf16 = info.device.type == "cpu" and perf.mixed_precision == "bf16"
+        use = any(need for need, _ in needs) or cpu_bf16
+    else:
+        use = perf.fsdp
+    from tidal.errors import UserError
+
+    reason = next((why for need, why in needs if need), None)
+    if not use and reason is not None:
+        raise UserError(f"perf.fsdp = false: {reason}; set perf.fsdp = true or 'auto'")
+    if not use and not perf.reshard_after_forward:
+        raise UserError(
+            "perf.reshard_after_forward = false keeps FSDP2's gathered parameters, but this run trains "
+            "without FSDP2 (one GPU, perf.fsdp = 'auto'): remove the setting, or set perf.fsdp = true"
+        )
+    return use
 
 
 def resolve_checkpointing(perf: PerfConfig, info: DistInfo) -> str:

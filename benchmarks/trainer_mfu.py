@@ -442,13 +442,13 @@ def measure(
     if "error" in result and cuda:
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     step = None
+    # always: a compiled layer's guards do not cover its checkpointing policy (a closure), so the next
+    # variant would otherwise run this one's graph (seen: `projections` measured with `matmuls`' graph);
+    # compiled graphs can also hold the last model's tensors
+    torch._dynamo.reset()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        if torch.cuda.memory_allocated(device) > 2**30:  # compiled graphs can hold the last model's tensors
-            torch._dynamo.reset()
-            gc.collect()
-            torch.cuda.empty_cache()
         result["mem_left_gib"] = torch.cuda.memory_allocated(device) / 2**30
     return result
 

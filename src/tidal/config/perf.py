@@ -10,7 +10,8 @@ from tidal.config.base import Config, ConfigProblem
 class PerfConfig(Config):
     """How the trainer runs the model: precision, sharding, recomputation, attention kernel, loss chunking.
 
-    The defaults suit most runs. On GPU: bf16 compute over fp32 master weights and reductions, bf16 AdamW
+    The defaults suit most runs. On GPU: bf16 compute over fp32 master weights and reductions (FSDP2 with
+    several ranks, autocast on one), bf16 AdamW
     moments, variable-length attention over packed rows, activation checkpointing that keeps attention and
     projection outputs, compiled decoder layers and head. On CPU: fp32, eager, no recomputation.
     Measured speeds: benchmarks/results/trainer_mfu_h200.json.
@@ -23,8 +24,9 @@ class PerfConfig(Config):
     at lr 1e-6 on weights of scale 0.02 moved 1.9% of bf16 elements against 100% in fp32), so there is no
     bf16 choice; bf16 compute comes from `mixed_precision`, bf16 optimizer moments from `optimizer_state`."""
     mixed_precision: Literal["auto", "bf16", "off"] = "auto"
-    """`bf16`: FSDP2 computes in bf16 while master weights, gradients, optimizer state and gradient
-    reductions stay fp32. `off`: compute in the master dtype (fp32). `auto`: bf16 on GPU, off on CPU."""
+    """`bf16`: compute in bf16 while master weights, gradients, optimizer state and gradient reductions stay
+    fp32 (through FSDP2's policy, or autocast on one GPU: `fsdp`). `off`: compute in the master dtype (fp32).
+    `auto`: bf16 on GPU, off on CPU."""
     activation_checkpointing: Literal[
         "auto", "none", "full", "selective", "projections", "matmuls", "attention"
     ] = "auto"
@@ -71,7 +73,8 @@ class PerfConfig(Config):
     host time that a GPU waits on when micro-batches are small (RL rows of a few thousand tokens). Costs up
     to 6 bytes per parameter at the peak (the bf16 copy and the fp32 accumulation) — with several ranks
     that is the whole model on every rank, not a shard. `auto`: on with one rank (without `cpu_offload`),
-    off with several. Steps of one micro-batch are unchanged."""
+    off with several. Steps of one micro-batch are unchanged. Without FSDP2 (one GPU, `fsdp`) there is
+    nothing to gather or reduce: gradients accumulate unsharded in fp32 whatever this says."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy); the optimizer
     step runs on the CPU. Saves GPU memory at a large cost in speed."""

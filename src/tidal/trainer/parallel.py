@@ -135,6 +135,16 @@ def parallelize(
     return scorer
 
 
+def compute_mode(scorer: torch.nn.Module) -> str:
+    """How the trainer computes, for its start-up line: FSDP2, bf16 autocast over fp32 masters, or as loaded."""
+    if isinstance(scorer, FSDPModule):
+        return "FSDP2"
+    dtype = getattr(scorer, "autocast_dtype", None)
+    return (
+        f"{str(dtype).removeprefix('torch.')} autocast over fp32 weights" if dtype else "no mixed precision"
+    )
+
+
 def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
     """Perf settings that make no sense for this model: a one-line UserError instead of being ignored."""
     from tidal.errors import UserError

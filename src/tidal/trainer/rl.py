@@ -30,6 +30,7 @@ from tidal.trainer.parallel import (
     all_gather_floats,
     all_reduce_sum,
     all_reduce_tensor,
+    compute_mode,
     init_distributed,
     micro_batches,
     shutdown,
@@ -76,7 +77,10 @@ def train(config: RLTrainerConfig, info: DistInfo) -> int:
         publisher.restore(step, model, t.tokenizer, info)  # inference must restart from this policy
     receiver = setup_receiver(config.transport, out, info.rank)
     stop = StopSignal().install()
-    say(f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device}")
+    say(
+        f"trainer: {config.max_steps} steps from step {step}, {info.world_size} rank(s) on {info.device} "
+        f"({compute_mode(scorer)})"
+    )
     try:
         while step < config.max_steps:
             wait_start = time.perf_counter()

@@ -39,6 +39,7 @@ from tidal.trainer.parallel import (
     DistInfo,
     all_reduce_sum,
     all_reduce_tensor,
+    compute_mode,
     init_distributed,
     micro_batches,
     shutdown,
@@ -126,7 +127,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
         data.sampler.load_state_dict(data_state)
 
     say(
-        f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on {info.device}"
+        f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on "
+        f"{info.device} ({compute_mode(scorer)})"
     )
     stop = StopSignal().install()
     show_bar = info.is_main and config.log.progress_bar and sys.stderr.isatty()

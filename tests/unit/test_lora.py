@@ -150,13 +150,17 @@ def test_publisher_with_an_adapter_config_publishes_adapters_only(tmp_path: Path
         assert (path / "adapter_model.safetensors").stat().st_size < 100_000
 
 
-def test_lora_under_fsdp2_bf16_trains_adapters_and_exports_them() -> None:
-    """The GPU path on CPU: a 1-rank FSDP2 group with bf16 compute; frozen and trainable params in one group."""
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "autocast"])
+def test_lora_under_bf16_compute_trains_adapters_and_exports_them(fsdp: bool) -> None:
+    """The GPU paths on CPU, bf16 compute: a 1-rank FSDP2 group (frozen and trainable params in one group), or
+    autocast over the fp32 weights without FSDP2 (one GPU's default)."""
     model = tiny_lm()
     apply_lora(model, LORA)
     ids, positions, targets = batch()
     try:
-        scorer = parallelize(model, CPU, PerfConfig(mixed_precision="bf16", activation_checkpointing="full"))
+        perf = PerfConfig(mixed_precision="bf16", activation_checkpointing="full", fsdp=fsdp)
+        scorer = parallelize(model, CPU, perf)
+        assert (scorer.autocast_dtype is None) == fsdp
         optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
         logprobs, _ = scorer(ids, positions, targets)
         (-logprobs.mean()).backward()

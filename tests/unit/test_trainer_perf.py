@@ -472,3 +472,32 @@ def test_micro_batches_accumulated_unsharded_reduce_once_to_the_same_gradients()
     for a, b in zip(held, every, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # both accumulate in fp32
+
+
+def test_a_checkpoint_written_under_fsdp2_resumes_without_it(tmp_path):
+    """One-GPU runs trained through FSDP2 before `perf.fsdp`: their checkpoints (DTensor state) load into the
+    autocast path's plain tensors, weights and AdamW moments exactly."""
+    from tidal.config.common import OptimConfig
+    from tidal.trainer import ckpt
+    from tidal.trainer.optim import build_optimizer
+
+    ids, positions, targets = packed_row()
+    model = tiny_lm()
+    try:
+        scorer = parallelize(model, CPU, PerfConfig(mixed_precision="bf16", fsdp=True))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+        (-scorer(ids, positions, targets)[0].mean()).backward()
+        optimizer.step()
+        ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, CPU, keep_last=1)
+        want = [p.full_tensor().clone() for p in model.parameters()]
+        moments = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+    finally:
+        shutdown(CPU)
+    resumed = tiny_lm()
+    parallelize(resumed, CPU, PerfConfig(mixed_precision="bf16", fsdp=False))
+    optimizer = build_optimizer(resumed, OptimConfig(lr=1e-2))
+    assert ckpt.load_checkpoint(tmp_path / "step_1", resumed, optimizer, CPU)["step"] == 1
+    for param, weight, moment in zip(resumed.parameters(), want, moments, strict=True):
+        assert not hasattr(param, "to_local")
+        torch.testing.assert_close(param.detach(), weight, rtol=0, atol=0)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"], moment, rtol=0, atol=0)

@@ -370,10 +370,8 @@ def tidal_rl_runner(
     loss) on one RL-shaped batch of about `rows` × `seq` tokens, packed as the orchestrator packs it into
     rows of `seq` (orchestrator.batch.seq_len), `micro_rows` rows per forward (orchestrator.batch.micro_batch_size);
     returns (step function, run facts)."""
-    from types import SimpleNamespace
-
     from tidal.config.common import OptimConfig
-    from tidal.config.loss import LossConfig
+    from tidal.config.rl import RLTrainerConfig
     from tidal.orchestrator.batching import make_train_batches
     from tidal.trainer.rl import rl_step
 
@@ -381,7 +379,9 @@ def tidal_rl_runner(
     [batch] = make_train_batches(0, samples, 1, seq, micro_rows, pad_id=0)  # each rank packs its own samples
     optim = OptimConfig(lr=1e-5)
     scorer, optimizer, scheduler, facts = tidal_setup(name, info, seed, overrides, optim)
-    config = SimpleNamespace(temperature=1.0, loss=LossConfig(), optim=optim)  # what rl_step reads
+    # the trainer's own config (defaults: temperature 1, the default loss), not a stand-in that new fields
+    # rl_step reads would miss (routing replay's `moe` broke one)
+    config = RLTrainerConfig(optim=optim)
     facts |= {
         "num_tokens": sum(len(s) for s in samples),
         "num_samples": len(samples),
@@ -391,7 +391,7 @@ def tidal_rl_runner(
     }
 
     def step() -> float:
-        return float(rl_step(scorer, optimizer, scheduler, batch, info, config)["loss"])  # type: ignore[arg-type]
+        return float(rl_step(scorer, optimizer, scheduler, batch, info, config)["loss"])
 
     return step, facts
 
@@ -826,7 +826,8 @@ def layers_reason(name: str, plan: dict[str, Any], total_gib: float | None) -> s
     )
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], record: Any = None) -> None:
+    """Run the measurements `argv` asks for; `record` (tests) also gets each result as it is made."""
     args = parse_args(argv)
     args.warmup = max(1, args.warmup)
     if args.merge:
@@ -862,9 +863,11 @@ def main(argv: list[str]) -> None:
     for name in models:
         for layout in args.docs.split(","):
             for impl in args.impls.split(","):
-                record = run_one(args, name, layout, impl, info)
-                say(json.dumps(record), flush=True)
-                results.append(record)
+                result = run_one(args, name, layout, impl, info)
+                say(json.dumps(result), flush=True)
+                results.append(result)
+                if record is not None:
+                    record(result)
                 if args.out and info.is_main:  # after every run, so a timeout keeps what was measured
                     where = device_name(device, info.world_size)
                     payload = {"command": command, "device": where, **head, "results": results}

@@ -1,5 +1,7 @@
 """The trainer benchmark's model shapes and its FLOP count for MoE models (its runs need a GPU to mean much)."""
 
+import math
+
 import pytest
 import torch
 
@@ -56,3 +58,19 @@ def test_qwen3_30b_a3b_is_thirty_billion_parameters_with_three_billion_active():
 def test_dense_models_count_every_parameter():
     config = model_config("tiny")
     assert model_flops_per_token(config, 1000, span=10.0) == 6 * 1000 + 6 * 2 * 10.0 * 4 * 16
+
+
+@pytest.mark.parametrize("docs", ["single", "rl"])
+def test_every_layout_runs_one_step_on_the_tiny_model(docs):
+    """The benchmark's step functions run against today's trainer (its RL case once broke unseen on the GPU:
+    rl_step had come to read a config field its stand-in config lacked): one CPU step each, a finite loss (512 tokens: RL samples are up to 448 long)."""
+    from benchmarks.trainer_mfu import main
+
+    results = []
+    main(
+        ["--device", "cpu", "--models", "tiny", "--seq", "512", "--steps", "1", "--warmup", "1", "--docs", docs,
+         "--impls", "tidal:default"],
+        record=results.append,
+    )  # fmt: skip
+    assert len(results) == 1 and "error" not in results[0], results
+    assert results[0]["tokens_per_s"] > 0 and math.isfinite(results[0]["last_loss"])

@@ -14,7 +14,8 @@
 #   x2-ep-cp    tokens/s per GPU: the Qwen3-30B-A3B shape (8 layers) at ep = 2 against one GPU, Qwen3-4B at 32k
 #               tokens at cp = 2 against one GPU                               -> trainer_mfu_ep_cp_h200x2.json
 # Eight GPUs (nvidia-h200-x8; x8-fsdp-* also run on four):
-#   x8-fsdp-4b  Qwen3-4B, 16k tokens per GPU, on 1, 2, 4 and 8 GPUs           -> trainer_mfu_scaling_4b_h200x8.json
+#   x8-fsdp-4b  Qwen3-4B, 16k tokens per GPU, on 1 (with and without FSDP2), 2, 4 and 8 GPUs
+#                                                                              -> trainer_mfu_scaling_4b_h200x8.json
 #   x8-fsdp-8b  the same for Qwen3-8B                                          -> trainer_mfu_scaling_8b_h200x8.json
 #   x8-64k      Qwen3-4B at 64k tokens per GPU on 8 GPUs (PRIME-RL's published shape)
 #   x8-moe      the Qwen3-30B-A3B shape, all 48 layers, ep = 8                -> trainer_mfu_moe_ep8_h200x8.json
@@ -59,7 +60,10 @@ case "$stage" in
     parts=()
     for n in 1 2 4 8; do
       [ "$n" -le "$gpus" ] || break
-      mfu_ranks "$n" --models "$model" --seq 16384 --docs single --impls tidal:default --out "$out/${model}_$n.json"
+      # one GPU trains without FSDP2 by default: its FSDP2 run too, so that scaling is read both against the
+      # fastest one-GPU step and against the same sharding code
+      impls=tidal:default; [ "$n" -gt 1 ] || impls=tidal:default,tidal:default+fsdp
+      mfu_ranks "$n" --models "$model" --seq 16384 --docs single --impls "$impls" --out "$out/${model}_$n.json"
       parts+=("$out/${model}_$n.json")
     done
     mfu --merge "${parts[@]}" --out "$out/trainer_mfu_scaling_${model#qwen3-}_h200x$gpus.json" ;;

@@ -161,6 +161,24 @@ BAD_CONFIGS = [
         ["command line: perf.cp:", "do not divide the 2 ranks of each replica"],
     ),
     (
+        "fsdp_off_with_several_ranks",
+        BASE + "[deployment]\nnum_trainer_ranks = 2\n",
+        ["--perf.fsdp", "false"],
+        ["command line: perf.fsdp:", "2 trainer ranks shard the model with FSDP2"],
+    ),
+    (
+        "fsdp_off_with_cpu_offload",
+        BASE + "[perf]\ncpu_offload = true\n",
+        ["--perf.fsdp", "false"],
+        ["perf.fsdp:", "cpu_offload is FSDP2's offload policy"],
+    ),
+    (
+        "save_mlp_layers_with_matmuls",
+        BASE + '[perf]\nactivation_checkpointing = "matmuls"\n',
+        ["--perf.save-mlp-layers", "3"],
+        ["perf.save_mlp_layers:", "keeps gate and up in every layer already"],
+    ),
+    (
         "cp_with_hf_attention",
         BASE + '[deployment]\nnum_trainer_ranks = 2\n[perf]\nattention = "hf"\n',
         ["--perf.cp", "2"],

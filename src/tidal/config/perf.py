@@ -164,3 +164,19 @@ def check_cp(perf: PerfConfig, num_ranks: int, key: str = "perf.cp") -> None:
             key,
             f"{perf.cp} ranks per group do not divide the {num_ranks // perf.replicate} ranks of each replica (perf.replicate)",
         )
+
+
+def check_fsdp(perf: PerfConfig, num_ranks: int, key: str = "perf.fsdp") -> None:
+    """`fsdp = false` with several trainer ranks, or with CPU offload (FSDP2's), cannot run: refused at config
+    time, before any process starts (the model's own needs are checked when it loads)."""
+    if perf.fsdp is not False:
+        return
+    if num_ranks > 1:
+        raise ConfigProblem(
+            key, f"{num_ranks} trainer ranks shard the model with FSDP2: set it to true or 'auto'"
+        )
+    if perf.cpu_offload:
+        offload = key.rpartition(".")[0] + ".cpu_offload" if "." in key else "cpu_offload"
+        raise ConfigProblem(
+            key, "cpu_offload is FSDP2's offload policy: set it to true or 'auto'", also=(offload,)
+        )

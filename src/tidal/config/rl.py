@@ -24,7 +24,7 @@ from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.moe import MoEConfig
-from tidal.config.perf import PerfConfig, check_cp, check_ep
+from tidal.config.perf import PerfConfig, check_cp, check_ep, check_fsdp
 from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
 
@@ -515,6 +515,7 @@ class RLConfig(RunConfig):
         check_ep(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.ep")
         check_routing_replay(self.trainer.moe, "trainer.moe")
         check_cp(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.cp")
+        check_fsdp(self.trainer.perf, self.deployment.total_trainer_ranks, "trainer.perf.fsdp")
         transport = fit_keep_last(self.transport, self.max_async_level)
         if transport is not self.transport:
             self.transport = transport

@@ -19,7 +19,7 @@ from tidal.config.deployment import SFTDeploymentConfig, check_table_used
 from tidal.config.kubernetes import SFTKubernetesConfig, check_sft_run
 from tidal.config.lora import LoraConfig
 from tidal.config.moe import MoEConfig
-from tidal.config.perf import PerfConfig, check_cp, check_ep
+from tidal.config.perf import PerfConfig, check_cp, check_ep, check_fsdp
 from tidal.config.slurm import SFTSlurmConfig
 
 
@@ -115,6 +115,7 @@ class SFTConfig(TrainerRunConfig):
                 "moe.routing_replay", "replays the experts inference routed RL rollouts to; SFT data has none"
             )
         check_cp(self.perf, self.deployment.total_trainer_ranks)
+        check_fsdp(self.perf, self.deployment.total_trainer_ranks)
         if self.scheduler.warmup_steps > self.max_steps:
             raise ConfigProblem(
                 "scheduler.warmup_steps",

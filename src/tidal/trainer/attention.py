@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tidal.trainer.autocast import in_autocast_dtype
+
 ATTN_NAME = "tidal_varlen"
 _flash = {"enabled": False}  # set once by `use_varlen`; read by every attention call
 _varlen: dict[str, Any] = {}  # torch's varlen_attn and its calling convention, filled by `_load_varlen`
@@ -199,17 +201,6 @@ def varlen_attention_forward(
     else:
         out = reference_varlen(q, k, v, tidal_cu_seqlens, scale)
     return out.view(batch, seq, heads, dim), None
-
-
-def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under autocast (bf16 compute without FSDP2, `perf.fsdp`) the tensors in its dtype: a model's q/k norms
-    multiply by fp32 master weights, so q and k arrive in fp32, and the flash kernel takes half precision
-    only (SDPA would cast by itself; the varlen kernel is no autocast op). Outside autocast, as they are."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
 
 
 def register() -> None:

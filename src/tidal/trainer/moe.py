@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from tidal.config.moe import MoEConfig
 from tidal.errors import UserError
+from tidal.trainer.autocast import in_autocast_dtype
 from tidal.trainer.expert_parallel import expert_mlp_ep
 from tidal.trainer.experts import expert_mlp, resolve_kernel
 
@@ -311,7 +312,9 @@ def sparse_block_forward(
     """A sparse block's forward: hidden_states [batch, seq, hidden] → [batch, seq,
     hidden]."""
     batch, seq, hidden = hidden_states.shape
-    x = hidden_states.reshape(-1, hidden)  # [tokens, hidden]
+    # under autocast the norm before the block (fp32 master weight) hands it fp32: the block computes, and
+    # returns to the residual stream, in the compute dtype
+    (x,) = in_autocast_dtype(hidden_states.reshape(-1, hidden))  # [tokens, hidden]
     # the model's router: logits [tokens, experts], top-k weights and expert indices [tokens, k]
     router = getattr(block, family.router)
     router_logits, weights, expert_index = router(x)
@@ -336,7 +339,9 @@ def experts_forward(
     """An experts module's forward (transformers' signature): x [tokens, hidden], expert_index and weights
     [tokens, k] → [tokens, hidden], on this rank's experts (all, or its `ep` slice)."""
     module: Any = experts
-    gate_up, down = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
+    # under autocast the fp32 master tensors are cast here, inside the layer (recomputed with it under
+    # activation checkpointing), as autocast does for a linear layer's weight
+    gate_up, down = in_autocast_dtype(local_tensor(module.gate_up_proj), local_tensor(module.down_proj))
     act = module.act_fn
     if routing.ep_group is None:
         return expert_mlp(x, expert_index, weights, gate_up, down, act, routing.kernel)

@@ -206,17 +206,17 @@ def micro_batches(scorer: TokenScorer, items: Sequence[T]) -> Iterator[T]:
 
 
 def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
-    """`perf.fsdp`, where `auto` means: FSDP2 with several ranks, CPU offload or MoE layers in bf16, and on
-    a CPU with bf16 compute; one GPU trains a dense model without it (bf16 compute by autocast). A plain fp32 CPU
-    run needs neither. `false` where FSDP2 is needed, or FSDP2-only settings without it: UserError."""
+    """`perf.fsdp`, where `auto` means: FSDP2 with several ranks or CPU offload (which need it), on a CPU with
+    bf16 compute, and for a mixture-of-experts model in bf16 (its one-GPU speed without FSDP2 is not measured
+    yet); one GPU trains a dense model without it (bf16 compute by autocast). A plain fp32 CPU run needs
+    neither. `false` where FSDP2 is needed, or FSDP2-only settings without it: UserError."""
     needs = [
         (info.distributed, f"this run has {info.world_size} trainer ranks"),
         (perf.cpu_offload, "perf.cpu_offload is FSDP2's offload policy"),
-        (is_moe and uses_bf16(perf, info), "this model's expert kernels compute on FSDP2's bf16 copies"),
     ]
     if perf.fsdp == "auto":
         cpu_bf16 = info.device.type == "cpu" and perf.mixed_precision == "bf16"
-        use = any(need for need, _ in needs) or cpu_bf16
+        use = any(need for need, _ in needs) or cpu_bf16 or (is_moe and uses_bf16(perf, info))
     else:
         use = perf.fsdp
     from tidal.errors import UserError
@@ -227,7 +227,7 @@ def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
     if not use and not perf.reshard_after_forward:
         raise UserError(
             "perf.reshard_after_forward = false keeps FSDP2's gathered parameters, but this run trains "
-            "without FSDP2 (one GPU, perf.fsdp = 'auto'): remove the setting, or set perf.fsdp = true"
+            "without FSDP2 (perf.fsdp): remove the setting, or set perf.fsdp = true"
         )
     return use
 

@@ -14,7 +14,7 @@ class PerfConfig(Config):
     several ranks, autocast on one), bf16 AdamW
     moments, variable-length attention over packed rows, activation checkpointing that keeps attention and
     projection outputs, compiled decoder layers and head. On CPU: fp32, eager, no recomputation.
-    Measured speeds: benchmarks/results/trainer_mfu_h200.json.
+    Measured speeds: benchmarks/results/trainer_mfu_one_gpu_h200.json (earlier: trainer_mfu_h200.json).
     """
 
     master_dtype: Literal["float32"] = "float32"
@@ -37,7 +37,7 @@ class PerfConfig(Config):
     outputs and the q/k/v/o projections' outputs (Qwen3-4B, 16k tokens: +4% tokens/s, +3.4 GiB over
     `attention`). `matmuls`: attention outputs and every matmul output that backward reads (all but the
     MLP's down projection), so backward recomputes no matmul, only norms, RoPE and the MLP activation: close to
-    `none` in speed for much less memory (measured: benchmarks/results/trainer_mfu_h200.json). `none`: keep
+    `none` in speed for much less memory (measured: benchmarks/results/trainer_mfu_one_gpu_h200.json). `none`: keep
     everything. `auto`: `projections` on GPU, `none` on CPU."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Apply activation checkpointing to every N-th decoder layer only (1 = all layers); the other layers

@@ -63,7 +63,8 @@ def test_dense_models_count_every_parameter():
 @pytest.mark.parametrize("docs", ["single", "rl"])
 def test_every_layout_runs_one_step_on_the_tiny_model(docs):
     """The benchmark's step functions run against today's trainer (its RL case once broke unseen on the GPU:
-    rl_step had come to read a config field its stand-in config lacked): one CPU step each, a finite loss (512 tokens: RL samples are up to 448 long)."""
+    rl_step had come to read a config field its stand-in config lacked): one CPU step each, a finite loss
+    (512 tokens: RL samples are up to 448 long)."""
     from benchmarks.trainer_mfu import main
 
     results = []

@@ -114,12 +114,12 @@ class PerfConfig(Config):
 
     @model_validator(mode="after")
     def _check_save_mlp_layers(self) -> "PerfConfig":
-        if self.save_mlp_layers and self.activation_checkpointing in ("none", "full", "matmuls"):
-            keeps = {
-                "none": "keeps every activation already",
-                "full": "keeps no matmul output",
-                "matmuls": "keeps gate and up in every layer already",
-            }[self.activation_checkpointing]
+        keeps = {
+            "none": "keeps every activation already",
+            "full": "keeps no matmul output",
+            "matmuls": "keeps gate and up in every layer already",
+        }.get(self.activation_checkpointing)
+        if self.save_mlp_layers and keeps is not None:
             raise ConfigProblem(
                 "save_mlp_layers",
                 f"activation_checkpointing = '{self.activation_checkpointing}' {keeps}: leave save_mlp_layers at 0",

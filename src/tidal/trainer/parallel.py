@@ -214,14 +214,14 @@ def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
         (info.distributed, f"this run has {info.world_size} trainer ranks"),
         (perf.cpu_offload, "perf.cpu_offload is FSDP2's offload policy"),
     ]
+    reason = next((why for need, why in needs if need), None)
     if perf.fsdp == "auto":
         cpu_bf16 = info.device.type == "cpu" and perf.mixed_precision == "bf16"
-        use = any(need for need, _ in needs) or cpu_bf16 or (is_moe and uses_bf16(perf, info))
+        use = reason is not None or cpu_bf16 or (is_moe and uses_bf16(perf, info))
     else:
         use = perf.fsdp
     from tidal.errors import UserError
 
-    reason = next((why for need, why in needs if need), None)
     if not use and reason is not None:
         raise UserError(f"perf.fsdp = false: {reason}; set perf.fsdp = true or 'auto'")
     if not use and not perf.reshard_after_forward:

@@ -122,6 +122,60 @@ def test_chunked_head_keeps_no_full_logits_for_backward():
     assert hidden.grad is not None and weight.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_same_scores_and_gradients(dtype):
+    """keep_logits: backward reads forward's logits, the values it would recompute, so nothing changes."""
+    gen = torch.Generator().manual_seed(0)
+    base_hidden, base_weight = torch.randn(64, 16, generator=gen), torch.randn(1000, 16, generator=gen) / 4
+    targets = torch.randint(0, 1000, (64,), generator=gen)
+    results = []
+    for keep in (False, True):
+        hidden = base_hidden.to(dtype).requires_grad_()
+        weight = base_weight.to(dtype).requires_grad_()
+        saved: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logprobs, entropy = chunked_head_scores(
+                hidden, weight, None, targets, 0.8, chunk_size=8, with_entropy=True, keep_logits=keep
+            )
+        (logprobs * torch.linspace(-1, 1, 64)).sum().backward()
+        results.append((logprobs, entropy, hidden.grad, weight.grad))
+        assert (max(saved) == 64 * 1000) == keep  # the [tokens, vocab] logits, kept only when asked
+    for want, got in zip(*results, strict=True):
+        assert torch.equal(want, got)
+
+
+def test_kept_logits_save_one_head_matmul_in_backward():
+    """One chunk (24 tokens < loss_chunk_tokens): recomputing its logits is one backward matmul."""
+    recomputed = count_backward_matmuls(PerfConfig(activation_checkpointing="none"))
+    kept = count_backward_matmuls(PerfConfig(activation_checkpointing="none", keep_logits=True))
+    assert kept == recomputed - 1
+
+
+def test_flash4_kernel_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="attention_kernel"):
+        PerfConfig(attention="hf", attention_kernel="flash4")
+    with pytest.raises(UserError) as info:  # this machine has no GPU
+        parallelize(tiny_lm(), CPU, PerfConfig(attention_kernel="flash4"))
+    message = str(info.value)
+    assert "perf.attention_kernel = 'flash4'" in message and "CUDA GPU" in message and "\n" not in message
+
+
+def test_flash4_ops_have_shapes_for_compiled_graphs():
+    """torch.compile traces the FlashAttention-4 ops by their fake implementations (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tidal.trainer.flash4 import flash4_backward, flash4_forward
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(40, 8, 64, dtype=torch.bfloat16), *torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 16, 40], dtype=torch.int32)
+        out, lse = flash4_forward(q, k, v, cu, 24, 0.125)
+        dq, dk, dv = flash4_backward(out, q, k, v, out, lse, cu, 24, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (8, 40) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
 @pytest.mark.parametrize(
     "perf",
     [

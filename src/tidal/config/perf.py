@@ -59,9 +59,19 @@ class PerfConfig(Config):
     `model.attn_implementation`, which masks documents by their position-id resets. `auto`: `varlen` where
     the flash varlen kernel works (CUDA) and the model needs nothing varlen lacks (sliding windows,
     attention sinks, logit soft-capping, attention dropout), else `hf`; `varlen` refuses such a model."""
+    attention_kernel: Literal["auto", "torch", "flash4"] = "auto"
+    """The GPU kernel under `varlen` attention. `torch`: cuDNN SDPA for rows of one document, torch's flash
+    varlen (FlashAttention-2) for packed rows. `flash4`: FlashAttention-4 for both (the optional
+    `flash-attn-4` package, Hopper and Blackwell GPUs; its first step compiles its kernels); a run where it
+    is missing or fails its check against the reference is a one-line error. `auto`: `torch`."""
     loss_chunk_tokens: int = Field(default=1024, gt=0)
-    """Tokens per chunk of the output head: logits exist for one [chunk, vocab] slab at a time, forward and
-    backward, never for the whole [tokens, vocab]."""
+    """Tokens per chunk of the output head: its fp32 softmax work exists for one [chunk, vocab] slab at a
+    time, forward and backward, and (unless `keep_logits`) so do the logits."""
+    keep_logits: bool = False
+    """Keep the head's logits from forward for backward instead of recomputing them chunk by chunk: one of
+    the head's four [tokens, hidden] × [hidden, vocab] matmuls less per micro-batch, for tokens × vocab
+    elements of memory in the compute dtype (16k tokens of Qwen3's 151,936-token vocabulary in bf16:
+    4.6 GiB). The same values backward would recompute, so the same gradients."""
     optimizer_state: Literal["auto", "fp32", "bf16"] = "auto"
     """dtype of AdamW's two moments. `bf16`: stored in bf16 with stochastic rounding while the fp32 master
     weights update in fp32 — 12 instead of 16 bytes per parameter (Qwen3-4B: 45 instead of 60 GiB of
@@ -124,6 +134,17 @@ class PerfConfig(Config):
                 "save_mlp_layers",
                 f"activation_checkpointing = '{self.activation_checkpointing}' {keeps}: leave save_mlp_layers at 0",
                 also=("activation_checkpointing",),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_attention_kernel(self) -> "PerfConfig":
+        if self.attention_kernel == "flash4" and self.attention == "hf":
+            raise ConfigProblem(
+                "attention_kernel",
+                "'flash4' runs tidal's varlen attention; attention = 'hf' uses the model's own: set attention "
+                "to 'auto' or 'varlen', or attention_kernel to 'auto'",
+                also=("attention",),
             )
         return self
 

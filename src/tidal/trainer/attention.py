@@ -2,8 +2,10 @@
 
 A packed row holds several documents; a document starts where its position id is 0. The decoder gets the
 document boundaries (`cu_seqlens`) as keyword arguments, and each attention layer attends within documents
-only: flash varlen attention (`torch.nn.attention.varlen`) on CUDA, a per-document SDPA loop elsewhere (the
-reference the kernel is checked against). No padding, no mask tensor, no attention across documents.
+only: on CUDA torch's kernels (cuDNN SDPA for rows of one document, flash varlen `torch.nn.attention.varlen`
+for packed rows) or FlashAttention-4 (tidal.trainer.flash4, `perf.attention_kernel`); a per-document SDPA
+loop elsewhere (the reference every kernel is checked against). No padding, no mask tensor, no attention
+across documents.
 """
 
 import inspect
@@ -13,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from tidal.trainer.autocast import in_autocast_dtype
+from tidal.trainer.flash4 import flash4_varlen, missing
 
 ATTN_NAME = "tidal_varlen"
-_flash = {"enabled": False}  # set once by `use_varlen`; read by every attention call
+KERNELS = ("torch", "flash4")
+_flash: dict[str, Any] = {"enabled": False, "kernel": "torch"}  # set once by `use_varlen`; read by every call
 _varlen: dict[str, Any] = {}  # torch's varlen_attn and its calling convention, filled by `_load_varlen`
 
 
@@ -87,26 +91,45 @@ def flash_varlen(
     return out[0] if isinstance(out, tuple) else out
 
 
+def _matches_reference(kernel: Any, device: torch.device) -> bool:
+    """Whether `kernel` (flash_varlen's signature) matches the SDPA reference on two documents with grouped heads."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
+    want = reference_varlen(q, k, v, cu, 0.125).float()
+    got = kernel(q, k, v, cu, 96, 0.125)
+    return torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def varlen_works(device: torch.device) -> bool:
-    """Whether the flash varlen kernel runs here and matches the SDPA reference (GQA, two documents).
+    """Whether torch's flash varlen kernel runs here and matches the SDPA reference (GQA, two documents).
 
     If the kernel refuses grouped-query heads, it is tried once more with key/value heads repeated.
     """
     if device.type != "cuda" or not _load_varlen():
         return False
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
-    cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
-    want = reference_varlen(q, k, v, cu, 0.125).float()
     for repeat_kv in (False, True):
         _varlen["repeat_kv"] = repeat_kv
         try:
-            got = flash_varlen(q, k, v, cu, 96, 0.125)
+            if _matches_reference(flash_varlen, device):
+                return True
         except (RuntimeError, TypeError, ValueError):
             continue
-        if torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
-            return True
     return False
+
+
+def flash4_problem(device: torch.device) -> str | None:
+    """Why FlashAttention-4 cannot serve tidal_varlen on `device` (one line), or None when it runs and matches
+    the SDPA reference. Its first call compiles the kernels (seconds)."""
+    reason = missing(device)
+    if reason is not None:
+        return reason
+    try:
+        matches = _matches_reference(flash4_varlen, device)
+    except Exception as exc:  # noqa: BLE001 - a JIT-compiled kernel fails in many ways; each is a reason
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"its kernel failed here: {type(exc).__name__}: {first}"[:300]
+    return None if matches else "its output differs from the SDPA reference here"
 
 
 def unsupported_attention(model: torch.nn.Module) -> str | None:
@@ -186,7 +209,9 @@ def varlen_attention_forward(
     query, key, value = in_autocast_dtype(query, key, value)
     batch, heads, seq, dim = query.shape
     scale = scaling if scaling is not None else dim**-0.5
-    if tidal_cu_seqlens.shape[0] == batch + 1:
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    flash4 = _flash["kernel"] == "flash4" and query.is_cuda and half
+    if tidal_cu_seqlens.shape[0] == batch + 1 and not flash4:
         # every row is one document: plain causal SDPA, which may pick a faster kernel (cuDNN) than varlen's
         gqa = key.shape[1] != heads
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -196,7 +221,9 @@ def varlen_attention_forward(
     v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)  # [tokens, kv_heads, dim]
     # the flash kernel takes half precision only: fp32 compute (perf.mixed_precision = "off") on a GPU takes
     # the per-document SDPA loop instead of failing inside the kernel
-    if _flash["enabled"] and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if flash4:
+        out = flash4_varlen(q, k, v, tidal_cu_seqlens, tidal_max_seqlen, scale)
+    elif _flash["enabled"] and q.is_cuda and half:
         out = flash_varlen(q, k, v, tidal_cu_seqlens, tidal_max_seqlen, scale)
     else:
         out = reference_varlen(q, k, v, tidal_cu_seqlens, scale)
@@ -210,8 +237,11 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
 
 
-def use_varlen(model: torch.nn.Module, flash: bool) -> None:
-    """Switch `model` to tidal_varlen; `flash` picks the CUDA kernel over the per-document SDPA loop."""
+def use_varlen(model: torch.nn.Module, flash: bool, kernel: str = "torch") -> None:
+    """Switch `model` to tidal_varlen; `flash` picks a CUDA kernel over the per-document SDPA loop, `kernel`
+    which: torch's (cuDNN SDPA / flash varlen) or `flash4` (FlashAttention-4, checked by `flash4_problem`)."""
+    assert kernel in KERNELS, kernel
     register()
     model.config._attn_implementation = ATTN_NAME  # type: ignore[attr-defined,union-attr]
     _flash["enabled"] = flash
+    _flash["kernel"] = kernel

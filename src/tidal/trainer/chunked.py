@@ -2,10 +2,11 @@
 
 `TokenScorer` wraps an HF causal LM and is the module the trainers call (and FSDP's root): its forward runs
 the decoder, then the head chunk by chunk, and returns per-token logprobs of the targets (and the entropy
-for RL). The head is one autograd function (`HeadScores`): forward keeps only each token's logsumexp;
-backward recomputes a chunk's logits, turns them into the logits' gradient in one pass, and accumulates the
-head weight's gradient inside the matmul (beta = 1), so one [chunk, vocab] slab lives at a time and no
-per-chunk weight gradient is summed afterwards (Qwen3-4B, 16k tokens, H200: those adds were 9 ms a step).
+for RL). The head is one autograd function (`HeadScores`): forward keeps each token's logsumexp and, with
+`keep_logits` (`perf.keep_logits`), the logits themselves; backward takes a chunk's logits (recomputed
+unless kept: one of the head's four matmuls saved for tokens × vocab elements of memory), turns them into
+the logits' gradient in one pass, and accumulates the head weight's gradient inside the matmul (beta = 1),
+so at most one [chunk, vocab] fp32 slab lives at a time and no per-chunk weight gradient is summed afterwards (Qwen3-4B, 16k tokens, H200: those adds were 9 ms a step).
 The accumulator is fp32 even when the head computes in bf16, and is cast to the weight's dtype once.
 With `compile_head`, the per-chunk softmax work runs as fused kernels: eager, it is ~6 passes over each fp32
 slab (Qwen3-4B, 16k tokens, H200: ~80 ms).
@@ -88,26 +89,32 @@ class HeadScores(torch.autograd.Function):
         chunk_size: int,
         with_entropy: bool,
         fns: HeadFns,
+        keep_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         targets_shape, targets = targets.shape, targets.reshape(-1)  # [tokens]
         logprobs = torch.empty(targets_shape, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logprobs)
         lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)  # [tokens]
+        kept = None  # [tokens, vocab] in the compute dtype: exactly what backward would recompute
+        if keep_logits and any(ctx.needs_input_grad[:3]):
+            kept = hidden.new_empty((targets.numel(), weight.shape[0]))
         for start in range(0, targets.numel(), chunk_size):
             part = slice(start, start + chunk_size)
             logits = torch.nn.functional.linear(hidden[part], weight, bias)  # [chunk, vocab]
+            if kept is not None:
+                kept[part] = logits
             lp, chunk_lse, ent = fns.forward(logits, targets[part], temperature, with_entropy)
             logprobs.view(-1)[part], lse[part] = lp, chunk_lse
             if ent is not None:
                 entropy.view(-1)[part] = ent
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, kept)
         ctx.setup = (temperature, chunk_size, fns)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _entropy_grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, kept = ctx.saved_tensors
         temperature, chunk_size, fns = ctx.setup
         grad = grad.reshape(-1)  # [tokens]
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
@@ -118,7 +125,10 @@ class HeadScores(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
         for start in range(0, targets.numel(), chunk_size):
             part = slice(start, start + chunk_size)
-            logits = torch.nn.functional.linear(hidden[part], weight, bias)  # [chunk, vocab], recomputed
+            if kept is None:
+                logits = torch.nn.functional.linear(hidden[part], weight, bias)  # [chunk, vocab], recomputed
+            else:
+                logits = kept[part]
             grad_logits = fns.backward(logits, targets[part], lse[part], grad[part], temperature)
             del logits
             if grad_hidden is not None:
@@ -132,7 +142,7 @@ class HeadScores(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -158,10 +168,13 @@ def chunked_head_scores(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     fns: HeadFns = EAGER_HEAD,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) [...] of `targets` [...] from `hidden` [..., hidden] and the head weight [vocab, hidden].
 
     Targets outside the vocabulary (e.g. −100 for ignored labels) score against token 0; callers mask them.
+    `keep_logits`: backward reads the logits forward computed instead of recomputing them (when a gradient
+    is wanted; the same values, so the same gradients).
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, hidden]
     logprobs, entropy = HeadScores.apply(
@@ -173,6 +186,7 @@ def chunked_head_scores(
         chunk_size,
         with_entropy,
         fns,
+        keep_logits,
     )
     return logprobs, entropy if with_entropy else None
 
@@ -192,11 +206,13 @@ class TokenScorer(torch.nn.Module):
         chunk_size: int = 1024,
         compile_head: bool = False,
         moe: MoERouting | None = None,
+        keep_logits: bool = False,
     ):
         super().__init__()
         self.lm = lm
         self.moe = moe
         self.chunk_size = chunk_size
+        self.keep_logits = keep_logits
         self.head_fns = compiled_head() if compile_head else EAGER_HEAD
         self.context_parallel: ContextParallel | None = None
         self.autocast_dtype: torch.dtype | None = None
@@ -262,6 +278,7 @@ class TokenScorer(torch.nn.Module):
             self.chunk_size,
             with_entropy,
             self.head_fns,
+            self.keep_logits,
         )
         if cp is None:
             return logprobs, entropy

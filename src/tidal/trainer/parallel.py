@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
-from tidal.trainer.attention import unsupported_attention, use_varlen, varlen_works
+from tidal.trainer.attention import flash4_problem, unsupported_attention, use_varlen, varlen_works
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.context_parallel import ContextParallel, check_context_parallel, use_context_parallel
@@ -110,7 +110,7 @@ def parallelize(
         from tidal.errors import UserError
 
         raise UserError("perf.cpu_offload moves state from a GPU to the CPU; this run has no GPU")
-    setup_attention(model, perf.attention, info.device)
+    setup_attention(model, perf, info.device)
     routing = apply_moe(model, moe or MoEConfig(), info.device.type, compute_dtype(perf, info))
     check_moe_settings(routing is not None, perf, info)
     if perf.cp > 1:
@@ -122,7 +122,9 @@ def parallelize(
     compiled = resolve_compile(perf, info)
     if compiled:
         apply_compile(layers)
-    scorer = TokenScorer(model, perf.loss_chunk_tokens, compile_head=compiled, moe=routing)
+    scorer = TokenScorer(
+        model, perf.loss_chunk_tokens, compile_head=compiled, moe=routing, keep_logits=perf.keep_logits
+    )
     if not uses_fsdp(perf, info, is_moe=routing is not None):
         if uses_bf16(perf, info):
             scorer.autocast_dtype = torch.bfloat16
@@ -242,9 +244,11 @@ def resolve_compile(perf: PerfConfig, info: DistInfo) -> bool:
     return info.device.type == "cuda" if perf.compile == "auto" else perf.compile
 
 
-def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -> str:
-    """Switch to tidal's varlen attention when asked (or, for `auto`, when its flash kernel works here and the
-    model needs nothing it lacks); an explicit `varlen` for a model that needs more is a one-line error."""
+def setup_attention(model: torch.nn.Module, perf: PerfConfig, device: torch.device) -> str:
+    """Switch to tidal's varlen attention when asked (or, for `auto`, when a GPU kernel for it works here and
+    the model needs nothing it lacks), with the kernel `perf.attention_kernel` picks; an explicit `varlen` for
+    a model that needs more, or a `flash4` that cannot run here, is a one-line error."""
+    choice = perf.attention
     unsupported = unsupported_attention(model)
     if choice == "varlen" and unsupported is not None:
         from tidal.errors import UserError
@@ -255,11 +259,27 @@ def setup_attention(model: torch.nn.Module, choice: str, device: torch.device) -
             f"perf.attention = 'varlen': {name} uses {unsupported}, which tidal's "
             "variable-length attention does not implement; set perf.attention = 'hf' (or 'auto')"
         )
-    flash = varlen_works(device) if choice != "hf" else False
+    kernel = resolve_attention_kernel(perf, device)
+    flash = kernel == "flash4" or (varlen_works(device) if choice != "hf" else False)
     picked = choose_attention(choice, flash, unsupported)
     if picked == "varlen":
-        use_varlen(model, flash)
+        use_varlen(model, flash, kernel)
     return picked
+
+
+def resolve_attention_kernel(perf: PerfConfig, device: torch.device) -> str:
+    """`torch` or `flash4` for perf.attention_kernel; `flash4` is checked on `device` first."""
+    if perf.attention_kernel != "flash4":
+        return "torch"
+    problem = flash4_problem(device)
+    if problem is not None:
+        from tidal.errors import UserError
+
+        raise UserError(
+            f"perf.attention_kernel = 'flash4': FlashAttention-4 cannot run here: {problem}; "
+            "set attention_kernel = 'auto'"
+        )
+    return "flash4"
 
 
 def choose_attention(choice: str, flash: bool, unsupported: str | None) -> str:

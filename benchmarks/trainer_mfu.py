@@ -101,6 +101,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default+fsdp": {"fsdp": True},
     "matmuls+fsdp": {"activation_checkpointing": "matmuls", "fsdp": True},
     "none+fsdp": {"activation_checkpointing": "none", "fsdp": True},
+    # the head's logits kept for backward (perf.keep_logits) and FlashAttention-4 (perf.attention_kernel)
+    "default+logits": {"keep_logits": True},
+    "matmuls+logits": {"activation_checkpointing": "matmuls", "keep_logits": True},
+    "none+logits": {"activation_checkpointing": "none", "keep_logits": True},
+    "default+fa4": {"attention_kernel": "flash4"},
+    "matmuls+fa4": {"activation_checkpointing": "matmuls", "attention_kernel": "flash4"},
+    "none+fa4": {"activation_checkpointing": "none", "attention_kernel": "flash4"},
+    "matmuls+fa4+logits": {
+        "activation_checkpointing": "matmuls",
+        "attention_kernel": "flash4",
+        "keep_logits": True,
+    },
+    "none+fa4+logits": {
+        "activation_checkpointing": "none",
+        "attention_kernel": "flash4",
+        "keep_logits": True,
+    },
+    "full+fa4": {"activation_checkpointing": "full", "attention_kernel": "flash4"},
 }
 
 
@@ -569,7 +587,8 @@ def attention_kernels(seq: int, device: torch.device) -> list[dict[str, Any]]:
     """fwd+bwd time of the attention kernels on Qwen3-4B's heads (32 query, 8 kv, dim 128), bf16, one row."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from tidal.trainer.attention import document_bounds, flash_varlen, varlen_works
+    from tidal.trainer.attention import document_bounds, flash4_problem, flash_varlen, varlen_works
+    from tidal.trainer.flash4 import flash4_varlen
 
     varlen_works(device)  # resolves the varlen calling convention
     q = torch.randn(1, 32, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -586,6 +605,11 @@ def attention_kernels(seq: int, device: torch.device) -> list[dict[str, Any]]:
         positions = torch.tensor([make_row(seq, 2, document_lengths(seq, layout, 0), 0)["position_ids"]])
         cu = document_bounds(positions).to(device)
         cases[f"varlen/{layout}"] = (lambda cu=cu: flash_varlen(*flat, cu, seq, 128**-0.5), None)
+    if flash4_problem(device) is None:  # the optional flash-attn-4 package, where installed
+        for layout in ("single", "packed"):
+            positions = torch.tensor([make_row(seq, 2, document_lengths(seq, layout, 0), 0)["position_ids"]])
+            cu = document_bounds(positions).to(device)
+            cases[f"flash4/{layout}"] = (lambda cu=cu: flash4_varlen(*flat, cu, seq, 128**-0.5), None)
     for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         cases[f"sdpa/{name.lower()}/single"] = (causal_sdpa, getattr(SDPBackend, name))
     cases["sdpa/default/single"] = (causal_sdpa, None)
@@ -604,8 +628,8 @@ def _time_kernel(label: str, fn: Any, backend: Any, sdpa_kernel: Any, device: to
             for _ in range(5):
                 fn().sum().backward()
             torch.cuda.synchronize(device)
-    except RuntimeError as exc:
-        return {"kernel": label, "error": str(exc).splitlines()[0][:120]}
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails is a result, not the end of the run
+        return {"kernel": label, "error": f"{type(exc).__name__}: {str(exc).strip()[:120]}"}
     return {"kernel": label, "fwd_bwd_ms": (time.perf_counter() - start) / 5 * 1e3}
 
 

@@ -133,7 +133,12 @@ def test_kept_logits_give_the_same_scores_and_gradients(dtype):
         hidden = base_hidden.to(dtype).requires_grad_()
         weight = base_weight.to(dtype).requires_grad_()
         saved: list[int] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logprobs, entropy = chunked_head_scores(
                 hidden, weight, None, targets, 0.8, chunk_size=8, with_entropy=True, keep_logits=keep
             )
@@ -167,7 +172,10 @@ def test_flash4_ops_have_shapes_for_compiled_graphs():
     from tidal.trainer.flash4 import flash4_backward, flash4_forward
 
     with FakeTensorMode():
-        q, k, v = torch.empty(40, 8, 64, dtype=torch.bfloat16), *torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
+        q, k, v = (
+            torch.empty(40, 8, 64, dtype=torch.bfloat16),
+            *torch.empty(2, 40, 2, 64, dtype=torch.bfloat16),
+        )
         cu = torch.tensor([0, 16, 40], dtype=torch.int32)
         out, lse = flash4_forward(q, k, v, cu, 24, 0.125)
         dq, dk, dv = flash4_backward(out, q, k, v, out, lse, cu, 24, 0.125)

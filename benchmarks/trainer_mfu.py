@@ -101,6 +101,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default+fsdp": {"fsdp": True},
     "matmuls+fsdp": {"activation_checkpointing": "matmuls", "fsdp": True},
     "none+fsdp": {"activation_checkpointing": "none", "fsdp": True},
+    "default+nofsdp": {"fsdp": False},  # a mixture-of-experts model, which `auto` keeps under FSDP2
     # the head's logits kept for backward (perf.keep_logits) and FlashAttention-4 (perf.attention_kernel)
     "default+logits": {"keep_logits": True},
     "matmuls+logits": {"activation_checkpointing": "matmuls", "keep_logits": True},

@@ -550,3 +550,47 @@ def test_a_checkpoint_written_under_fsdp2_resumes_without_it(tmp_path):
         assert not hasattr(param, "to_local")
         torch.testing.assert_close(param.detach(), weight, rtol=0, atol=0)
         torch.testing.assert_close(optimizer.state[param]["exp_avg"], moment, rtol=0, atol=0)
+
+
+def test_selective_checkpointing_keeps_flash4_attention_and_its_gradients_flow():
+    """The FlashAttention-4 op (given a CPU kernel here: the SDPA reference) is kept like torch's attention
+    kernels, so backward never reruns it (before: every selective mode recomputed it, 4B `matmuls` ran
+    4% slower with it than with cuDNN); its autograd registration gives the reference's gradients."""
+    from tidal.trainer.checkpointing import selective_context
+    from tidal.trainer.flash4 import flash4_backward, flash4_forward, flash4_varlen
+
+    calls = []
+
+    def forward_cpu(q, k, v, cu_seqlens, max_seqlen, scale):
+        calls.append(1)
+        out = reference_varlen(q, k, v, cu_seqlens, scale)
+        return out, q.new_zeros((q.shape[1], q.shape[0]))
+
+    def backward_cpu(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+        _, vjp = torch.func.vjp(lambda *qkv: reference_varlen(*qkv, cu_seqlens, scale), q, k, v)
+        return vjp(dout)
+
+    flash4_forward.register_kernel("cpu", forward_cpu)
+    flash4_backward.register_kernel("cpu", backward_cpu)
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(12, h, 8, generator=gen) for h in (4, 2, 2)]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def layer(q, k, v):
+        return torch.nn.functional.gelu(flash4_varlen(q, k, v, cu, 7, 8**-0.5)).sum()
+
+    grads = []
+    for checkpointed in (True, False):
+        qkv = [x.clone().requires_grad_() for x in base]
+        if checkpointed:
+            loss = torch.utils.checkpoint.checkpoint(
+                layer, *qkv, use_reentrant=False, context_fn=selective_context(frozenset())
+            )
+        else:
+            loss = torch.nn.functional.gelu(reference_varlen(*qkv, cu, 8**-0.5)).sum()
+        loss.backward()
+        grads.append([x.grad for x in qkv])
+        if checkpointed:
+            assert len(calls) == 1  # forward only: the output was kept for backward
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)

@@ -30,6 +30,9 @@ def _attention_ops() -> set[Any]:
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
+    import tidal.trainer.flash4  # noqa: F401  (registers tidal::flash4_forward, perf.attention_kernel)
+
+    ops.add(torch.ops.tidal.flash4_forward.default)
     return ops
 
 

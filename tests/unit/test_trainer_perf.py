@@ -296,17 +296,16 @@ def test_one_gpu_trains_without_fsdp_unless_it_is_needed():
     two = DistInfo(0, 2, 0, 2, torch.device("cuda", 0))
     assert not uses_fsdp(PerfConfig(), gpu)
     assert uses_fsdp(PerfConfig(fsdp=True), gpu)
-    assert uses_fsdp(PerfConfig(), gpu, is_moe=True) and uses_fsdp(PerfConfig(cpu_offload=True), gpu)
-    assert not uses_fsdp(PerfConfig(fsdp=False), gpu, is_moe=True)  # runs by autocast when asked
+    assert uses_fsdp(PerfConfig(cpu_offload=True), gpu)
     assert uses_fsdp(PerfConfig(), two)
     assert uses_fsdp(PerfConfig(mixed_precision="bf16"), CPU) and not uses_fsdp(PerfConfig(), CPU)
-    for perf, info, moe, named in [
-        (PerfConfig(fsdp=False), two, False, "2 trainer ranks"),
-        (PerfConfig(fsdp=False, cpu_offload=True), gpu, False, "cpu_offload"),
-        (PerfConfig(reshard_after_forward=False), gpu, False, "reshard_after_forward"),
+    for perf, info, named in [
+        (PerfConfig(fsdp=False), two, "2 trainer ranks"),
+        (PerfConfig(fsdp=False, cpu_offload=True), gpu, "cpu_offload"),
+        (PerfConfig(reshard_after_forward=False), gpu, "reshard_after_forward"),
     ]:
         with pytest.raises(UserError, match=named):
-            uses_fsdp(perf, info, is_moe=moe)
+            uses_fsdp(perf, info)
 
 
 def test_bf16_fsdp_on_one_rank_keeps_fp32_masters_and_hf_names():

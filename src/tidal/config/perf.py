@@ -112,10 +112,10 @@ class PerfConfig(Config):
     parameters into and out of its gather buffers (casting them to bf16) in forward and again in backward, and
     each gradient into its reduce buffer. Without it (one GPU), bf16 compute comes from autocast: each layer
     casts the fp32 master weights it multiplies by inside its own forward (recomputed with the layer under
-    activation checkpointing), and the gradients reach the masters in fp32 directly. `auto`: FSDP2 with
-    several ranks, `cpu_offload` or on a CPU, and for a mixture-of-experts model (its one-GPU speed without
-    FSDP2 is not measured yet: `false` runs it by autocast); without it for a dense model on one GPU. `false`
-    where FSDP2 is needed (several ranks, `cpu_offload`) is a one-line error."""
+    activation checkpointing), and the gradients reach the masters in fp32 directly; a mixture-of-experts
+    block casts its input and expert weights the same way. `auto`: FSDP2 with several ranks, `cpu_offload`
+    or on a CPU; without it on one GPU, dense and mixture-of-experts models alike (measured in the README's
+    Performance section). `false` where FSDP2 is needed (several ranks, `cpu_offload`) is a one-line error."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3 memory); False keeps them until
     backward (ZeRO-2-like). On one H200 with Qwen3-4B at 16k tokens False was within noise of True in

@@ -125,7 +125,7 @@ def parallelize(
     scorer = TokenScorer(
         model, perf.loss_chunk_tokens, compile_head=compiled, moe=routing, keep_logits=perf.keep_logits
     )
-    if not uses_fsdp(perf, info, is_moe=routing is not None):
+    if not uses_fsdp(perf, info):
         if uses_bf16(perf, info):
             scorer.autocast_dtype = torch.bfloat16
         return scorer.to(info.device)
@@ -207,11 +207,11 @@ def micro_batches(scorer: TokenScorer, items: Sequence[T]) -> Iterator[T]:
         yield item
 
 
-def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
-    """`perf.fsdp`, where `auto` means: FSDP2 with several ranks or CPU offload (which need it), on a CPU with
-    bf16 compute, and for a mixture-of-experts model in bf16 (its one-GPU speed without FSDP2 is not measured
-    yet); one GPU trains a dense model without it (bf16 compute by autocast). A plain fp32 CPU run needs
-    neither. `false` where FSDP2 is needed, or FSDP2-only settings without it: UserError."""
+def uses_fsdp(perf: PerfConfig, info: DistInfo) -> bool:
+    """`perf.fsdp`, where `auto` means: FSDP2 with several ranks or CPU offload (which need it) and on a CPU
+    with bf16 compute; one GPU trains without it (bf16 compute by autocast), dense and mixture-of-experts
+    models alike. A plain fp32 CPU run needs neither. `false` where FSDP2 is needed, or FSDP2-only settings
+    without it: UserError."""
     needs = [
         (info.distributed, f"this run has {info.world_size} trainer ranks"),
         (perf.cpu_offload, "perf.cpu_offload is FSDP2's offload policy"),
@@ -219,7 +219,7 @@ def uses_fsdp(perf: PerfConfig, info: DistInfo, is_moe: bool = False) -> bool:
     reason = next((why for need, why in needs if need), None)
     if perf.fsdp == "auto":
         cpu_bf16 = info.device.type == "cpu" and perf.mixed_precision == "bf16"
-        use = reason is not None or cpu_bf16 or (is_moe and uses_bf16(perf, info))
+        use = reason is not None or cpu_bf16
     else:
         use = perf.fsdp
     from tidal.errors import UserError

@@ -263,3 +263,14 @@ def check_disaggregation(config: InferenceConfig) -> None:
             "adapter would be given KV computed with another; turn vllm.enable_lora off or use NixlConnector",
             also=("vllm.enable_lora",),
         )
+
+
+def check_disaggregated_replicas(disagg: DisaggregationConfig, num_replicas: int, where: str) -> None:
+    """At least one prefill and one decode replica among `num_replicas` (set by the key `where`)."""
+    if disagg.num_prefill_replicas >= num_replicas:
+        raise ConfigProblem(
+            "inference.disaggregation.num_prefill_replicas",
+            f"{disagg.num_prefill_replicas} prefill replica(s) of {where} = {num_replicas} leave none to "
+            f"decode; raise {where} or prefill on fewer",
+            also=(where,),
+        )

@@ -101,16 +101,6 @@ def with_roles(replicas: list[InferenceConfig], storage: Path | None) -> list[In
     return placed
 
 
-def check_counts(disagg: DisaggregationConfig, num_replicas: int) -> str | None:
-    """What is wrong with splitting `num_replicas` into prefill and decode replicas (None: nothing)."""
-    if disagg.num_prefill_replicas >= num_replicas:
-        return (
-            f"{disagg.num_prefill_replicas} prefill replica(s) of {num_replicas} leave none to decode; "
-            "start more replicas or prefill on fewer"
-        )
-    return None
-
-
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill request of generation request `body`: one prompt, one token, its KV kept for the decode."""
     prefill = {**body, "max_tokens": 1, "min_tokens": 0, "n": 1, "kv_transfer_params": dict(PREFILL_PARAMS)}

@@ -92,7 +92,7 @@ def with_roles(replicas: list[InferenceConfig], storage: Path | None) -> list[In
         return replicas
     connector_config = dict(disagg.connector_config)
     if disagg.shared_storage and STORAGE_KEY not in connector_config and storage is not None:
-        connector_config[STORAGE_KEY] = str(storage)
+        connector_config[STORAGE_KEY] = str(storage.absolute())  # servers and client may differ in cwd
     placed = []
     for index, replica in enumerate(replicas):
         role = "prefill" if index < disagg.num_prefill_replicas else "decode"

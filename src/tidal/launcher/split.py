@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import run_layout
-from tidal.config.deployment import parse_cpu_list
+from tidal.config.deployment import parse_cpu_list, share_cores
 from tidal.config.inference import (
     InferenceConfig,
     NcclRendezvous,
@@ -173,27 +173,7 @@ def _replica_cpus(rl: RLConfig, num_cpus: int) -> list[str]:
     count = rl.deployment.num_replicas
     if count == 1:
         return [spec]
-    cores = parse_cpu_list(spec)
-    if len(cores) < count:
-        return [str(cores[i % len(cores)]) for i in range(count)]
-    size, extra = divmod(len(cores), count)
-    shares, start = [], 0
-    for index in range(count):
-        end = start + size + (1 if index < extra else 0)
-        shares.append(format_cpu_list(cores[start:end]))
-        start = end
-    return shares
-
-
-def format_cpu_list(cores: list[int]) -> str:
-    """[0, 1, 2, 5] → "0-2,5"."""
-    runs: list[list[int]] = []
-    for core in cores:
-        if runs and core == runs[-1][-1] + 1:
-            runs[-1].append(core)
-        else:
-            runs.append([core])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return share_cores(parse_cpu_list(spec), count)
 
 
 def _replica_gpus(rl: RLConfig) -> tuple[tuple[int, ...], ...]:

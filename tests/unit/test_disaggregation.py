@@ -255,3 +255,12 @@ def test_a_server_that_fails_the_update_leaves_rotation_until_it_catches_up(tmp_
             assert client.servers[urls["p"]].healthy and client.servers[urls["p"]].version == 1
 
     asyncio.run(go())
+
+
+def test_roles_are_set_by_the_command_not_the_file() -> None:
+    message = rl_error(*DISAGG, ("deployment.num_replicas", 2), ("inference.disaggregation.role", "decode"))
+    assert "inference.disaggregation.num_prefill_replicas" in message
+    with pytest.raises(UserError, match="num_prefill_replicas"):
+        load_config(
+            EvalConfig, [], [*DISAGG, ("num_replicas", 2), ("inference.disaggregation.role", "decode")]
+        )

@@ -29,7 +29,10 @@ class EvalSamplingConfig(Config):
 class EvalConfig(Config):
     """`tidal eval`: run environments against a model, k samples per task; report avg@k and pass@k per env."""
 
-    SET_ELSEWHERE = {("inference", "model"): "model"}
+    SET_ELSEWHERE = {
+        ("inference", "model"): "model",
+        ("inference", "disaggregation", "role"): "inference.disaggregation.num_prefill_replicas",
+    }
     HELP_MAIN = (
         "output_dir",
         "seed",
@@ -81,10 +84,13 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EvalConfig":
-        if shadowed_key(self, self.SET_ELSEWHERE) is not None:
+        shadowed = shadowed_key(self, self.SET_ELSEWHERE)
+        if shadowed is not None and shadowed[0] == "inference.model":
             raise ConfigProblem(
                 "inference.model", "`tidal eval` serves the top-level [model]; set that instead"
             )
+        if shadowed is not None:
+            raise ConfigProblem(shadowed[0], f"`tidal eval` sets this from `{shadowed[1]}`; set that instead")
         problem = check_distinct(list(self.env))
         if problem is not None:
             raise ConfigProblem("env", problem)

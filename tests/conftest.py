@@ -29,6 +29,7 @@ SERVER_PAIR_FILES = {
     "test_code_example",
     "test_custom_env",
     "test_debug_configs",
+    "test_disaggregation",
     "test_envs_rollouts",
     "test_eval",
     "test_inference_client",

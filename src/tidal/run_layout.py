@@ -116,6 +116,11 @@ def prepare_resume(output_dir: Path, report: Callable[[str], None]) -> int:
     return discard_after_checkpoint(output_dir)
 
 
+def kv_store_dir(output_dir: Path) -> Path:
+    """ExampleConnector's KV files under prefill/decode disaggregation (emptied at every weight update)."""
+    return output_dir / "kv_store"
+
+
 def weights_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "weights"
 

@@ -147,3 +147,28 @@ def parse_cpu_list(spec: str) -> list[int]:
     if len(set(cores)) != len(cores):
         raise ValueError(f"{spec!r} names a core twice")
     return cores
+
+
+def share_cores(cores: list[int], count: int) -> list[str]:
+    """`cores` split into `count` consecutive shares, in order, as VLLM_CPU_OMP_THREADS_BIND lists; with fewer
+    cores than shares, each share gets one core, round robin."""
+    if len(cores) < count:
+        return [str(cores[i % len(cores)]) for i in range(count)]
+    size, extra = divmod(len(cores), count)
+    shares, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        shares.append(format_cpu_list(cores[start:end]))
+        start = end
+    return shares
+
+
+def format_cpu_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

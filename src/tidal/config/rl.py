@@ -19,7 +19,12 @@ from tidal.config.common import (
 from tidal.config.deployment import DeploymentConfig, check_table_used
 from tidal.config.envs import EnvSpec, check_distinct
 from tidal.config.eval import EvalEnvSpec, EvalSamplingConfig
-from tidal.config.inference import InferenceConfig
+from tidal.config.inference import (
+    PER_REQUEST_CONNECTORS,
+    SHARED_STORAGE_CONNECTOR,
+    InferenceConfig,
+    check_disaggregated_replicas,
+)
 from tidal.config.kubernetes import KubernetesConfig, check_run
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
@@ -91,6 +96,12 @@ class ClientConfig(Config):
     event loop (a server's requests always from the same one); 0: the loop does it. Worth it at hundreds
     of servers or thousands of requests in flight, where that work would hold the loop (README,
     "Orchestrator at cluster scale")."""
+    prefill_urls: list[str] = []
+    """Prefill servers of disaggregated serving (`tidal rl` sets them from `inference.disaggregation`):
+    each generation is prefilled on one of these and decoded on one of `urls`."""
+    kv_store: str | None = None
+    """A KV store every server reads by prompt content (ExampleConnector's directory), emptied while every
+    server is paused for a weight update (`tidal rl` sets it from `inference.disaggregation`)."""
     weight_update_pause: Literal["wait", "keep"] = "wait"
     """What a full-weight update does with requests in flight. `wait`: stop admitting requests, let the
     running ones finish, load, resume — every completion comes from one policy, but with max_async_level > 0
@@ -409,6 +420,9 @@ SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
     ("orchestrator", "batch", "cp"): "trainer.perf.cp",
     ("orchestrator", "client", "recovery_timeout"): "startup_timeout` and `restarts",
+    ("orchestrator", "client", "prefill_urls"): "inference.disaggregation",
+    ("inference", "disaggregation", "role"): "inference.disaggregation.num_prefill_replicas",
+    ("orchestrator", "client", "kv_store"): "inference.disaggregation",
     ("orchestrator", "client", "startup_timeout"): "startup_timeout",
     ("orchestrator", "resume_from"): "resume` and `restarts",
     ("inference", "vllm", "seed"): "seed",
@@ -561,6 +575,8 @@ class RLConfig(RunConfig):
                 "chooses how cuda_ipc updates load; set trainer.publish.type = 'cuda_ipc'",
                 also=("trainer.publish.type",),
             )
+        if self.inference.disaggregation is not None:
+            check_disaggregated_rl(self)
         if self.inference.vllm.max_model_len is not None:
             longest = self.orchestrator.batch.seq_len
             if self.inference.vllm.max_model_len > longest:
@@ -571,6 +587,42 @@ class RLConfig(RunConfig):
                     also=("inference.vllm.max_model_len",),
                 )
         return self
+
+
+def check_disaggregated_rl(rl: RLConfig) -> None:
+    """What `tidal rl` cannot keep correct across weight updates with prefill/decode disaggregation."""
+    disagg = rl.inference.disaggregation
+    assert disagg is not None
+    key = "inference.disaggregation.connector"
+    if rl.deployment.type != "local":
+        raise ConfigProblem(
+            "inference.disaggregation", f"runs on one machine for now; deployment.type is {rl.deployment.type!r}",
+            also=("deployment.type",),
+        )  # fmt: skip
+    check_disaggregated_replicas(disagg, rl.deployment.num_replicas, "deployment.num_replicas")
+    known = (SHARED_STORAGE_CONNECTOR, *PER_REQUEST_CONNECTORS)
+    if disagg.connector not in known:
+        raise ConfigProblem(
+            key,
+            f"{disagg.connector!r} may keep KV across a weight update, which would decode new weights on KV of "
+            f"old ones; `tidal rl` supports {' and '.join(known)}",
+        )
+    if not disagg.shared_storage:
+        return
+    if rl.trainer.lora.enabled:
+        raise ConfigProblem(
+            key,
+            f"{SHARED_STORAGE_CONNECTOR} finds KV by the prompt's tokens alone, and LoRA policy updates load "
+            "without a pause: KV of one step's adapter would serve the next; use NixlConnector",
+            also=("trainer.lora.rank",),
+        )
+    if rl.orchestrator.client.weight_update_pause != "wait":
+        raise ConfigProblem(
+            "orchestrator.client.weight_update_pause",
+            "'keep' carries requests across a weight update: one on a replica that failed it could write KV of "
+            f"the old weights to {SHARED_STORAGE_CONNECTOR}'s store after it was emptied; use 'wait'",
+            also=(key,),
+        )
 
 
 def check_routing_replay(moe: MoEConfig, where: str) -> None:

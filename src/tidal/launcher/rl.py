@@ -27,6 +27,7 @@ from tidal import run_layout
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import NO_RESTART_EXIT, UserError
+from tidal.inference.disagg import empty_store, storage_of
 from tidal.launcher.argv import tidal_argv, torchrun_argv
 from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 from tidal.launcher.restarts import (
@@ -160,6 +161,7 @@ class Launcher:
             check_route_return(roles.inference, "cuda" if on_gpu else "cpu")
         paths = self._write_configs(roles, local)
         env = self._device_env(roles, on_gpu, local)
+        kv_store = kv_store_of(roles, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 1
         try:
@@ -167,6 +169,8 @@ class Launcher:
             return code
         finally:
             self._stop_all()
+            if kv_store is not None:  # prompt KV of the last weights: of no use to a later run
+                empty_store(kv_store)
             self.plot.stop()
             if self.reporter is not None:
                 self._close_reporter(self.reporter, code)
@@ -198,7 +202,7 @@ class Launcher:
         for index in local:
             check_port_free(roles.replicas[index].server.host, roles.replicas[index].server.port)
         logs = self.logs
-        urls = roles.orchestrator.client.urls
+        urls = roles.replica_urls
         waiting: dict[str, ManagedProcess | None] = {}
         for index in local:
             name = replica_name(index, len(roles.replicas))
@@ -686,6 +690,16 @@ def _answers_health(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def kv_store_of(roles: RoleConfigs, local: list[int]) -> Path | None:
+    """The shared KV store of this node's disaggregated replicas (ExampleConnector), emptied before they
+    start: KV an earlier run (or the run being resumed) computed belongs to other weights."""
+    store = storage_of([roles.replicas[i] for i in local])
+    if store is not None:
+        store.mkdir(parents=True, exist_ok=True)
+        empty_store(store)
+    return store
 
 
 def replica_name(index: int, count: int) -> str:

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.config.deployment import parse_cpu_list
+from tidal import run_layout
+from tidal.config.deployment import parse_cpu_list, share_cores
 from tidal.config.inference import (
     InferenceConfig,
     NcclRendezvous,
@@ -26,6 +27,7 @@ from tidal.config.rl import (
 )
 from tidal.deploy.plan import place
 from tidal.errors import UserError
+from tidal.inference.disagg import storage_of, with_roles
 from tidal.inference.server import client_url
 from tidal.launcher.restarts import max_restarts
 
@@ -42,6 +44,8 @@ class RoleConfigs:
     """The GPU ids of each replica on its node (GPU runs; empty on CPU)."""
     replica_nodes: tuple[int, ...] = (0,)
     """The node index of each replica (see tidal.deploy.plan)."""
+    replica_urls: tuple[str, ...] = ()
+    """Where the orchestrator reaches each replica (with disaggregation, prefill and decode ones alike)."""
 
     def node_replicas(self, node: int) -> list[int]:
         """Indexes (into `replicas`) of the replicas node `node` runs."""
@@ -99,6 +103,10 @@ def split_config(
             replicas.append(replica)
             urls.append(client_url(host, replica.server.port))
             replica_nodes.append(node)
+    replicas = with_roles(replicas, run_layout.kv_store_dir(rl.output_dir))
+    # disaggregated: the first replicas prefill (`with_roles`), the client decodes on the others
+    num_prefill = rl.inference.disaggregation.num_prefill_replicas if rl.inference.disaggregation else 0
+    kv_store = storage_of(replicas)
     transport = rl.transport
     if addresses is not None and isinstance(transport, ZMQTransport):
         transport = transport.model_copy(update={"host": addresses[placement.orchestrator_node]})
@@ -110,7 +118,9 @@ def split_config(
             "transport": transport,
             "client": rl.orchestrator.client.model_copy(
                 update={
-                    "urls": urls,
+                    "urls": urls[num_prefill:],
+                    "prefill_urls": urls[:num_prefill],
+                    "kv_store": None if kv_store is None else str(kv_store),
                     "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
                     # a lost replica is restarted: requests and updates wait for it while no other serves
                     "recovery_timeout": rl.startup_timeout if max_restarts(rl) > 0 else 0.0,
@@ -134,7 +144,7 @@ def split_config(
         }
     )
     gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
-    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes))
+    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls))
 
 
 def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -> InferenceConfig:
@@ -163,27 +173,7 @@ def _replica_cpus(rl: RLConfig, num_cpus: int) -> list[str]:
     count = rl.deployment.num_replicas
     if count == 1:
         return [spec]
-    cores = parse_cpu_list(spec)
-    if len(cores) < count:
-        return [str(cores[i % len(cores)]) for i in range(count)]
-    size, extra = divmod(len(cores), count)
-    shares, start = [], 0
-    for index in range(count):
-        end = start + size + (1 if index < extra else 0)
-        shares.append(format_cpu_list(cores[start:end]))
-        start = end
-    return shares
-
-
-def format_cpu_list(cores: list[int]) -> str:
-    """[0, 1, 2, 5] → "0-2,5"."""
-    runs: list[list[int]] = []
-    for core in cores:
-        if runs and core == runs[-1][-1] + 1:
-            runs[-1].append(core)
-        else:
-            runs.append([core])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return share_cores(parse_cpu_list(spec), count)
 
 
 def _replica_gpus(rl: RLConfig) -> tuple[tuple[int, ...], ...]:

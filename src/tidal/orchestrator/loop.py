@@ -100,6 +100,8 @@ class Orchestrator:
             http_workers=cfg.client.http_workers,
             recovery_timeout=cfg.client.recovery_timeout,
             require_routes=cfg.routing_replay,
+            prefill_urls=cfg.client.prefill_urls,
+            kv_store=cfg.client.kv_store,
         )
         events = EventLog(self.out)
 

@@ -38,8 +38,10 @@ def test_sft_with_cp2_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
     assert sorted(cp) == sorted(one) == [1, 2, 3, 4]
     for step in one:
         assert cp[step]["num_loss_tokens"] == one[step]["num_loss_tokens"], step
+        # reordered fp32 sums drift through the AdamW steps: on one 2-core machine the step-4 gradient norm
+        # differed by 1.7e-5 (relative) while CI's had passed at 1e-5; a wrong split is off by far more
         for key in ("loss", "grad_norm"):
-            assert cp[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
+            assert cp[step][key] == pytest.approx(one[step][key], rel=1e-4), (step, key)
     assert one[4]["loss"] < one[1]["loss"]  # it trained
 
     from safetensors.torch import load_file

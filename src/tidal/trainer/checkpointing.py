@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tidal.trainer.flash4 import flash4_forward
+
 aten = torch.ops.aten
 
 
@@ -30,9 +32,7 @@ def _attention_ops() -> set[Any]:
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
-    import tidal.trainer.flash4  # noqa: F401  (registers tidal::flash4_forward, perf.attention_kernel)
-
-    ops.add(torch.ops.tidal.flash4_forward.default)
+    ops.add(flash4_forward._opoverload)  # tidal's FlashAttention-4 op (perf.attention_kernel)
     return ops
 
 

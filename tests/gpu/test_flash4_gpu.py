@@ -38,7 +38,7 @@ def test_flash4_matches_fp32_attention_within_documents_as_closely_as_torch_flas
     upstream = torch.randn(tokens, 16, 128, device="cuda", generator=gen)
 
     def run(kernel, dtype):
-        q, k, v = (x.to(dtype).requires_grad_() for x in base)
+        q, k, v = (x.detach().clone().to(dtype).requires_grad_() for x in base)
         out = kernel(q, k, v, cu, 700, 128**-0.5)
         (out.float() * upstream).sum().backward()
         return [out, q.grad, k.grad, v.grad]

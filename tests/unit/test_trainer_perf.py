@@ -165,6 +165,36 @@ def test_flash4_kernel_is_refused_where_it_cannot_run():
     assert "perf.attention_kernel = 'flash4'" in message and "CUDA GPU" in message and "\n" not in message
 
 
+def test_auto_attention_kernel_takes_flash4_only_where_it_is_installed_and_passes_its_check(
+    monkeypatch, capsys
+):
+    """`auto`: torch's kernels on a CPU or without the package; FlashAttention-4 where the package is there and
+    matches the reference; torch's again, with the reason on one line, where its check fails."""
+    from tidal.trainer import parallel
+
+    gpu = torch.device("cuda", 0)
+    auto = PerfConfig()
+    assert parallel.resolve_attention_kernel(auto, CPU.device) == "torch"
+    monkeypatch.setattr(
+        parallel, "flash4_missing", lambda device: "the flash-attn-4 package is not installed"
+    )
+    assert parallel.resolve_attention_kernel(auto, gpu) == "torch"
+    monkeypatch.setattr(parallel, "flash4_missing", lambda device: None)
+    monkeypatch.setattr(parallel, "flash4_problem", lambda device: None)
+    assert parallel.resolve_attention_kernel(auto, gpu) == "flash4"
+    assert parallel.resolve_attention_kernel(PerfConfig(attention_kernel="torch"), gpu) == "torch"
+    assert parallel.resolve_attention_kernel(PerfConfig(attention="hf"), gpu) == "torch"
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(
+        parallel, "flash4_problem", lambda device: "its output differs from the SDPA reference"
+    )
+    assert parallel.resolve_attention_kernel(auto, gpu) == "torch"
+    printed = capsys.readouterr().out
+    assert "not FlashAttention-4 (its output differs" in printed and printed.count("\n") == 1
+    with pytest.raises(UserError, match="differs from the SDPA reference"):
+        parallel.resolve_attention_kernel(PerfConfig(attention_kernel="flash4"), gpu)
+
+
 def test_flash4_ops_have_shapes_for_compiled_graphs():
     """torch.compile traces the FlashAttention-4 ops by their fake implementations (no GPU needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

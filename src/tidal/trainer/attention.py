@@ -230,6 +230,14 @@ def varlen_attention_forward(
     return out.view(batch, seq, heads, dim), None
 
 
+def attention_kernel_name() -> str | None:
+    """The GPU kernel tidal_varlen uses, for start-up lines ("FlashAttention-4", "torch's flash kernels");
+    None when `use_varlen` has not chosen one (the model's own attention, or the CPU loop)."""
+    if _flash["kernel"] == "flash4":
+        return "FlashAttention-4"
+    return "torch's flash kernels" if _flash["enabled"] else None
+
+
 def register() -> None:
     """Make `tidal_varlen` a transformers attention implementation; it needs no mask, so none is built."""
     from transformers import AttentionInterface

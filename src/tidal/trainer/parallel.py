@@ -18,11 +18,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
-from tidal.trainer.attention import flash4_problem, unsupported_attention, use_varlen, varlen_works
+from tidal.trainer.attention import (
+    attention_kernel_name,
+    flash4_problem,
+    unsupported_attention,
+    use_varlen,
+    varlen_works,
+)
 from tidal.trainer.checkpointing import apply_activation_checkpointing, apply_compile
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.context_parallel import ContextParallel, check_context_parallel, use_context_parallel
 from tidal.trainer.expert_parallel import shard_experts
+from tidal.trainer.flash4 import missing as flash4_missing
 from tidal.trainer.moe import MoERouting, apply_moe, expert_modules
 
 T = TypeVar("T")
@@ -138,13 +145,19 @@ def parallelize(
 
 
 def compute_mode(scorer: torch.nn.Module) -> str:
-    """How the trainer computes, for its start-up line: FSDP2, bf16 autocast over fp32 masters, or as loaded."""
+    """How the trainer computes, for its start-up line: FSDP2, bf16 autocast over fp32 masters, or as loaded;
+    and the attention kernel where tidal's varlen attention runs on a GPU."""
     if isinstance(scorer, FSDPModule):
-        return "FSDP2"
-    dtype = getattr(scorer, "autocast_dtype", None)
-    return (
-        f"{str(dtype).removeprefix('torch.')} autocast over fp32 weights" if dtype else "no mixed precision"
-    )
+        mode = "FSDP2"
+    else:
+        dtype = getattr(scorer, "autocast_dtype", None)
+        mode = (
+            f"{str(dtype).removeprefix('torch.')} autocast over fp32 weights"
+            if dtype
+            else "no mixed precision"
+        )
+    kernel = attention_kernel_name()
+    return f"{mode}, {kernel}" if kernel else mode
 
 
 def check_moe_settings(is_moe: bool, perf: PerfConfig, info: DistInfo) -> None:
@@ -268,9 +281,22 @@ def setup_attention(model: torch.nn.Module, perf: PerfConfig, device: torch.devi
 
 
 def resolve_attention_kernel(perf: PerfConfig, device: torch.device) -> str:
-    """`torch` or `flash4` for perf.attention_kernel; `flash4` is checked on `device` first."""
-    if perf.attention_kernel != "flash4":
+    """`torch` or `flash4` for perf.attention_kernel. `flash4` is checked on `device` first and is a one-line
+    error where it cannot run; `auto` takes it where the package is installed and passes the same check
+    (faster on Hopper: README, Performance), else torch's kernels, saying why when the check failed."""
+    if perf.attention_kernel == "torch" or perf.attention == "hf":
         return "torch"
+    if perf.attention_kernel == "auto":
+        if flash4_missing(device) is not None:
+            return "torch"  # no package, no GPU or an older one: nothing the user asked for
+        problem = flash4_problem(device)
+        if problem is not None:
+            print(
+                f"perf.attention_kernel = 'auto': torch's kernels, not FlashAttention-4 ({problem})",
+                flush=True,
+            )
+            return "torch"
+        return "flash4"
     problem = flash4_problem(device)
     if problem is not None:
         from tidal.errors import UserError

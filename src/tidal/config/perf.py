@@ -63,7 +63,7 @@ class PerfConfig(Config):
     """The GPU kernel under `varlen` attention. `torch`: cuDNN SDPA for rows of one document, torch's flash
     varlen (FlashAttention-2) for packed rows. `flash4`: FlashAttention-4 for both (the optional
     `flash-attn-4` package, Hopper and Blackwell GPUs; its first step compiles its kernels); a run where it
-    is missing or fails its check against the reference is a one-line error). `auto`: `flash4` where the
+    is missing or fails its check against the reference is a one-line error. `auto`: `flash4` where the
     package is installed and passes that check on this GPU (Qwen3-4B, 16k tokens, H200: +3.8% tokens/s with
     the default checkpointing, +8.5% on RL-shaped rows; README, Performance), else `torch`."""
     loss_chunk_tokens: int = Field(default=1024, gt=0)

@@ -84,7 +84,7 @@ class Run:
     def child(self, name: str) -> psutil.Process:
         """The launcher's child started with configs/<name>.toml (the trainer, the orchestrator, a replica)."""
         for proc in psutil.Process(self.launcher.pid).children():
-            if f"configs/{name}.toml" in " ".join(proc.cmdline()):
+            if f"configs/{name}.toml" in command_line(proc):
                 return proc
         raise AssertionError(f"no {name} under the launcher")
 
@@ -122,13 +122,22 @@ class Run:
         return left
 
 
+def command_line(proc: psutil.Process) -> str:
+    """`proc`'s command line; "" for one that has exited, reaped or not (a child the launcher has yet to wait
+    for, e.g. a replica's `tidal inference` right after its kill, is a zombie for a moment)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess too
+        return ""
+
+
 def vllm_server(run: Run, replica: str) -> psutil.Process:
     [server] = run.child(replica).children()  # `tidal inference` starts its vLLM server, nothing else
     return server
 
 
 def reward_worker(run: Run) -> psutil.Process:
-    workers = [p for p in run.child("orchestrator").children() if "spawn_main" in " ".join(p.cmdline())]
+    workers = [p for p in run.child("orchestrator").children() if "spawn_main" in command_line(p)]
     assert workers, "the orchestrator runs no reward worker"
     return workers[0]
 
@@ -252,6 +261,7 @@ def run_chaos(
     finally:
         if run.launcher.poll() is None:
             run.launcher.kill()
+            run.launcher.wait()
     assert code == 0, run.output()[-4000:]
     return run, rollouts
 

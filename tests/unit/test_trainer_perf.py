@@ -180,13 +180,19 @@ def test_auto_attention_kernel_takes_flash4_only_where_it_is_installed_and_passe
     )
     assert parallel.resolve_attention_kernel(auto, gpu) == "torch"
     monkeypatch.setattr(parallel, "flash4_missing", lambda device: None)
-    monkeypatch.setattr(parallel, "flash4_problem", lambda device: None)
+    checked = []
+    monkeypatch.setattr(parallel, "flash4_problem", lambda device, shape: checked.append(shape))
     assert parallel.resolve_attention_kernel(auto, gpu) == "flash4"
+    # the check runs with the model's heads and head dim (kernels support some head dims only)
+    model = tiny_lm()
+    shape = parallel.attention_shape(model)
+    assert shape == (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim)
+    assert parallel.resolve_attention_kernel(auto, gpu, shape) == "flash4" and checked[-1] == shape
     assert parallel.resolve_attention_kernel(PerfConfig(attention_kernel="torch"), gpu) == "torch"
     assert parallel.resolve_attention_kernel(PerfConfig(attention="hf"), gpu) == "torch"
     assert capsys.readouterr().out == ""
     monkeypatch.setattr(
-        parallel, "flash4_problem", lambda device: "its output differs from the SDPA reference"
+        parallel, "flash4_problem", lambda device, shape: "its output differs from the SDPA reference"
     )
     assert parallel.resolve_attention_kernel(auto, gpu) == "torch"
     printed = capsys.readouterr().out

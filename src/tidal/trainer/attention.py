@@ -91,13 +91,30 @@ def flash_varlen(
     return out[0] if isinstance(out, tuple) else out
 
 
-def _matches_reference(kernel: Any, device: torch.device) -> bool:
-    """Whether `kernel` (flash_varlen's signature) matches the SDPA reference on two documents with grouped heads."""
+CHECK_SHAPE = (4, 2, 64)
+"""(query heads, key/value heads, head dim) a kernel is checked with when no model's are given."""
+
+
+def attention_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of `model`'s attention, from its HF config."""
+    config: Any = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def _matches_reference(kernel: Any, device: torch.device, shape: tuple[int, int, int] = CHECK_SHAPE) -> bool:
+    """Whether `kernel` (flash_varlen's signature) matches the SDPA reference on two documents with `shape`'s
+    heads (grouped where the key/value heads are fewer)."""
+    heads, kv_heads, dim = shape
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(96, h, dim, device=device, dtype=torch.bfloat16, generator=gen)
+        for h in (heads, kv_heads, kv_heads)
+    )
     cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
-    want = reference_varlen(q, k, v, cu, 0.125).float()
-    got = kernel(q, k, v, cu, 96, 0.125)
+    want = reference_varlen(q, k, v, cu, dim**-0.5).float()
+    got = kernel(q, k, v, cu, 96, dim**-0.5)
     return torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -118,14 +135,15 @@ def varlen_works(device: torch.device) -> bool:
     return False
 
 
-def flash4_problem(device: torch.device) -> str | None:
-    """Why FlashAttention-4 cannot serve tidal_varlen on `device` (one line), or None when it runs and matches
-    the SDPA reference. Its first call compiles the kernels (seconds)."""
+def flash4_problem(device: torch.device, shape: tuple[int, int, int] = CHECK_SHAPE) -> str | None:
+    """Why FlashAttention-4 cannot serve tidal_varlen on `device` for attention of `shape` (query heads,
+    key/value heads, head dim: the model's, as head dims differ in what the kernels support), in one line;
+    None when it runs and matches the SDPA reference. Its first call compiles the kernels (seconds)."""
     reason = missing(device)
     if reason is not None:
         return reason
     try:
-        matches = _matches_reference(flash4_varlen, device)
+        matches = _matches_reference(flash4_varlen, device, shape)
     except Exception as exc:  # noqa: BLE001 - a JIT-compiled kernel fails in many ways; each is a reason
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"its kernel failed here: {type(exc).__name__}: {first}"[:300]

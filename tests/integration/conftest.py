@@ -41,11 +41,8 @@ def tiny_server_config(port: int, core: str, log_file: Path, **server: Any) -> I
                 "enable_lora": True,
                 "max_lora_rank": LORA_RANK,
             },
-            "cpu": {
-                "kvcache_space_gib": 1,
-                "omp_threads_bind": core,
-                "worker_process": False,
-            },  # starts sooner
+            # the worker inside the engine process: each server starts ~10 s sooner
+            "cpu": {"kvcache_space_gib": 1, "omp_threads_bind": core, "worker_process": False},
         }
     )
 

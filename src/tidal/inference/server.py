@@ -102,7 +102,7 @@ def has_experts(model: ModelConfig) -> bool:
     be read: loading the model reports that better)."""
     from transformers import AutoConfig
 
-    from tidal.testing import resolve_model_name
+    from tidal.models import resolve_model_name
 
     try:
         hf = AutoConfig.from_pretrained(
@@ -268,7 +268,7 @@ class ServerProcess:
 
 def start_server(config: InferenceConfig) -> ServerProcess:
     """Start (not wait for) a server for `config`; the model name is resolved (the tiny model is built)."""
-    from tidal.testing import resolve_model_name
+    from tidal.models import resolve_model_name
 
     device = resolve_device(config)
     check_model_path(config.model.name)

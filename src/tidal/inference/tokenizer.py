@@ -13,7 +13,7 @@ def load_tokenizer(config: ModelConfig) -> Any:
     """
     from transformers import AutoTokenizer
 
-    from tidal.testing import resolve_model_name
+    from tidal.models import resolve_model_name
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

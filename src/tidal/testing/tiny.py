@@ -74,10 +74,10 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def resolve_model_name(name: str) -> str:
-    """Map a config's model name to something `from_pretrained` accepts, building a local test model
-    (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`, `…/tiny-qwen3-moe`, `…/random-qwen3-0.6b`) on first
-    use."""
+def resolve_test_model(name: str) -> str:
+    """The directory of a local test model (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`,
+    `…/tiny-qwen3-moe`, `…/random-qwen3-0.6b`), built on first use; any other name unchanged. Configs go
+    through `tidal.models.resolve_model_name`, which also converts GGUF files."""
     if name == TINY_MOE_MODEL_NAME:
         target = cache_dir() / f"tiny-qwen3-moe-{_MOE_RECIPE_VERSION}"
         if not (target / "config.json").exists():

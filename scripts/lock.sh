@@ -8,14 +8,14 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VLLM_GPU=${VLLM_GPU:-0.26.0}
-EXTRAS="wandb,verifiers,dev"
+EXTRAS="wandb,verifiers,gguf,dev"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
 "$PYTHON" -m pip install --quiet uv
 echo "[lock] cuda: resolving tidal[gpu,$EXTRAS] with vllm==$VLLM_GPU"
 echo "vllm==$VLLM_GPU" > "$TMP/pin.txt"
-"$PYTHON" -m uv pip compile pyproject.toml --extra gpu --extra wandb --extra verifiers --extra dev \
+"$PYTHON" -m uv pip compile pyproject.toml --extra gpu --extra wandb --extra verifiers --extra gguf --extra dev \
     --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header --no-annotate \
     -c "$TMP/pin.txt" -o "$TMP/cuda.txt" --quiet
 {

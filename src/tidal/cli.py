@@ -80,6 +80,13 @@ COMMANDS: dict[str, Command] = {
         "tidal.trainer.rl:main",
         "RL trainer: one optimizer step per batch, then publish weights (FSDP2 under torchrun).",
     ),
+    "convert": Command(
+        "tidal.config.convert:ConvertConfig",
+        "tidal.models.gguf:convert_command",
+        "Convert a GGUF model file into a Hugging Face directory (what model.name = 'x.gguf' does on first "
+        "use): `tidal convert model.gguf [--output-dir DIR]`.",
+        positional="gguf",
+    ),
     "plot": Command(
         "tidal.config.plot:PlotConfig",
         "tidal.monitor.plot:main",

@@ -35,6 +35,7 @@ from tidal.inference.guard import (
     WEIGHTS_BACKEND_ENV,
 )
 from tidal.launcher.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnded, wait_healthy
+from tidal.models.gguf import is_gguf_name
 from tidal.transport.cuda_ipc import ENGINE_NAME as CUDA_IPC_ENGINE_NAME
 from tidal.transport.cuda_ipc import LOAD_ENV as CUDA_IPC_LOAD_ENV
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
@@ -297,7 +298,10 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def check_model_path(name: str) -> None:
-    """A name that can only be a local path (hub ids are `org/name`) must exist, with a config.json."""
+    """A name that can only be a local path (hub ids are `org/name`) must exist, with a config.json (a GGUF
+    file is checked by its conversion)."""
+    if is_gguf_name(name):
+        return
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
     path = Path(name).expanduser()
     if looks_local and not (path / "config.json").is_file():

@@ -39,7 +39,7 @@ from tidal.launcher.restarts import (
     missing_batches,
 )
 from tidal.launcher.split import RoleConfigs, split_config
-from tidal.monitor.console import Console
+from tidal.monitor.console import Console, clock
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
 from tidal.monitor.progress import BackgroundPlot, StepReporter
@@ -768,6 +768,9 @@ def main(config: RLConfig) -> int:
 
     # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup
     check_envs([(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()])
+    from tidal.models import prepare_model_files
+
+    prepare_model_files(config.model.name, lambda line: print(f"{clock()} tidal rl: {line}", flush=True))
     start = time.perf_counter()
     launcher = Launcher(config)
     code = 1

@@ -53,6 +53,10 @@ def main(config: SFTConfig) -> int:
         from tidal.deploy import kubernetes
 
         return kubernetes.launch(config)
+    from tidal.models import prepare_model_files
+
+    # once, before torchrun's ranks start (each would wait on the lock of the one converting)
+    prepare_model_files(config.model.name, lambda line: print(f"tidal sft: {line}", flush=True))
     if config.deployment.num_trainer_ranks == 1:
         if "trainer_gpus" in config.deployment.model_fields_set:  # before anything initialises CUDA here
             os.environ["CUDA_VISIBLE_DEVICES"] = _devices(config.deployment.trainer_gpus)

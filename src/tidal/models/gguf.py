@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.errors import UserError, first_line
 
@@ -43,6 +43,9 @@ TIE_TOLERANCE = 0.1
 quantised twice (measured: 0.044 for Qwen2.5-Coder-0.5B's Q8_0 output vs its Q5_0 embeddings); two trained
 matrices differ by far more (~1.4 for independent ones of the same scale)."""
 INSTALL_HINT = "pip install 'tidal[gguf]' (the gguf and accelerate packages)"
+
+if TYPE_CHECKING:
+    from tidal.config.convert import ConvertConfig
 
 Say = Callable[[str], None]
 
@@ -69,6 +72,35 @@ def cache_root() -> Path:
     """Where converted models go: `$TIDAL_CACHE_DIR/models/gguf` (default `~/.cache/tidal/models/gguf`)."""
     root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
     return Path(root) / "models" / "gguf"
+
+
+def convert_command(config: "ConvertConfig") -> int:
+    """`tidal convert`: convert into `output_dir`, or into the cache where `model.name` finds it."""
+    try:
+        return _convert(config)
+    except UserError as exc:  # the same checks as for model.name, but here the file is `gguf`
+        raise UserError(str(exc).removeprefix("model.name: "), exc.exit_code) from None
+
+
+def _convert(config: "ConvertConfig") -> int:
+    path = config.gguf.expanduser()
+    check_file(path)
+    if config.output_dir is not None:
+        target = config.output_dir.expanduser()
+        if (target / "config.json").exists() and not config.force:
+            raise UserError(f"output_dir: {target} holds a model already (--force replaces it)")
+        convert_gguf(path, target)
+    else:
+        found = None if config.force else find_converted(path)
+        if found is not None:
+            print(f"{path} is converted already: {found} (--force converts it again)", flush=True)
+            return 0
+        digest = file_sha256(path)
+        target = cache_root() / f"{_safe_stem(path)}-{digest[:16]}"
+        with _lock(target):
+            convert_gguf(path, target, digest=digest)
+    print(f'use it as model.name = "{path}" or "{target}"', flush=True)
+    return 0
 
 
 def resolve_gguf(name: str, say: Say | None = None) -> Path:
@@ -238,7 +270,9 @@ def convert_gguf(
             shutil.rmtree(target)
         staging.rename(target)
     except OSError as exc:
-        raise UserError(f"{target}: cannot write the converted model: {exc.strerror or first_line(exc)}") from None
+        raise UserError(
+            f"{target}: cannot write the converted model: {exc.strerror or first_line(exc)}"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     note = "" if info.has_chat_template else " (the file has no chat template: chat environments need one)"
@@ -261,7 +295,9 @@ def load_dequantised(path: Path, dtype: str) -> tuple[Any, Any]:
     except ImportError as exc:
         raise UserError(f"model.name: {path}: {first_line(exc)} ({INSTALL_HINT})") from None
     except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
-        raise UserError(f"model.name: {path}: transformers cannot load this GGUF file: {first_line(exc)}") from None
+        raise UserError(
+            f"model.name: {path}: transformers cannot load this GGUF file: {first_line(exc)}"
+        ) from None
     config = loaded.config
     config.quantization_config = None
     if hasattr(config, "quantization_config"):
@@ -385,7 +421,9 @@ def _import_gguf(path: Path) -> Any:
     try:
         import gguf
     except ImportError:
-        raise UserError(f"model.name: {path}: reading a GGUF file needs the gguf package: {INSTALL_HINT}") from None
+        raise UserError(
+            f"model.name: {path}: reading a GGUF file needs the gguf package: {INSTALL_HINT}"
+        ) from None
     return gguf
 
 

@@ -8,6 +8,13 @@
 from tidal.models.gguf import Say, is_gguf_name, resolve_gguf
 
 
+def prepare_model_files(name: str, say: Say) -> None:
+    """Convert a GGUF `name` now, saying so, so that the processes a command starts next find it converted
+    (each would otherwise wait on the lock of the one converting). Other names: nothing to do here."""
+    if is_gguf_name(name):
+        resolve_gguf(name, say)
+
+
 def resolve_model_name(name: str, say: Say | None = None) -> str:
     """The directory or hub id to load for `name` (`say` reports a conversion that has to run first)."""
     if is_gguf_name(name):

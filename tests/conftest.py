@@ -42,6 +42,7 @@ HEAVIEST_FIRST = [
     "test_restarts",
     "test_rl",
     "test_slurm",
+    "test_real_tokenizer",
     SERVER_PAIR_GROUP,
     "test_reverse_text_example",
     "test_lora",
@@ -49,7 +50,7 @@ HEAVIEST_FIRST = [
     "test_sft",
 ]
 """Groups that take minutes, roughly longest first (seconds in a `make test` run on the 2-core CI machine,
-two at once: ~260, ~450, ~250, ~200, ~200, ~120, ~60, ~160). The scheduler hands groups out in collection
+two at once: ~260, ~450, ~250, ~300 (estimated), ~200, ~200, ~120, ~60, ~160). The scheduler hands groups out in collection
 order, so starting the long ones first keeps one worker from being left with a long group at the end while
 the other idles."""
 

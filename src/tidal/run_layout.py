@@ -29,6 +29,11 @@ def sft_metrics_path(output_dir: Path) -> Path:
     return Path(output_dir) / "metrics.jsonl"
 
 
+def online_eval_path(output_dir: Path) -> Path:
+    """Every online eval of a `tidal rl` run (each environment's report, intervals included), one per line."""
+    return orchestrator_dir(output_dir) / "online_eval.jsonl"
+
+
 def samples_path(output_dir: Path) -> Path:
     """Sampled rollouts as text (the orchestrator's `samples` setting), one JSON record per rollout."""
     return Path(output_dir) / "samples.jsonl"

@@ -161,6 +161,9 @@ class OnlineEvalConfig(Config):
     """Samples per task (avg@k, pass@k)."""
     sampling: EvalSamplingConfig | None = None
     """Default: greedy, so the number moves only when the policy does, with the run's max_tokens."""
+    final: bool = True
+    """With `interval` set: evaluate once more after the last step, on the policy the last step trained
+    (printed, and in orchestrator/online_eval.jsonl with every other online eval)."""
 
 
 HELDOUT_SEED_OFFSET = 1_000_003

@@ -291,7 +291,8 @@ def load_dequantised(path: Path, dtype: str) -> tuple[Any, Any]:
     folder, name = str(path.parent), path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+        with _no_tensor_bar():
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
     except ImportError as exc:
         raise UserError(f"model.name: {path}: {first_line(exc)} ({INSTALL_HINT})") from None
     except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
@@ -313,6 +314,25 @@ def load_dequantised(path: Path, dtype: str) -> tuple[Any, Any]:
     model.tie_weights()
     model.eval()
     return tokenizer, model
+
+
+@contextlib.contextmanager
+def _no_tensor_bar() -> Iterator[None]:
+    """transformers draws a tqdm bar per tensor straight to stderr (its progress-bar switch does not reach
+    it): hundreds of carriage-return updates in every log file of a run. tidal says when conversion starts
+    and ends instead."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as loader
+    except ImportError:
+        yield
+        return
+    bar = getattr(loader, "tqdm", None)
+    loader.tqdm = lambda items, *args, **kwargs: items  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if bar is not None:
+            loader.tqdm = bar  # type: ignore[attr-defined]
 
 
 def retie_output(model: Any, info: GGUFInfo) -> bool:

@@ -85,6 +85,7 @@ class Orchestrator:
         self.state_dir = run_layout.orchestrator_states_dir(self.out)
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
         self.samples = MetricsLogger(run_layout.samples_path(self.out))
+        self.online_evals = MetricsLogger(run_layout.online_eval_path(self.out))
         self.lag = LoopLagMonitor()
         self._replicas_before: list[ReplicaCounts] | None = None
 
@@ -126,6 +127,8 @@ class Orchestrator:
                 with frozen_heap():
                     while self.state.step < cfg.max_steps:
                         await self._one_step(client, policy, sender)
+                if cfg.online_eval.interval and cfg.online_eval.final:
+                    await self._final_eval(client, policy)
             finally:
                 await self.lag.stop()
                 await policy.stop()
@@ -232,7 +235,17 @@ class Orchestrator:
             raise RunStop(reason)
         print(f"orchestrator: {reason}; training on them", flush=True)
 
-    async def _online_eval(self, client: InferenceClient, step: int, version: int) -> dict[str, float]:
+    async def _final_eval(self, client: InferenceClient, policy: PolicyWatcher) -> None:
+        """The online eval of the policy the last step trained (version max_steps, once inference serves it);
+        it has no step of its own to be logged with, so it goes to online_eval.jsonl only."""
+        steps = self.config.max_steps
+        print(f"orchestrator: waiting for the weights of step {steps} for the final eval", flush=True)
+        await policy.wait_for(steps)
+        await self._online_eval(client, steps, policy.version, final=True)
+
+    async def _online_eval(
+        self, client: InferenceClient, step: int, version: int, final: bool = False
+    ) -> dict[str, float]:
         """The same evaluation as `tidal eval`, on the policy inference serves now; logged as eval/<env>/...
 
         An eval environment that fails is logged and left out; training goes on."""
@@ -251,6 +264,7 @@ class Orchestrator:
         envs = [(s, self.eval_envs[s.display_name]) for s in eval_config.env]
         results = EvalResults()
         await evaluate_envs(client, self.tokenizer, envs, eval_config, results)
+        self._keep_eval(step, version, final, results.reports)
         metrics: dict[str, float] = {"eval/policy_version": version}
         for name, report in results.reports.items():
             for key, value in report.items():
@@ -258,12 +272,22 @@ class Orchestrator:
                     metrics[f"eval/{name}/{key}"] = value
                 elif isinstance(value, dict) and "mean" in value:  # avg@k / pass@k with their interval
                     metrics[f"eval/{name}/{key}"] = value["mean"]
+                    metrics[f"eval/{name}/{key}_ci_low"] = value["ci_low"]
+                    metrics[f"eval/{name}/{key}_ci_high"] = value["ci_high"]
         print(
-            f"orchestrator online eval at step {step}: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "avg@" in k or "pass@" in k),
+            f"orchestrator {'final' if final else 'online'} eval at step {step}: "
+            + ", ".join(
+                f"{k} {v:.3f}"
+                for k, v in metrics.items()
+                if ("avg@" in k or "pass@" in k) and "_ci_" not in k
+            ),
             flush=True,
         )
         return metrics
+
+    def _keep_eval(self, step: int, version: int, final: bool, reports: dict[str, Any]) -> None:
+        """One line of online_eval.jsonl: the reports as `tidal eval` writes them (intervals, failures)."""
+        self.online_evals.log(step, {"policy_version": version, "final": final, "envs": reports})
 
     def _accept(
         self,
@@ -436,6 +460,7 @@ class Orchestrator:
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
         self.samples.truncate_after(step - 1)
+        self.online_evals.truncate_after(step - 1)
         sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
@@ -453,6 +478,7 @@ class Orchestrator:
             self.tracker.load_state_dict(self.state.staleness)
         self.metrics.truncate_after(step - 1)
         self.samples.truncate_after(step - 1)
+        self.online_evals.truncate_after(step - 1)
         print(f"orchestrator: restarted at step {step} from its own state", flush=True)
 
 

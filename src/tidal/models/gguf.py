@@ -95,10 +95,7 @@ def _convert(config: "ConvertConfig") -> int:
         if found is not None:
             print(f"{path} is converted already: {found} (--force converts it again)", flush=True)
             return 0
-        digest = file_sha256(path)
-        target = cache_root() / f"{_safe_stem(path)}-{digest[:16]}"
-        with _lock(target):
-            convert_gguf(path, target, digest=digest)
+        target = convert_into_cache(path, force=config.force)
     print(f'use it as model.name = "{path}" or "{target}"', flush=True)
     return 0
 
@@ -108,13 +105,20 @@ def resolve_gguf(name: str, say: Say | None = None) -> Path:
     path = Path(name).expanduser()
     check_file(path)
     found = find_converted(path)
-    if found is not None:
-        return found
+    return found if found is not None else convert_into_cache(path, say)
+
+
+def convert_into_cache(path: Path, say: Say | None = None, force: bool = False) -> Path:
+    """The cache's directory for the file's contents (its sha256), converted unless a complete one is there
+    (another copy of the same file converted it, or another process while this one waited for the lock);
+    this copy is remembered there, so it is found next time without hashing."""
     digest = file_sha256(path)
     target = cache_root() / f"{_safe_stem(path)}-{digest[:16]}"
     with _lock(target):
-        if not is_complete(target):  # another process may have converted it while this one waited
+        if force or not is_complete(target):
             convert_gguf(path, target, digest=digest, say=say)
+        else:
+            remember_copy(target, path)
     return target
 
 
@@ -123,19 +127,38 @@ def find_converted(path: Path) -> Path | None:
     root = cache_root()
     if not root.is_dir():
         return None
-    stat = path.stat()
+    this = _identity(path)
     for candidate in sorted(root.glob(f"{_safe_stem(path)}-*")):
         record = read_info(candidate)
         if record is None or record.get("converter_version") != CONVERTER_VERSION:
             continue
-        source = record.get("source", {})
-        if (source.get("path"), source.get("size"), source.get("mtime_ns")) == (
-            str(path.resolve()),
-            stat.st_size,
-            stat.st_mtime_ns,
-        ):
+        copies = [record.get("source", {}), *record.get("copies", [])]
+        if any(_identity_of(copy) == this for copy in copies):
             return candidate
     return None
+
+
+def remember_copy(target: Path, path: Path) -> None:
+    """Add `path` to the copies of the file `target` was converted from (the caller holds the lock)."""
+    record = read_info(target)
+    if record is None:
+        return
+    stat = path.stat()
+    copy = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    copies = [c for c in record.get("copies", []) if c.get("path") != copy["path"]]
+    record["copies"] = [*copies, copy]
+    staging = target / (INFO_FILE + ".tmp")
+    staging.write_text(json.dumps(record, indent=2) + "\n")
+    staging.replace(target / INFO_FILE)
+
+
+def _identity(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _identity_of(record: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return record.get("path"), record.get("size"), record.get("mtime_ns")
 
 
 def is_complete(target: Path) -> bool:

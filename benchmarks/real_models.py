@@ -1,0 +1,269 @@
+"""RL that raises a real pretrained model's held-out score, one GPU: every recipe of one model side by side.
+
+A recipe is `examples/<env>/rl_<model>.toml`, with `examples/<env>/sft_<model>.toml` before it where the
+environment's demonstrations warm the model up first (where the base model scores near 0). For each:
+
+    [tidal sft @ sft_<model>.toml  → warm-up; tidal eval of the base model on the held-out tasks]
+    tidal rl @ rl_<model>.toml --model.name <base or warm-up>  (online eval at step 0, every interval, final)
+
+The held-out score before RL is the RL run's own step-0 online eval (its policy is the base model or the
+warm-up); after RL it is the final eval (the last one, if the deadline stopped the run first). A recipe with
+a warm-up also gets the base model's score from `tidal eval` on the same held-out tasks with the same
+sampling (the online eval's environment spec, read from `tidal rl --dry-run`). Each score is the greedy
+avg@1 over the environment's held-out split with its 95% interval.
+
+Every run shares the GPU: the RL runs start together, each vLLM server with a fixed KV cache
+(`--kv-cache-memory-bytes`: no start-up profiling of free memory, which other processes starting at the same
+time would upset) and its config's own port. The results file is rewritten as each recipe ends, so a call cut
+short keeps what finished; `--raw` packs every run's metrics, evals and logs into one tar.gz.
+
+    python benchmarks/real_models.py --model /root/models/SmolLM2-135M-Instruct.Q4_1.gguf --suffix smollm2 \\
+        --envs math alphabet_sort tool_use --workdir /root/rm --out /root/out/real_models_h200.json \\
+        --deadline 1000 --raw /root/out/real_models_raw.tar.gz
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+SHARED_GPU_FLAGS = [
+    "--inference.vllm.gpu-memory-utilization", "0.05",
+    "--inference.vllm.extra-args", '["--kv-cache-memory-bytes", "4G"]',
+]  # fmt: skip
+"""Added to every RL and eval run here so that several share one GPU (not part of the recipes)."""
+
+
+def recipe_files(env: str, suffix: str) -> tuple[Path | None, Path]:
+    sft = EXAMPLES / env / f"sft_{suffix}.toml"
+    return (sft if sft.exists() else None), EXAMPLES / env / f"rl_{suffix}.toml"
+
+
+def tidal(args: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "tidal", *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT
+        )
+
+
+def wait(process: subprocess.Popen, deadline: float) -> tuple[int | None, bool]:
+    """(exit code, stopped by the deadline): SIGTERM at the deadline, which keeps what the run wrote."""
+    while process.poll() is None and time.monotonic() < deadline:
+        time.sleep(2.0)
+    if process.poll() is None:
+        process.terminate()
+        try:
+            return process.wait(timeout=120), True
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait(), True
+    return process.returncode, False
+
+
+def port_of(config: Path) -> int:
+    return int(tomllib.loads(config.read_text())["inference"]["server"]["port"])
+
+
+def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list[str]:
+    """`tidal eval` of `model` on exactly the RL run's online-eval tasks and sampling (from its dry run)."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "tidal", "rl", "@", str(rl_config), "--model.name", model, "--dry-run"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    orchestrator = shown.split("configs/orchestrator.toml ----\n", 1)[1].split("\n# ----", 1)[0]
+    spec = tomllib.loads(orchestrator)["online_eval"]
+    eval_config = out.parent / "heldout_eval.toml"
+    eval_config.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"num_tasks = {spec['num_tasks']}", "k = 1", "", "[sampling]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in spec["sampling"].items()]
+    for env in spec["env"]:
+        lines += ["", "[[env]]", f"name = {json.dumps(env['name'])}"]
+        kwargs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.get("kwargs", {}).items())
+        lines.append(f"kwargs = {{{kwargs}}}")
+    eval_config.write_text("\n".join(lines) + "\n")
+    settings = tomllib.loads(rl_config.read_text())
+    args = ["eval", "@", str(eval_config), "--model.name", model, "--output-dir", str(out),
+            "--inference.server.port", str(port), *SHARED_GPU_FLAGS]  # fmt: skip
+    if "max_model_len" in settings.get("inference", {}).get("vllm", {}):
+        args += ["--inference.vllm.max-model-len", str(settings["inference"]["vllm"]["max_model_len"])]
+    if "dtype" in settings.get("model", {}):
+        args += ["--model.dtype", settings["model"]["dtype"]]
+    return args
+
+
+def score(report: dict[str, Any]) -> dict[str, Any]:
+    """An environment's greedy avg@1 as the results file writes it: mean, 95% interval, number of tasks."""
+    estimate = report["avg@1"]
+    return {
+        "mean": round(estimate["mean"], 4),
+        "ci95": [round(estimate["ci_low"], 4), round(estimate["ci_high"], 4)],
+        "n": report["num_tasks"],
+    }
+
+
+def online_evals(rl_dir: Path) -> list[dict[str, Any]]:
+    path = rl_dir / "orchestrator" / "online_eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def env_report(record: dict[str, Any], env: str) -> dict[str, Any] | None:
+    """The record's report of `env` (its label may carry a suffix), None when it failed or is missing."""
+    for name, report in record["envs"].items():
+        if name.split("/")[0] == env and "avg@1" in report:
+            return report
+    return None
+
+
+class Recipe:
+    """One environment's runs: the optional warm-up and base eval, then RL; `result()` is its entry."""
+
+    def __init__(self, env: str, suffix: str, model: str, workdir: Path):
+        self.env, self.model = env, model
+        self.sft_config, self.rl_config = recipe_files(env, suffix)
+        self.dir = workdir / env
+        self.commands: list[str] = []
+        self.notes: dict[str, Any] = {}
+        self.base_eval: dict[str, Any] | None = None
+        self.rl_started = self.rl_ended = 0.0
+
+    def warm_up(self, deadline: float) -> str | None:
+        """The warm-up's final/ (None without one, or when it failed), with the base eval beside it."""
+        if self.sft_config is None:
+            return self.model
+        sft_args = ["sft", "@", str(self.sft_config), "--model.name", self.model,
+                    "--output-dir", str(self.dir / "sft")]  # fmt: skip
+        eval_args = heldout_eval_args(
+            self.rl_config, self.model, self.dir / "base_eval", port_of(self.rl_config) + 5
+        )
+        self.commands += ["tidal " + " ".join(sft_args), "tidal " + " ".join(eval_args)]
+        sft, base = tidal(sft_args, self.dir / "sft.log"), tidal(eval_args, self.dir / "base_eval.log")
+        sft_code, _ = wait(sft, deadline)
+        base_code, _ = wait(base, deadline)
+        self.notes.update(sft_exit=sft_code, base_eval_exit=base_code)
+        report = self.dir / "base_eval" / "eval.json"
+        if base_code == 0 and report.exists():
+            self.base_eval = env_report(json.loads(report.read_text()), self.env)
+        final = self.dir / "sft" / "final"
+        return str(final) if sft_code == 0 and (final / "config.json").exists() else None
+
+    def start_rl(self, start: str) -> subprocess.Popen:
+        args = ["rl", "@", str(self.rl_config), "--model.name", start, "--output-dir", str(self.dir / "rl"),
+                *SHARED_GPU_FLAGS]  # fmt: skip
+        self.commands.append("tidal " + " ".join(args))
+        self.rl_started = time.monotonic()
+        return tidal(args, self.dir / "rl.log")
+
+    def result(self, code: int | None, stopped: bool) -> dict[str, Any]:
+        self.rl_ended = time.monotonic()
+        evals = [e for e in online_evals(self.dir / "rl") if env_report(e, self.env) is not None]
+        first, last = (evals[0], evals[-1]) if evals else (None, None)
+        before = score(env_report(first, self.env)) if first else None  # type: ignore[arg-type]
+        after = score(env_report(last, self.env)) if last and last is not first else None  # type: ignore[arg-type]
+        trained = self.dir / "rl" / "trainer" / "metrics.jsonl"
+        steps = len(trained.read_text().splitlines()) if trained.exists() else 0
+        warm = self.sft_config is not None
+        base = score(self.base_eval) if warm and self.base_eval else (None if warm else before)
+        return {
+            "env": self.env,
+            "model": Path(self.model).name,
+            "heldout_base": base,
+            "heldout_warmup": before if warm else None,
+            "heldout_after_rl": after,
+            "after_rl_eval": {"step": last["step"], "final": last["final"]} if last else None,
+            "rl_steps": steps,
+            "rl_wall_s": round(self.rl_ended - self.rl_started, 1),
+            "rl_exit_code": code,
+            "stopped_by_deadline": stopped,
+            **self.notes,
+            "commands": self.commands,
+        }
+
+
+def goal_met(run: dict[str, Any]) -> bool:
+    """A rise of ≥ 0.10 in the held-out greedy reward over RL's starting point, intervals apart."""
+    before = run["heldout_warmup"] or run["heldout_base"]
+    after = run["heldout_after_rl"]
+    if not before or not after:
+        return False
+    return after["mean"] - before["mean"] >= 0.10 and after["ci95"][0] > before["ci95"][1]
+
+
+def write(out: Path, runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    for run in runs:
+        run["goal_met"] = goal_met(run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**meta, "runs": runs}, indent=1) + "\n")
+
+
+def pack(workdir: Path, raw: Path) -> None:
+    """Metrics, online evals, eval reports and logs of every run in one tar.gz (the device tool brings back
+    few files)."""
+    patterns = ["*/*.log", "*/rl/*/metrics.jsonl", "*/rl/orchestrator/online_eval.jsonl", "*/rl/logs/*.log",
+                "*/sft/metrics.jsonl", "*/base_eval/eval.json", "*/rl/samples.jsonl"]  # fmt: skip
+    with tarfile.open(raw, "w:gz") as tar:
+        for pattern in patterns:
+            for path in sorted(workdir.glob(pattern)):
+                tar.add(path, arcname=str(path.relative_to(workdir)))
+
+
+def machine() -> str:
+    try:
+        found = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return found.stdout.strip() or "no GPU found"
+    except OSError:
+        return "no GPU found"
+
+
+def run(args: argparse.Namespace) -> None:
+    deadline = time.monotonic() + args.deadline
+    recipes = [Recipe(env, args.suffix, str(args.model), args.workdir) for env in args.envs]
+    meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
+    runs: list[dict[str, Any]] = []
+    # warm-ups first, side by side; RL runs without one start at once
+    running: dict[str, tuple[Recipe, subprocess.Popen]] = {}
+    for recipe in recipes:
+        if recipe.sft_config is None:
+            running[recipe.env] = (recipe, recipe.start_rl(recipe.model))
+    for recipe in recipes:
+        if recipe.sft_config is not None:
+            start = recipe.warm_up(deadline)
+            if start is None:
+                runs.append(recipe.result(None, False))
+                continue
+            running[recipe.env] = (recipe, recipe.start_rl(start))
+    for recipe, process in running.values():
+        code, stopped = wait(process, deadline)
+        runs.append(recipe.result(code, stopped))
+        write(args.out, runs, meta)
+        print(f"[real_models] {recipe.env}: {json.dumps(runs[-1])}", flush=True)
+        if args.raw:
+            pack(args.workdir, args.raw)
+    write(args.out, runs, meta)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True, help="the base model: a .gguf file or HF dir")
+    parser.add_argument(
+        "--suffix", required=True, help="recipe files are examples/<env>/{sft,rl}_<suffix>.toml"
+    )
+    parser.add_argument("--envs", nargs="+", required=True)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline", type=float, default=540, help="seconds from now: every run is stopped")
+    parser.add_argument("--raw", type=Path, help="a tar.gz of every run's metrics, evals and logs")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -193,11 +193,13 @@ def test_multi_turn_rollouts_against_the_real_model_keep_exact_tokens(
         )
 
 
-def test_eval_runs_every_builtin_environment_on_the_real_model(server: ServerProcess, tmp_path: Path) -> None:
+def test_eval_runs_every_builtin_environment_on_the_real_model(
+    gguf_file: Path, server: ServerProcess, tmp_path: Path
+) -> None:
     out = tmp_path / "eval"
     envs = ", ".join(f'{{name = "{name}", num_tasks = 2}}' for name in BUILTIN_ENVS)
     args = [
-        "eval", "--model.name", "HuggingFaceTB/SmolLM2-135M-Instruct", "--server-url", server.url,
+        "eval", "--model.name", str(gguf_file), "--server-url", server.url,
         "--output-dir", str(out), "--env", f"[{envs}]", "--k", "1", "--sampling.temperature", "0",
         "--sampling.max-tokens", "32", "--timeout", "600",
     ]  # fmt: skip
@@ -210,9 +212,10 @@ def test_eval_runs_every_builtin_environment_on_the_real_model(server: ServerPro
         assert env_report["num_tasks"] == 2 and env_report["num_failed"] == 0, (name, env_report)
         assert 0.0 <= env_report["avg@1"]["mean"] <= 1.0
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    replies = [r["messages"][-1]["content"] for r in rows if r["messages"][-1]["role"] == "assistant"]
-    # a real model answers in words: the decoded replies hold ordinary English, not byte soup
-    assert sum(" the " in f" {reply.lower()} " or reply.strip() for reply in replies) >= len(BUILTIN_ENVS)
+    replies = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    # the byte-level BPE decodes to text: words, and no replacement characters from split multi-byte tokens
+    assert replies and all("\ufffd" not in reply for reply in replies)
+    assert sum(any(word.isalpha() for word in reply.split()) for reply in replies) >= len(replies) // 2
 
 
 def test_short_rl_run_trains_the_real_model_with_logprobs_matching_vllm(

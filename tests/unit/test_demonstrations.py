@@ -1,39 +1,38 @@
 """Built-in demonstration datasets: each one, replayed through its environment's own rollout, earns full
 marks, meets the environment's turns exactly and tokenises for SFT as the rollout sampled it; the splits share
-no task; bad settings are one-line errors."""
+no task, and the held-out demonstrations are the tasks RL's online eval holds out; bad settings are one-line
+errors."""
 
 import asyncio
+import json
 
 import pytest
 
 from tests.unit.test_envs_multiturn import ScriptedSampler
+from tidal.config.envs import EnvSpec
 from tidal.config.loader import load_config
+from tidal.config.rl import heldout_spec
 from tidal.config.sft import SFTConfig
 from tidal.envs import reverse_text
 from tidal.envs.base import render_prompt, run_episode
-from tidal.envs.demonstrations import (
-    generate_demonstrations,
-    in_split,
-    split_demonstrations,
-    task_key,
-)
+from tidal.envs.demonstrations import env_demonstrations, generate_demonstrations
 from tidal.envs.registry import load_env
 from tidal.envs.wordle import WORDS
 from tidal.errors import UserError
 from tidal.trainer.data import tokenize_conversation
 from tidal.trainer.sources import load_conversations
 
-FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.0, "code": 1.0, "wordle": 1.2}
-"""The highest reward of each environment (wordle: solved 1.0 + 0.2 × all five letters green)."""
+FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.2, "code": 1.0, "wordle": 1.2}
+"""The highest reward of each environment (wordle: solved 1.0 + 0.2 × all five letters green; tool_use: the
+answer 1.0 + 0.2 for computing it with a tool)."""
 
 
 def replay(name: str, kwargs: dict, count: int, split: str = "train"):
     """(task, demonstration, episode, sampler) of the first `count` demonstrations, each replayed by a sampler
     that says exactly the demonstration's assistant turns."""
-    env = load_env(name, **kwargs)
-    tasks = [env.task(i) for i in range(env.num_tasks()) if in_split(env.task(i), split)]
+    env = load_env(name, **kwargs, split=split)
     out = []
-    for task in tasks[:count]:
+    for task in [env.task(i) for i in range(count)]:
         demonstration = env.demonstration(task)
         replies = [m["content"] for m in demonstration if m["role"] == "assistant"]
         sampler = ScriptedSampler(replies)
@@ -47,8 +46,9 @@ def replay(name: str, kwargs: dict, count: int, split: str = "train"):
     [
         ("alphabet_sort", {"num_examples": 200, "min_turns": 2, "max_turns": 3}, 8),
         ("math", {"num_examples": 200}, 12),
+        ("math", {"num_examples": 200, "level": ["arithmetic", "products"]}, 12),
         ("tool_use", {"num_examples": 200, "sandbox": "process"}, 9),
-        ("code", {"sandbox": "process"}, 16),
+        ("code", {"sandbox": "process"}, 15),
         ("wordle", {"num_examples": 200}, 8),
     ],
 )
@@ -86,20 +86,64 @@ def test_multi_turn_and_tool_demonstrations_have_every_turn():
     assert {'"name": "calculator"' in d[2]["content"] for d in tool_demo} == {True, False}
 
 
-def test_train_and_heldout_share_no_task():
-    for name, kwargs in [("alphabet_sort", {"num_examples": 3000}), ("math", {"num_examples": 3000})]:
-        env = load_env(name, **kwargs)
-        train = {task_key(env.task(i)) for i in range(env.num_tasks()) if in_split(env.task(i), "train")}
-        heldout = {task_key(env.task(i)) for i in range(env.num_tasks()) if in_split(env.task(i), "heldout")}
-        assert train and heldout and not train & heldout
-        assert 0.05 < len(heldout) / (len(train) + len(heldout)) < 0.2
+def prompts(env) -> list[str]:  # type: ignore[no-untyped-def]
+    return [json.dumps([env.task(i).messages, env.task(i).answer]) for i in range(env.num_tasks())]
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("alphabet_sort", {}),
+        ("math", {}),
+        ("math", {"level": "arithmetic"}),
+        ("math", {"level": "products"}),
+        ("tool_use", {"sandbox": "process"}),
+    ],
+)
+def test_train_and_heldout_share_no_task_and_heldout_has_200_distinct(name, kwargs):
+    train = load_env(name, num_examples=3000, **kwargs)
+    heldout = load_env(name, num_examples=200, split="heldout", **kwargs)
+    held = prompts(heldout)
+    assert len(set(held)) == 200 and not set(held) & set(prompts(train))
+    assert len(set(prompts(train))) == 3000  # each split's tasks are distinct tasks
+
+
+def test_wordle_and_code_splits_partition_their_lists():
     # wordle: no hidden word is in both splits (a demonstration ends with the winning guess)
     won = {
         split: {d[-1]["content"] for d in generate_demonstrations("wordle", split, None, None, {})}
         for split in ("train", "heldout")
     }
     assert won["train"] and won["heldout"] and not won["train"] & won["heldout"]
-    assert len(won["train"] | won["heldout"]) == len(WORDS)
+    # the solver wins all but a few of the 2168 words within six guesses
+    assert len(WORDS) - 20 < len(won["train"] | won["heldout"]) <= len(WORDS)
+    ids = {split: {t.id for t in load_env("code", split=split).tasks} for split in ("train", "heldout")}
+    assert ids["heldout"] == {"fibonacci", "gcd", "to_binary"} and not ids["train"] & ids["heldout"]
+    assert len(ids["train"] | ids["heldout"]) == 18
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("alphabet_sort", {"num_examples": 3000, "max_turns": 2}),
+        ("math", {"num_examples": 3000, "level": "products", "seed": 3}),
+        ("tool_use", {"num_examples": 3000, "sandbox": "process"}),
+        ("code", {}),
+        ("wordle", {"num_examples": 3000}),
+    ],
+)
+def test_sfts_heldout_demonstrations_are_the_tasks_rl_evaluates_online(name, kwargs):
+    evaluated = load_env(name, **heldout_spec(EnvSpec(name=name, kwargs=kwargs), 40).kwargs)
+    tasks = [evaluated.task(i) for i in range(evaluated.num_tasks())]
+    assert len(tasks) == (3 if name == "code" else 40)
+    demonstrations = generate_demonstrations(name, "heldout", min(len(tasks), 30), None, kwargs)
+    if name == "wordle":  # a demonstration per word the solver wins within six guesses
+        assert {d[-1]["content"] for d in demonstrations} <= {f"<guess>{t.answer}</guess>" for t in tasks}
+        return
+    # the same questions (tool_use's demonstrations also list the tools in the system message)
+    assert [d[1 : len(t.messages)] for d, t in zip(demonstrations, tasks, strict=False)] == [
+        t.messages[1:] for t in tasks[: len(demonstrations)]
+    ]
 
 
 def test_the_seed_changes_tasks_and_sizes_are_kept():
@@ -107,10 +151,8 @@ def test_the_seed_changes_tasks_and_sizes_are_kept():
     assert first == generate_demonstrations("math", "train", 20, 0, {"num_examples": 100})
     assert first != generate_demonstrations("math", "train", 20, 1, {"num_examples": 100})
     assert len(first) == 20
-    env = load_env("alphabet_sort", num_examples=100)
-    assert len(split_demonstrations(env, "heldout", None)) == sum(
-        in_split(env.task(i), "heldout") for i in range(100)
-    )
+    env = load_env("alphabet_sort", num_examples=100, split="heldout")
+    assert len(env_demonstrations(env, None)) == 100
 
 
 def test_reverse_text_keeps_its_generator():
@@ -123,13 +165,16 @@ def test_reverse_text_keeps_its_generator():
     [
         (
             ("code", "train", 100, None, {}),
-            "has 16 demonstrations of 18 tasks, fewer than num_examples = 100",
+            "has 15 demonstrations of 15 tasks, fewer than num_examples = 100",
         ),
         (("code", "train", None, 3, {}), "has no seed"),
         (("math", "train", None, 1, {"seed": 2}), "seed is given twice"),
+        (("math", "train", None, None, {"split": "heldout"}), "split is given twice"),
+        (("math", "validation", None, None, {}), "split must be one of train, heldout"),
         (("reverse_text", "train", 5, None, {"max_turns": 2}), "takes no kwargs"),
         (("wordle", "train", 5, None, {"colour": "green"}), "unexpected keyword argument 'colour'"),
-        (("code", "train", None, None, {"num_examples": 1}), "holds no task"),
+        (("code", "heldout", None, None, {"num_examples": 5}), "there are 3 tasks in the heldout split"),
+        (("math", "train", None, None, {"level": "calculus"}), "level must be one of arithmetic"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args, message):

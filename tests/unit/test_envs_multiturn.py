@@ -3,6 +3,7 @@ with the tiny model's ChatML template and with the Qwen3-style one (which re-ren
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -14,7 +15,7 @@ from tidal.envs.alphabet_sort import (
 )
 from tidal.envs.base import ContextFull, Episode, Turn, answer_text, render_prompt, run_episode
 from tidal.envs.tool_use import ToolUseEnv
-from tidal.envs.wordle import MAX_GUESSES, WordleEnv, feedback, parse_guess
+from tidal.envs.wordle import MAX_GUESSES, WORDS, WordleEnv, feedback, feedback_table, parse_guess
 from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
 from tidal.testing.tiny import build_tokenizer
 
@@ -122,8 +123,48 @@ def test_wordle_guess_parsing():
     assert parse_guess("I think <guess>CRANE</guess>") == "crane"
     assert parse_guess("<guess>cran</guess>") is None
     assert parse_guess("<guess>cr4ne</guess>") is None
-    assert parse_guess("crane") is None
     assert parse_guess("<guess>slate</guess> no wait <guess>crane</guess>") == "crane"
+    # a reply that is one word and nothing else is that guess; a word inside prose is not
+    assert parse_guess("crane") == parse_guess("**CRANE**") == parse_guess('"Crane".') == "crane"
+    assert parse_guess("Guess the five-letter word.") is None  # what SmolLM2-135M-Instruct replied
+    assert parse_guess("crane slate") is None and parse_guess("cranes") is None
+
+
+def test_every_example_in_wordles_prompts_is_a_valid_guess():
+    """Qwen2.5-Coder-0.5B copied the prompt's `<guess>word</guess>` literally: four letters, invalid every
+    turn. Every `<guess>` a prompt or a reply of the environment shows must itself be a valid guess."""
+    env = WordleEnv(num_examples=5)
+    task = env.task(0)
+    episode, _ = roll(env, task, ["<guess>word</guess>", "<guess>zzzzz</guess>", task.answer.upper()])
+    texts = [m["content"] for m in episode.messages if m["role"] != "assistant"]
+    examples = [example for text in texts for example in re.findall(r"<guess>.*?</guess>", text)]
+    assert len(examples) >= 2 and all(parse_guess(example) is not None for example in examples)
+    assert episode.info["num_invalid"] == 1 and episode.info["solved"] and episode.num_turns == 3
+
+
+def test_wordle_splits_hold_distinct_real_words_never_shared():
+    assert len(WORDS) == len(set(WORDS)) >= 2000
+    assert all(len(w) == 5 and w.isascii() and w.isalpha() and w.islower() for w in WORDS)
+    heldout = WordleEnv(num_examples=500, split="heldout")
+    train = WordleEnv(num_examples=5000)
+    held = [heldout.task(i).answer for i in range(500)]
+    # each word once before any repeats: the first 226 held-out games are 226 different words
+    assert len(set(held[:226])) == len(set(held)) == len(heldout.secrets) == 226
+    assert set(heldout.secrets) | set(train.secrets) == set(WORDS)
+    assert not set(held) & {train.task(i).answer for i in range(5000)}
+    assert heldout.task(300) == WordleEnv(num_examples=500, split="heldout").task(300)
+    assert heldout.task(3) != WordleEnv(num_examples=500, split="heldout", seed=1).task(3)
+    with pytest.raises(ValueError, match="split"):
+        WordleEnv(split="test")
+
+
+def test_the_solver_table_is_the_feedback_function():
+    words = ("geese", "these", "eerie", "abbey", "kebab", "crane", "nacre")
+    table = feedback_table(words)
+    for g, guess in enumerate(words):
+        for t, secret in enumerate(words):
+            code = sum("-YG".index(mark) * 3**i for i, mark in enumerate(feedback(guess, secret)))
+            assert table[g, t] == code, (guess, secret)
 
 
 def test_wordle_solved_game_and_tokens():
@@ -215,7 +256,7 @@ def test_tool_use_on_the_qwen3_template_wraps_tool_results_in_a_user_turn():
     call = f"<tool_call>\n{arguments}\n</tool_call>"
     replies = [call, call + call, f"<answer>{task.answer}</answer>"]
     episode, sampler = roll(env, task, replies, qwen3_tokenizer())
-    assert episode.reward == 1.0 and episode.num_turns == 3
+    assert episode.reward == pytest.approx(1.2) and episode.num_turns == 3
     assert episode.metrics["tools/num_tool_calls"] == 3 and episode.metrics["tools/num_tool_errors"] == 0
     check_token_invariants(episode, sampler)
     assert "# Tools" in sampler.tokenizer.decode(episode.prompt_ids)  # the template describes the tools

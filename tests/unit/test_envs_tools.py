@@ -8,8 +8,8 @@ import pytest
 
 from tests.unit.test_envs_multiturn import check_token_invariants, roll
 from tidal.envs.sandbox import PythonSandbox, calculate
-from tidal.envs.tool_use import ToolUseEnv, generate_question, parse_answer
-from tidal.envs.tools import ToolCall, parse_tool_calls, render_tool_prompt
+from tidal.envs.tool_use import SYSTEM_PROMPT, ToolUseEnv, generate_question, parse_answer
+from tidal.envs.tools import ToolCall, example_call, parse_tool_calls, render_tool_prompt
 from tidal.testing.tiny import build_tokenizer
 
 
@@ -37,6 +37,45 @@ def test_parse_tool_calls_accepts_openai_shapes_and_reports_bad_ones():
     assert "invalid JSON" in (bad[0].error or "") and "name" in (bad[2].error or "")
     assert parse_tool_calls("no calls here") == []
     assert parse_tool_calls("") == []
+
+
+# What Qwen2.5-Coder-0.5B-Instruct wrote to tool_use questions (greedy), its template asking for <tool_call>
+QWEN_FENCED = '```json\n{\n  "name": "calculator",\n  "arguments": {\n    "expression": "(80784 * 1299) - 4792"\n  }\n}\n```'
+QWEN_BARE = '{"name": "calculator", "arguments": {"expression": "80784 * 1299 - 4792"}}'
+QWEN_UNKNOWN_TOOL = (
+    '```json\n{\n  "name": "prime_count",\n  "arguments": {\n    "expression": "1766"\n  }\n}\n```'
+)
+
+
+def test_calls_in_json_fences_and_bare_json_objects_are_calls():
+    assert parse_tool_calls(QWEN_FENCED) == [ToolCall("calculator", {"expression": "(80784 * 1299) - 4792"})]
+    assert parse_tool_calls(QWEN_BARE) == [ToolCall("calculator", {"expression": "80784 * 1299 - 4792"})]
+    assert parse_tool_calls(QWEN_UNKNOWN_TOOL) == [ToolCall("prime_count", {"expression": "1766"})]
+    several = (
+        'First {"name": "calculator", "parameters": {"expression": "2*3"}}, then '
+        '{"type": "function", "function": {"name": "python", "arguments": "{\\"code\\": \\"print({1: 2})\\"}"}}'
+    )
+    assert parse_tool_calls(several) == [
+        ToolCall("calculator", {"expression": "2*3"}),
+        ToolCall("python", {"code": "print({1: 2})"}),
+    ]
+    listed = '```json\n[{"name": "calculator", "arguments": {"expression": "1"}}, {"name": "python", "arguments": {"code": "print(2)"}}]\n```'
+    assert [c.name for c in parse_tool_calls(listed)] == ["calculator", "python"]
+    # a fenced call that does not parse is a call gone wrong (the model is told why); prose JSON is no call
+    (broken,) = parse_tool_calls('```json\n{"name": "calculator", "arguments": {"expression": "1+"\n```')
+    assert broken.error is not None and "invalid JSON" in broken.error
+    for not_a_call in [
+        'The result is {"value": 42}.',
+        '```json\n{"name": "Ada", "age": 3}\n```',
+        '{"name": "calculator"}',
+        '```python\nprint({"name": "calculator", "arguments": {}})\n```',
+        "{not json at all",
+    ]:
+        assert parse_tool_calls(not_a_call) == [], not_a_call
+    # <tool_call> tags win: JSON elsewhere in a reply with tags is not a second call
+    assert parse_tool_calls(call("python", code="print(1)") + QWEN_BARE) == [
+        ToolCall("python", {"code": "print(1)"})
+    ]
 
 
 def test_calculator_is_bounded():
@@ -84,6 +123,19 @@ def test_tools_go_into_the_system_prompt_when_the_template_ignores_them():
     text = tok.decode(render_tool_prompt(tok, env.task(0).messages, list(env.tools.values())))
     assert "- calculator(expression):" in text and "<tool_call>" in text
     assert text.count("<|im_start|>system") == 1
+    # the example call is one that works: small models copy examples
+    example = example_call([t.schema() for t in env.tools.values()])
+    assert example is not None and example in text
+    (parsed,) = parse_tool_calls(example)
+    assert parsed == ToolCall("calculator", {"expression": "(3 + 4) * 12"})
+    assert example_call([{"function": {"name": "f", "parameters": {"properties": {"x": {}}}}}]) is None
+
+
+def test_the_prompt_asks_for_a_tool_first_and_never_forbids_calls():
+    # "... reply <answer>number</answer> without a tool call" read as "do not call tools"; an answer
+    # format first, or an example answer, made Qwen2.5-Coder-0.5B guess at once in 8 of 8 tasks
+    assert SYSTEM_PROMPT.startswith("Use the tools to compute the answer.")
+    assert "without a tool call" not in SYSTEM_PROMPT and "<answer>number</answer>" in SYSTEM_PROMPT
 
 
 def test_tool_aware_templates_render_the_tools_themselves():
@@ -116,10 +168,49 @@ def test_tool_use_rollout_calls_tools_and_scores():
     expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
     replies = [call("calculator", expression=expression), f"<answer>{task.answer}</answer>"]
     episode, sampler = roll(env, task, replies)
-    assert episode.reward == 1.0 and episode.num_turns == 2
+    assert episode.reward == pytest.approx(1.2) and episode.num_turns == 2
     assert episode.messages[3] == {"role": "tool", "content": task.answer}
     assert episode.metrics["tools/num_tool_calls"] == 1 and episode.metrics["tools/num_tool_errors"] == 0
+    assert episode.metrics["reward/tool_computed_answer"] == 1.0
     check_token_invariants(episode, sampler)
+
+
+def test_a_fenced_call_is_run_and_computing_the_answer_earns_partial_credit():
+    """Qwen2.5-Coder-0.5B's rollouts: a fenced call computes the answer, then it calls the calculator again
+    with the result instead of answering. Computing it is worth 0.2; guessing the answer without a tool 1.0."""
+    env = ToolUseEnv(num_examples=20)
+    index = next(i for i in range(20) if env.task(i).messages[1]["content"].startswith("What is"))
+    task = env.task(index)
+    expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
+    fenced = QWEN_FENCED.replace("(80784 * 1299) - 4792", expression)
+    again = QWEN_FENCED.replace("(80784 * 1299) - 4792", task.answer)
+    episode, _ = roll(env, task, [fenced] + [again] * 10)
+    assert episode.num_turns == env.max_turns and episode.metrics["tools/num_tool_calls"] == env.max_turns
+    assert episode.messages[3] == {"role": "tool", "content": task.answer}
+    assert episode.reward == pytest.approx(0.2)
+    wrong, _ = roll(env, task, [fenced.replace(expression, "1 + 1"), "<answer>2</answer>"])
+    assert wrong.reward == 0.0
+    guessed, _ = roll(env, task, [f"<answer>{task.answer}</answer>"])
+    assert guessed.reward == 1.0 and guessed.metrics["reward/tool_computed_answer"] == 0.0
+
+
+def test_an_unknown_tool_is_told_which_tools_there_are():
+    env = ToolUseEnv(num_examples=5)
+    episode, _ = roll(env, env.task(0), [QWEN_UNKNOWN_TOOL, "<answer>1</answer>"])
+    assert episode.messages[3] == {
+        "role": "tool",
+        "content": "error: unknown tool 'prime_count'; the tools are calculator(expression), python(code)",
+    }
+    assert episode.metrics["tools/num_tool_errors"] == 1
+
+
+def test_tool_use_splits_are_disjoint_and_hold_200_distinct_questions():
+    train = ToolUseEnv(num_examples=2000)
+    heldout = ToolUseEnv(num_examples=200, split="heldout")
+    held = [heldout.task(i).messages[1]["content"] for i in range(200)]
+    assert len(set(held)) == 200
+    assert not set(held) & {train.task(i).messages[1]["content"] for i in range(2000)}
+    assert heldout.task(7) == ToolUseEnv(num_examples=200, split="heldout").task(7)
 
 
 @pytest.mark.parametrize(

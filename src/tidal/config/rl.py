@@ -173,19 +173,24 @@ HELDOUT_SEED_OFFSET = 1_000_003
 def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     """The eval spec of a training environment, on tasks the run does not train on.
 
-    reverse_text: its heldout split (strings disjoint from train by a hash of the text). math: a hub
-    dataset's `test` split when training uses `train`; the local generator, like wordle, alphabet_sort and
-    tool_use, another seed (new instances of the same generator; a small task space may repeat some).
-    vf: environments and code (a fixed list of tasks): the same tasks (set [[orchestrator.online_eval.env]]
-    to choose another split, or another `tasks_file`).
+    Built-in environments: their other split (`split = "heldout"` unless training is on it; the split rule,
+    `tidal.envs.splits`, puts each task in one split by a hash of what makes it that task, so these are the
+    tasks of SFT's held-out demonstrations too), `num_tasks` of them for the generated ones. math on a hub
+    dataset: its `test` split when training uses `train`. code: its held-out tasks (3 of the shipped 18).
+    vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split). Other
+    environments: another seed (new instances of the same generator; a small task space may repeat some).
     """
+    from tidal.envs.names import BUILTIN_ENVS  # imports no environment (nor torch)
+
     kwargs = dict(spec.kwargs)
-    if spec.name == "reverse_text":
-        kwargs.update(split="heldout", num_examples=num_tasks)
-    elif spec.name == "math" and kwargs.get("dataset", "local") != "local":
+    if spec.name == "math" and kwargs.get("dataset", "local") != "local":
         if kwargs.get("split", "train") == "train":
             kwargs["split"] = "test"
-    elif not spec.name.startswith("vf:") and spec.name != "code":
+    elif spec.name in BUILTIN_ENVS:
+        kwargs["split"] = "train" if kwargs.get("split") == "heldout" else "heldout"
+        if spec.name != "code":  # a fixed list: its whole held-out split, however few
+            kwargs["num_examples"] = num_tasks
+    elif not spec.name.startswith("vf:"):
         kwargs["seed"] = int(kwargs.get("seed", 0)) + HELDOUT_SEED_OFFSET
     return EvalEnvSpec(name=spec.name, label=spec.label, kwargs=kwargs)
 

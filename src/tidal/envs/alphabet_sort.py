@@ -8,9 +8,11 @@ the mean over turns, so a rollout that gets the first turn right and then drifts
 
 import random
 import re
+from dataclasses import replace
 
 from tidal.envs.base import Episode, RewardFn, Task
 from tidal.envs.multiturn import Message, MultiTurnEnv, model_replies
+from tidal.envs.splits import SplitTasks, check_split
 
 SYSTEM_PROMPT = (
     "Sort the names alphabetically and answer with the sorted list, one name per line, nothing else. "
@@ -42,6 +44,12 @@ def make_task(index: int, seed: int, num_turns: tuple[int, int], names_per_turn:
     ]
     answer = "\n".join(sorted(chosen, key=str.lower))
     return Task(task_id=f"alphabet_sort/{index}", messages=messages, answer=answer, info={"turns": batches})
+
+
+def split_key(task: Task) -> str:
+    """What makes a task that task, for the train/held-out split: the names to sort (however they arrive),
+    so no set of names is both trained on and held out."""
+    return ", ".join(sorted(name for batch in task.info["turns"] for name in batch))
 
 
 def expected_lists(task: Task) -> list[list[str]]:
@@ -104,6 +112,7 @@ class AlphabetSortEnv(MultiTurnEnv):
         max_turns: int = 3,
         min_names: int = 2,
         max_names: int = 4,
+        split: str = "train",
     ):
         if not 1 <= min_turns <= max_turns or not 1 <= min_names <= max_names:
             raise ValueError("alphabet_sort: need 1 ≤ min_turns ≤ max_turns and 1 ≤ min_names ≤ max_names")
@@ -113,6 +122,11 @@ class AlphabetSortEnv(MultiTurnEnv):
         self.num_examples, self.seed = num_examples, seed
         self.turn_range, self.name_range = (min_turns, max_turns), (min_names, max_names)
         self.max_turns = max_turns
+        self.split = check_split(split, "alphabet_sort")
+        self._tasks = SplitTasks(self._draw, split_key, split)
+
+    def _draw(self, number: int) -> Task:
+        return make_task(number, self.seed, self.turn_range, self.name_range)
 
     def default_rewards(self) -> list[tuple[RewardFn, float]]:
         return [(sorted_agreement, 1.0), (all_turns_exact, 0.0)]
@@ -121,7 +135,7 @@ class AlphabetSortEnv(MultiTurnEnv):
         return self.num_examples
 
     def task(self, index: int) -> Task:
-        return make_task(index, self.seed, self.turn_range, self.name_range)
+        return replace(self._tasks[index], task_id=f"alphabet_sort/{index}")
 
     def demonstration(self, task: Task) -> list[Message]:
         """Every turn answered with the sorted list so far; the names of the next turn in between."""

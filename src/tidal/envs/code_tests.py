@@ -4,12 +4,18 @@ The building block of SWE-style environments, kept small: single-turn, tasks fro
 package's `data/code_tasks.json` by default: short function-writing tasks, each with its reference
 solution and its tests). A test is a call and its expected result, `{"args": [...], "expected": ...}`.
 
-Scoring, off the event loop (in a reward worker, `call_off_loop`): the last fenced code block of the answer
-(```python or ```), or the whole answer when it has none, is run with a harness in `PythonSandbox` (bubblewrap where it works): the harness loads
-it, calls the function on each test's arguments and reports each result as a JSON line on a file
+Scoring, off the event loop (in a reward worker, `call_off_loop`): the code is the last fenced code block
+(```python, ```py or ```) that defines the requested function, else the last fenced block, else the whole
+answer (`extract_code`: real models follow the solution with a usage example in a block of its own, which
+scored 0 when the last block was taken). It is run with a harness in `PythonSandbox` (bubblewrap where it
+works): the harness loads it, calls the function on each test's arguments and reports each result as a JSON line on a file
 descriptor of its own (what the code prints goes nowhere). The expected values never enter the sandbox:
 the results are compared outside it, so code that forges reports gains nothing it did not compute. Tests
 that had not reported when the timeout killed the run count as failed.
+
+Splits (`split`): a task is held out when its id hashes into the held-out bucket (`tidal.envs.splits`): 3 of
+the 18 shipped tasks (`fibonacci`, `gcd`, `to_binary`), the other 15 are trained on. Three tasks are too
+few for a held-out score that means much (one task is a third of it): for one, give a larger `tasks_file`.
 
 Reward: the fraction of the tests passed (`all_or_nothing = true`: 1 only when all pass). Metrics:
 `code/fenced` (the code came from a fenced block), `code/compiled` (it loaded and defined the function),
@@ -26,6 +32,7 @@ from typing import Any
 from tidal.envs.base import Episode, SingleTurnEnv, Task, completion_text
 from tidal.envs.reward_pool import call_off_loop
 from tidal.envs.sandbox import PythonSandbox, announce, resolve_mode
+from tidal.envs.splits import check_split, in_split
 
 TASKS_FILE = Path(__file__).with_name("data") / "code_tasks.json"
 SYSTEM_PROMPT = "Write the requested Python function. Reply with its code in one ```python block."
@@ -112,11 +119,19 @@ def load_tasks(path: Path) -> list[CodeTask]:
     return tasks
 
 
-def extract_code(text: str) -> tuple[str, bool]:
-    """(code, whether it was fenced): the last fenced block of a reply (```python, ```py or a bare ```), else
-    the whole reply (models often answer with bare code; prose then fails to compile)."""
+def extract_code(text: str, function: str | None = None) -> tuple[str, bool]:
+    """(code, whether it was fenced): the last fenced block of a reply (```python, ```py or a bare ```) that
+    defines `function`, else the last fenced block, else the whole reply (models often answer with bare
+    code; prose then fails to compile)."""
     blocks = _BLOCK.findall(text)
-    return (blocks[-1], True) if blocks else (text.strip(), False)
+    if not blocks:
+        return text.strip(), False
+    if function is not None:
+        defines = re.compile(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(function)}[ \t]*\(", re.MULTILINE)
+        defining = [block for block in blocks if defines.search(block)]
+        if defining:
+            return defining[-1], True
+    return blocks[-1], True
 
 
 def harness_script(code: str, function: str, cases: list[list[Any]]) -> str:
@@ -229,12 +244,19 @@ class CodeTestsEnv(SingleTurnEnv):
         memory_mb: int = 512,
         sandbox: str = "auto",
         all_or_nothing: bool = False,
+        split: str = "train",
     ):
         super().__init__([])
-        self.tasks = load_tasks(Path(tasks_file) if tasks_file else TASKS_FILE)
+        every = load_tasks(Path(tasks_file) if tasks_file else TASKS_FILE)
+        self.split = check_split(split, "code")
+        self.tasks = [spec for spec in every if in_split(spec.id, split)]
+        if not self.tasks:
+            raise ValueError(f"the {split} split holds none of the {len(every)} tasks (tidal.envs.splits)")
         if num_examples is not None:
             if not 0 < num_examples <= len(self.tasks):
-                raise ValueError(f"num_examples = {num_examples}, but there are {len(self.tasks)} tasks")
+                raise ValueError(
+                    f"num_examples = {num_examples}, but there are {len(self.tasks)} tasks in the {split} split"
+                )
             self.tasks = self.tasks[:num_examples]
         if timeout <= 0 or memory_mb <= 0:
             raise ValueError("timeout and memory_mb must be positive")
@@ -261,7 +283,7 @@ class CodeTestsEnv(SingleTurnEnv):
     async def score(self, task: Task, episode: Episode) -> None:
         """Runs the hidden tests off the event loop; a reward worker returns the whole report."""
         spec = self.tasks[task.info["index"]]
-        code, fenced = extract_code(completion_text(episode))
+        code, fenced = extract_code(completion_text(episode), spec.function)
         if not code:
             report = TestReport(fenced=False, compiled=False, passed=0, total=len(spec.tests))
         else:

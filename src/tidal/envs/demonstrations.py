@@ -1,9 +1,10 @@
 """SFT conversations from a built-in environment's own tasks: the `demonstration` of each task of a split.
 
-A task belongs to the `heldout` split when a stable hash of its prompt and reference answer falls in one
-bucket of ten, else to `train`; the two splits never share a task (for wordle never a hidden word, for code
-never a task of its list) whatever the seed or the sizes. `reverse_text` keeps its own generator, whose
-splits are disjoint halves of string space already.
+Every built-in environment takes `split` ("train" or "heldout") and holds only the tasks of that split, by
+one rule (`tidal.envs.splits`: a stable hash of what makes the task that task: a wordle word, a math
+question, the names to sort, a code task's id), so the two splits never share a task whatever the seed or
+the sizes, and the held-out demonstrations are the tasks that `tidal rl` evaluates online. `reverse_text`
+keeps its own generator (the same rule, on the text), whose order predates the environment's.
 
     python -m tidal.envs.demonstrations alphabet_sort --split heldout --num-examples 5 --out /tmp/demo.jsonl
 """
@@ -11,43 +12,27 @@ splits are disjoint halves of string space already.
 import argparse
 import inspect
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
-from tidal.envs.base import Environment, Task
+from tidal.envs.base import Environment
 from tidal.envs.names import BUILTIN_ENVS
+from tidal.envs.splits import SPLITS
 from tidal.errors import UserError
 
 Conversation = list[dict[str, Any]]
-SPLITS = ("train", "heldout")
-HELDOUT_BUCKETS = 10
 
 
-def task_key(task: Task) -> str:
-    """What makes two tasks the same task: the prompt and the reference answer (not the index)."""
-    return json.dumps([task.messages, task.answer], sort_keys=True, default=str)
-
-
-def in_split(task: Task, split: str) -> bool:
-    heldout = zlib.crc32(task_key(task).encode()) % HELDOUT_BUCKETS == 0
-    return heldout == (split == "heldout")
-
-
-def split_demonstrations(env: Environment, split: str, num_examples: int | None) -> list[Conversation]:
-    """Demonstrations of the first `num_examples` tasks of `split` (None: all of them) in task order; a task
-    without a correct conversation (`demonstration` returns None) is skipped."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+def env_demonstrations(env: Environment, num_examples: int | None) -> list[Conversation]:
+    """Demonstrations of the environment's first `num_examples` tasks (None: all of them) in task order; a
+    task without a correct conversation (`demonstration` returns None) is skipped."""
     out: list[Conversation] = []
     for index in range(env.num_tasks()):
         if num_examples is not None and len(out) >= num_examples:
             break
-        task = env.task(index)
-        if in_split(task, split):
-            demonstration = env.demonstration(task)
-            if demonstration is not None:
-                out.append(demonstration)
+        demonstration = env.demonstration(env.task(index))
+        if demonstration is not None:
+            out.append(demonstration)
     return out
 
 
@@ -63,12 +48,17 @@ def generate_demonstrations(
     what = f"built-in dataset {name!r}"
     if name not in BUILTIN_ENVS:
         raise UserError(f"unknown {what} (built-in: {', '.join(sorted(BUILTIN_ENVS))})")
+    if split not in SPLITS:
+        raise UserError(f"{what}: split must be one of {', '.join(SPLITS)}, got {split!r}")
     if name == "reverse_text":
         if kwargs:
             raise UserError(f"{what} takes no kwargs (got {', '.join(sorted(kwargs))})")
         return reverse_text.generate_conversations(split, num_examples or 10_000, seed or 0)
     resolved = resolve_env(name)
     arguments = dict(kwargs)
+    if "split" in arguments:
+        raise UserError(f"{what}: split is given twice (split and kwargs.split); give one")
+    arguments["split"] = split
     if seed is not None:
         if "seed" in arguments:
             raise UserError(f"{what}: seed is given twice (seed and kwargs.seed); give one")
@@ -77,7 +67,7 @@ def generate_demonstrations(
         arguments["seed"] = seed
     env = resolved.build(**arguments)
     try:
-        conversations = split_demonstrations(env, split, num_examples)
+        conversations = env_demonstrations(env, num_examples)
     except NotImplementedError:
         raise UserError(f"{what}: environment {name!r} has no demonstrations") from None
     if not conversations or (num_examples is not None and len(conversations) < num_examples):

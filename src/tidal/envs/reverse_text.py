@@ -12,31 +12,25 @@ import argparse
 import json
 import random
 import string
-import zlib
 from pathlib import Path
 
 from tidal.envs.base import Episode, RewardFn, SingleTurnEnv, Task, completion_text
+from tidal.envs.splits import check_split, in_split
 
 SYSTEM_PROMPT = "Reverse the text character by character."
 MIN_LEN, MAX_LEN = 3, 10
-_HELDOUT_BUCKETS = 10  # 1 in 10 strings belongs to the heldout split
-
-
-def is_heldout(text: str) -> bool:
-    return zlib.crc32(text.encode()) % _HELDOUT_BUCKETS == 0
 
 
 def generate_texts(split: str, num_examples: int, seed: int = 0) -> list[str]:
-    """Deterministic strings of MIN_LEN..MAX_LEN lowercase letters belonging to `split`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    """Deterministic strings of MIN_LEN..MAX_LEN lowercase letters belonging to `split` (by the text itself,
+    `tidal.envs.splits`, the rule every built-in environment splits by)."""
+    check_split(split, "reverse_text")
     rng = random.Random(f"reverse_text/{seed}/{split}")
-    want_heldout = split == "heldout"
     texts: list[str] = []
     while len(texts) < num_examples:
         length = rng.randint(MIN_LEN, MAX_LEN)
         text = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
-        if is_heldout(text) == want_heldout:
+        if in_split(text, split):
             texts.append(text)
     return texts
 

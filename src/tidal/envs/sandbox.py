@@ -84,7 +84,13 @@ CALCULATOR = Tool(
     description="Evaluate arithmetic, e.g. (3 + 4) * 12.",
     parameters={
         "type": "object",
-        "properties": {"expression": {"type": "string", "description": "The expression to evaluate."}},
+        "properties": {
+            "expression": {
+                "type": "string",
+                "description": "The expression to evaluate.",
+                "examples": ["(3 + 4) * 12"],
+            }
+        },
         "required": ["expression"],
     },
     fn=calculate,

@@ -1,7 +1,15 @@
 """tool_use: arithmetic and counting questions the model answers by calling a calculator or a Python sandbox.
 
-The numbers are large enough that guessing rarely works, so the reward (correct `<answer>`) teaches tool
-use; the tool calls themselves are only logged (`tools/num_tool_calls`, `tools/num_tool_errors`).
+The numbers are large enough that guessing rarely works. Reward: 1.0 for the right number in `<answer>`
+tags, plus 0.2 when a tool's output was exactly the answer (`tool_computed_answer`): a real small model
+(Qwen2.5-Coder-0.5B) calls the calculator with the right expression but then calls it again and again
+instead of answering, and RL needs that step rewarded to get to the next. The tool calls are also logged
+(`tools/num_tool_calls`, `tools/num_tool_errors`).
+
+The system prompt's wording is what real models were seen to follow: "Use the tools to compute the
+answer" first (an answer format given first, or an example answer, made Qwen2.5-Coder answer at once with
+a guess, often the example's number, in every one of 8 tasks; this wording: a tool call in 6 of 6).
+`split`: questions whose text hashes into the held-out bucket, or the others (`tidal.envs.splits`).
 """
 
 import json
@@ -12,9 +20,12 @@ from dataclasses import dataclass
 from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.multiturn import Message
 from tidal.envs.sandbox import CALCULATOR, PythonSandbox, python_tool
+from tidal.envs.splits import SplitTasks, check_split
 from tidal.envs.tools import ToolEnv, with_tool_system_prompt
 
-SYSTEM_PROMPT = "Use the tools to compute, then reply <answer>number</answer> without a tool call."
+SYSTEM_PROMPT = (
+    "Use the tools to compute the answer. After the tool's result comes back, reply <answer>number</answer>."
+)
 _ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 
 
@@ -83,9 +94,16 @@ def correct_answer(task: Task, episode: Episode) -> float:
     return float(answer is not None and answer == task.answer)
 
 
+def tool_computed_answer(task: Task, episode: Episode) -> float:
+    """1.0 when some tool's whole output was the answer: the model computed it (whether or not it then
+    said it). Exactly the output, not a number in it, so printing many numbers earns nothing."""
+    outputs = (str(m.get("content", "")).strip() for m in episode.messages if m["role"] == "tool")
+    return float(any(output == task.answer for output in outputs))
+
+
 class ToolUseEnv(ToolEnv):
-    """Reward: exact final answer in `<answer>` tags; tools: `calculator`, `python` (run in `sandbox`: auto,
-    bwrap or process, see `tidal.envs.sandbox`)."""
+    """Reward: exact final answer in `<answer>` tags, plus 0.2 when a tool computed it; tools: `calculator`,
+    `python` (run in `sandbox`: auto, bwrap or process, see `tidal.envs.sandbox`)."""
 
     name = "tool_use"
     max_turns = 6
@@ -97,29 +115,36 @@ class ToolUseEnv(ToolEnv):
         python_timeout: float = 5.0,
         python_memory_mb: int = 512,
         sandbox: str = "auto",
+        split: str = "train",
     ):
         box = PythonSandbox(timeout=python_timeout, memory_mb=python_memory_mb, mode=sandbox)
         tools = [CALCULATOR, python_tool(box)]
         super().__init__(tools)
         self.tool_timeout = python_timeout + 5.0
-        self.num_examples, self.seed = num_examples, seed
+        self.num_examples, self.seed, self.split = num_examples, seed, check_split(split, "tool_use")
+        self._questions = SplitTasks(self._draw, lambda drawn: drawn[1].text, split)
+
+    def _draw(self, number: int) -> tuple[int, Question]:
+        return number, make_question(number, self.seed)
 
     def default_rewards(self) -> list[tuple[RewardFn, float]]:
-        return [(correct_answer, 1.0)]
+        return [(correct_answer, 1.0), (tool_computed_answer, 0.2)]
 
     def num_tasks(self) -> int:
         return self.num_examples
 
     def task(self, index: int) -> Task:
-        question, answer = generate_question(index, self.seed)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        return Task(task_id=f"tool_use/{index}", messages=messages, answer=answer, info={"index": index})
+        number, question = self._questions[index]
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question.text}]
+        return Task(
+            task_id=f"tool_use/{index}", messages=messages, answer=question.answer, info={"draw": number}
+        )
 
     def demonstration(self, task: Task) -> list[Message]:
         """One tool call that computes the answer, the tool's reply, then `<answer>`. The tools are described
         in the system message, as the rollout's prompt has them for a chat template that does not render
         `tools=` itself (the tiny models' ChatML); a template that does renders its own tool section."""
-        question = make_question(task.info["index"], self.seed)
+        question = make_question(task.info["draw"], self.seed)
         call = json.dumps({"name": question.tool, "arguments": question.arguments})
         schemas = [tool.schema() for tool in self.tools.values()]
         return [

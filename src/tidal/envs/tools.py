@@ -1,10 +1,13 @@
 """Tool calling: OpenAI-style tool schemas, robust parsing of the model's calls, and `ToolEnv`.
 
 Tools are described to the model as OpenAI function schemas (`{"type": "function", "function": {...}}`).
-Templates that know tools (Qwen3, Hermes-style) render them themselves; for those that ignore `tools=`
-the description goes into the system message. The model calls a tool by writing
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what Qwen3 and Hermes models emit); `arguments`
-may also be a JSON-encoded string, as in the OpenAI wire format. Results come back as `tool` messages.
+Templates that know tools (Qwen2.5, Qwen3, Hermes-style) render them themselves; for those that ignore
+`tools=` the description goes into the system message. A call is a JSON object with a `name` and its
+`arguments` (also `parameters`, and the OpenAI wire shape `{"function": {...}}`); `arguments` may also be a
+JSON-encoded string. What real models write, and what `parse_tool_calls` accepts, in this order:
+`<tool_call>{...}</tool_call>` (what Qwen and Hermes templates ask for), else calls in fenced code blocks
+(```json ... ```: Qwen2.5-Coder-0.5B wrote most of its calls this way despite its template), else bare
+call objects in the text. Results come back as `tool` messages.
 """
 
 import asyncio
@@ -21,6 +24,9 @@ from tidal.envs.multiturn import Message, MultiTurnEnv
 ToolFn = Callable[..., Any | Awaitable[Any]]
 MAX_TOOL_OUTPUT = 2000
 _CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON|tool_call)?[ \t]*\n(.*?)```", re.DOTALL)
+_ANY_FENCE_RE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+_ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,16 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>` block of `text`, in order; malformed ones come back with `error` set."""
-    return [_parse_one(raw.strip()) for raw in _CALL_RE.findall(text)]
+    """The calls of a reply, in order: every `<tool_call>` block (malformed ones come back with `error`
+    set); where there is none, the call objects of its ```json (or bare ```) blocks; where there is none
+    either, the call objects in its text outside code blocks. Only an object with a `name` and `arguments` (or `parameters`) is a
+    call outside `<tool_call>` tags: other JSON in a reply (an example, a result) is not."""
+    tagged = _CALL_RE.findall(text)
+    if tagged:
+        return [_parse_one(raw.strip()) for raw in tagged]
+    fenced = [call for block in _FENCE_RE.findall(text) for call in _fenced_calls(block)]
+    prose = _ANY_FENCE_RE.sub("", text)  # a dict in a ```python block is code, not a call
+    return fenced or [_call_of(data) for data in _json_objects(prose) if _looks_like_call(data)]
 
 
 def _parse_one(raw: str) -> ToolCall:
@@ -58,11 +72,16 @@ def _parse_one(raw: str) -> ToolCall:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         return ToolCall("", error=f"invalid JSON in tool call: {exc.msg}")
+    return _call_of(data)
+
+
+def _call_of(data: Any) -> ToolCall:
     if not isinstance(data, dict):
         return ToolCall("", error="a tool call must be a JSON object with `name` and `arguments`")
     if "function" in data and isinstance(data["function"], dict):  # the OpenAI wire shape
         data = data["function"]
-    name, arguments = data.get("name"), data.get("arguments", {})
+    name = data.get("name")
+    arguments = data.get("arguments", data.get("parameters", {}))
     if not isinstance(name, str) or not name:
         return ToolCall("", error="tool call has no `name`")
     if isinstance(arguments, str):
@@ -73,6 +92,41 @@ def _parse_one(raw: str) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(name, error="`arguments` must be a JSON object")
     return ToolCall(name, arguments)
+
+
+def _looks_like_call(data: Any) -> bool:
+    """A JSON value that is meant as a call: an object with a string `name` and `arguments`/`parameters`."""
+    if isinstance(data, dict) and isinstance(data.get("function"), dict):
+        data = data["function"]
+    return (
+        isinstance(data, dict) and isinstance(data.get("name"), str) and _ARGUMENT_KEYS & data.keys() != set()
+    )
+
+
+def _fenced_calls(block: str) -> list[ToolCall]:
+    """The calls of one fenced block: an object or a list of them; a block that does not parse but names a
+    `name` and `arguments` is a malformed call (the model meant one, and learns why it failed)."""
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError as exc:
+        meant = '"name"' in block and any(f'"{key}"' in block for key in _ARGUMENT_KEYS)
+        return [ToolCall("", error=f"invalid JSON in tool call: {exc.msg}")] if meant else []
+    items = data if isinstance(data, list) else [data]
+    return [_call_of(item) for item in items if _looks_like_call(item)]
+
+
+def _json_objects(text: str) -> list[Any]:
+    """Every JSON object that starts at a `{` of `text` outside an earlier one, in order."""
+    decoder, found, position = json.JSONDecoder(), [], text.find("{")
+    while position != -1:
+        try:
+            data, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            position = text.find("{", position + 1)
+            continue
+        found.append(data)
+        position = text.find("{", end)
+    return found
 
 
 def render_tool_prompt(tokenizer: Any, messages: list[Message], tools: list[Tool]) -> list[int]:
@@ -93,19 +147,41 @@ def render_tool_prompt(tokenizer: Any, messages: list[Message], tools: list[Tool
 
 
 def with_tool_system_prompt(messages: list[Message], schemas: list[dict[str, Any]]) -> list[Message]:
-    """The tools as one compact line each (`name(arg, ...): description`): a fraction of the schemas' tokens."""
+    """The tools as one compact line each (`name(arg, ...): description`): a fraction of the schemas' tokens,
+    then how to call one, with a real call as the example where a schema gives example values."""
     lines = []
     for schema in schemas:
         function = schema["function"]
         arguments = ", ".join(function.get("parameters", {}).get("properties", {}))
         lines.append(f"- {function['name']}({arguments}): {function.get('description', '')}")
-    note = (
-        "Tools:\n" + "\n".join(lines) + "\n"
-        'Call one with <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
+    example = example_call(schemas)
+    how = (
+        f"Call a tool by writing its call as JSON in tool_call tags, for example: {example}"
+        if example is not None
+        else 'Call a tool by writing <tool_call>{"name": <tool name>, "arguments": {<argument>: <value>}}</tool_call>.'
     )
+    note = "Tools:\n" + "\n".join(lines) + "\n" + how
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n{note}"}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
+
+
+def example_call(schemas: list[dict[str, Any]]) -> str | None:
+    """A well-formed `<tool_call>` of the first tool whose required arguments all have JSON-schema `examples`
+    (a prompt's example is copied by small models: it must be a call that works); None if no tool has."""
+    for schema in schemas:
+        function = schema["function"]
+        parameters = function.get("parameters", {})
+        properties = parameters.get("properties", {})
+        required = parameters.get("required", list(properties))
+        if required and all(properties.get(name, {}).get("examples") for name in required):
+            arguments = {name: properties[name]["examples"][0] for name in required}
+            return (
+                "<tool_call>"
+                + json.dumps({"name": function["name"], "arguments": arguments})
+                + "</tool_call>"
+            )
+    return None
 
 
 async def call_tool(tool: Tool, arguments: dict[str, Any], timeout: float) -> str:
@@ -165,7 +241,10 @@ class ToolEnv(MultiTurnEnv):
             return f"error: {call.error}"
         tool = self.tools.get(call.name)
         if tool is None:
-            return f"error: unknown tool {call.name!r} (tools: {', '.join(self.tools)})"
+            listed = ", ".join(
+                f"{name}({', '.join(t.parameters.get('properties', {}))})" for name, t in self.tools.items()
+            )
+            return f"error: unknown tool {call.name!r}; the tools are {listed}"
         return await call_tool(tool, call.arguments, self.tool_timeout)
 
     async def score(self, task: Task, episode: Episode) -> None:

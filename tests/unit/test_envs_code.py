@@ -44,6 +44,23 @@ def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("```python\nunfinished") == ("```python\nunfinished", False)
 
 
+SOLUTION_THEN_EXAMPLE = (
+    "```python\ndef add(a, b):\n    return a + b\n```\n\nExample usage:\n\n"
+    "```python\nresult = add(2, 3)\nprint(result)  # Output: 5\n```"
+)
+
+
+def test_extract_code_takes_the_block_that_defines_the_function():
+    """A right answer followed by a usage example scored 0 when the last block was taken."""
+    assert extract_code(SOLUTION_THEN_EXAMPLE, "add") == ("def add(a, b):\n    return a + b\n", True)
+    assert extract_code(SOLUTION_THEN_EXAMPLE) == ("result = add(2, 3)\nprint(result)  # Output: 5\n", True)
+    # the last of several blocks that define it (a fixed second try); none: the last block
+    two = "```python\ndef add(a, b):\n    return 0\n```\nFixed:\n```python\ndef add(a, b):\n    return a + b\n```"
+    assert extract_code(two, "add")[0] == "def add(a, b):\n    return a + b\n"
+    assert extract_code("```python\ndef adder(a, b): ...\n```\n```\nx = 1\n```", "add") == ("x = 1\n", True)
+    assert extract_code("```python\nclass A:\n    async def add (self): ...\n```", "add")[1]
+
+
 def test_same_value_is_strict_about_types_and_tolerant_about_floats():
     assert same_value(2.5, 2.5000000000001) and same_value(3, 3.0)
     assert not same_value(True, 1) and not same_value(1, True) and not same_value("1", 1)
@@ -91,6 +108,11 @@ def test_scores_in_a_reward_worker_with_metrics():
     prose = score(env, index, "no code at all")
     assert prose.metrics["code/fenced"] == prose.metrics["code/compiled"] == prose.reward == 0.0
     assert score(env, index, "def add(a, b):\n    return a + b").reward == 1.0  # bare code counts
+    assert score(env, index, SOLUTION_THEN_EXAMPLE).reward == 1.0  # the example after it is not the answer
+    # a self-check after the function that fails (Qwen2.5-Coder-0.5B's `check_run_length()`) does not
+    # hide the function from the tests
+    checked = answer("def add(a, b):\n    return a + b\n\nassert add(1, 1) == 3\ninput()")
+    assert score(env, index, checked).reward == 1.0
     assert score(env, index, "").metrics["code/compiled"] == 0.0
     broken = score(env, index, answer("def add(a, b)\n    return a + b"))
     assert broken.metrics["code/compiled"] == 0.0 and broken.reward == 0.0
@@ -121,11 +143,20 @@ def test_hostile_or_broken_solutions_score_zero_and_the_caller_goes_on(code):
         assert episode.metrics["code/timed_out"] == 1.0
 
 
+def test_splits_partition_the_tasks_by_id():
+    train, heldout = CodeTestsEnv(), CodeTestsEnv(split="heldout")
+    assert [t.id for t in heldout.tasks] == ["fibonacci", "gcd", "to_binary"]
+    assert len(train.tasks) == 15 and not {t.id for t in train.tasks} & {t.id for t in heldout.tasks}
+    assert heldout.task(1).task_id == "code/gcd"
+
+
 def test_bad_settings_are_one_line_errors(tmp_path):
     from tidal.envs.registry import load_env
 
-    with pytest.raises(UserError, match="num_examples = 99, but there are"):
+    with pytest.raises(UserError, match="num_examples = 99, but there are 15 tasks in the train split"):
         load_env("code", num_examples=99)
+    with pytest.raises(UserError, match="split must be one of train, heldout"):
+        load_env("code", split="test")
     bad = tmp_path / "tasks.json"
     bad.write_text('[{"id": "x", "prompt": "p", "tests": []}]')
     with pytest.raises(UserError, match="task 0 lacks 'function'"):

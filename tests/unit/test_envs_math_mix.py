@@ -9,7 +9,7 @@ import pytest
 from tests.unit.test_envs_multiturn import roll
 from tidal.config.envs import EnvSpec
 from tidal.envs.base import Episode, SingleTurnEnv, Task
-from tidal.envs.math_env import MathEnv, generate_problem, gsm8k_answer, verify_answer
+from tidal.envs.math_env import LEVELS, MathEnv, generate_problem, gsm8k_answer, verify_answer
 from tidal.envs.mix import EnvMix, env_name
 from tidal.envs.names import env_names
 from tidal.envs.registry import build_envs, load_env
@@ -52,6 +52,56 @@ def test_local_problems_are_deterministic_and_their_answers_right():
 )
 def test_verify_answer(completion, score):
     assert verify_answer(completion, "42") == score
+
+
+@pytest.mark.parametrize(
+    ("reply", "reference", "score"),
+    [
+        # SmolLM2-135M-Instruct's replies (greedy): it never boxed, and often ends in a sentence
+        ("So, 10 × 13 = 130.\n\nThe answer is 130.", "130", 1.0),
+        (
+            "First, we multiply 10 by 86: 10 × 86 = 860.\n\nSo, 10 × 86 = 860.\n\nThe answer is 860.",
+            "860",
+            1.0,
+        ),
+        ("So, 18 - 2 = 10.\n\nThe answer is 10.", "16", 0.0),
+        ("Therefore, Goran started with 98 pencils.\n#### 98\nThe answer is: 98", "98", 1.0),
+        # after `####` the explanation's last number is not the answer
+        (
+            "#### 59\n\nExplanation: 52 + 13 = 65, and 65 - 6 = 59 shells, leaving him with 3 friends",
+            "59",
+            1.0,
+        ),
+        ("#### 3\nHe has 59 shells.", "59", 0.0),
+        ("The answer is \\boxed{59}. Check: 59 - 1 = 58", "59", 1.0),
+    ],
+)
+def test_unboxed_final_answers_count(reply, reference, score):
+    assert verify_answer(reply, reference) == score
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_levels_are_deterministic_right_and_say_the_answer_format(level):
+    env = MathEnv(level=level, num_examples=300)
+    assert env.task(12) == MathEnv(level=level, num_examples=300).task(12)
+    for index in range(300):
+        task = env.task(index)
+        assert "\\boxed{}" in task.messages[0]["content"]  # the prompt says the format, with no example
+        demonstration = env.demonstration(task)[-1]["content"]
+        assert demonstration.endswith(f"\\boxed{{{task.answer}}}") and int(task.answer) >= 0
+        if level != "word_problems":
+            expression = task.messages[1]["content"].removeprefix("What is ").removesuffix("?")
+            assert int(task.answer) == eval(expression.replace("×", "*"))  # our own digits and operators
+
+
+def test_a_list_of_levels_mixes_them_and_a_bad_level_is_an_error():
+    mixed = MathEnv(level=["arithmetic", "products"], num_examples=200)
+    questions = [mixed.task(i).messages[1]["content"] for i in range(200)]
+    products = sum(all(len(n) == 2 for n in re.findall(r"\d+", q)) and "×" in q for q in questions)
+    assert 60 < products < 140
+    with pytest.raises(UserError, match="level must be one of arithmetic, products, word_problems"):
+        load_env("math", level="calculus")
+    assert MathEnv(level="products", system_prompt="Mine.").task(0).messages[0]["content"] == "Mine."
 
 
 def test_gsm8k_answers_and_math_env_rollout():

@@ -12,6 +12,7 @@ from tidal.envs.alphabet_sort import (
     expected_lists,
     list_agreement,
     parse_names,
+    split_key,
 )
 from tidal.envs.base import ContextFull, Episode, Turn, answer_text, render_prompt, run_episode
 from tidal.envs.tool_use import ToolUseEnv
@@ -98,6 +99,36 @@ def test_alphabet_sort_adversarial_replies_score_low(replies, low, high):
     episode, _ = roll(env, env.task(1), replies)
     assert low <= episode.reward <= high
     assert episode.num_turns == 2  # the environment keeps going; missing answers score 0
+
+
+@pytest.mark.parametrize(
+    ("reply", "names"),
+    [
+        # SmolLM2-135M-Instruct's replies: a lead-in line, a full stop after the last name
+        ("The names are:\n\nJada, Cato, Vik, Jiro, Olga", ["Jada", "Cato", "Vik", "Jiro", "Olga"]),
+        ("Alan, Leon, Zara, Umar, Omar.", ["Alan", "Leon", "Zara", "Umar", "Omar"]),
+        # Qwen2.5-Coder-0.5B-Instruct's: one comma line
+        ("Pia, Mara, Rosa", ["Pia", "Mara", "Rosa"]),
+        ("Here is the sorted list:\n1. Ada\n2. Bela", ["Ada", "Bela"]),
+        ("```\nAda\nBela\n```", ["Ada", "Bela"]),
+        ("**Ada**\n**Bela**", ["Ada", "Bela"]),
+        ("Ada, Bela and Cara", ["Ada", "Bela", "Cara"]),
+        ("Ada Bela Cara", ["Ada", "Bela", "Cara"]),
+        ("Sure! Sorted: Ada, Bela\nI hope this helps.", ["Ada", "Bela"]),
+        ("nonsense", ["nonsense"]),  # a wrong word still costs
+    ],
+)
+def test_alphabet_sort_reads_what_real_models_write(reply, names):
+    assert parse_names(reply) == names
+
+
+def test_alphabet_sort_splits_share_no_names_and_hold_200_distinct_tasks():
+    heldout = AlphabetSortEnv(num_examples=200, split="heldout")
+    keys = {split_key(heldout.task(i)) for i in range(200)}
+    assert len(keys) == 200 and heldout.task(5).task_id == "alphabet_sort/5"
+    train = AlphabetSortEnv(num_examples=3000)
+    assert not keys & {split_key(train.task(i)) for i in range(3000)}
+    assert heldout.task(17) == AlphabetSortEnv(num_examples=200, split="heldout").task(17)
 
 
 def test_alphabet_sort_partial_credit_and_formats():

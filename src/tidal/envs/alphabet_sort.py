@@ -63,15 +63,26 @@ def expected_lists(task: Task) -> list[list[str]]:
 
 
 _BULLET = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s*")
+_SEPARATORS = re.compile(r",|\n|\band\b")
+_EDGES = "*_`'\".;:!?()[]"
 
 
 def parse_names(text: str) -> list[str]:
-    """Names from a reply: one per line (commas also split), bullets and numbering removed."""
+    """Names from a reply: one per line (commas and "and" also split), bullets, numbering, markdown and
+    trailing full stops removed; a lead-in before a colon ("Here is the sorted list:") and pieces of prose
+    dropped. Real replies: SmolLM2-135M wrote "The names are:\n\nJada, Cato, Vik, Jiro, Olga", with the
+    lead-in counted as a name every position after it was wrong; Qwen2.5-Coder-0.5B wrote one comma line.
+
+    A piece of one word is a name (a wrong one costs, as a missing one does); a piece of several words is a
+    name list only if every word is capitalised ("Ada Bela Cara"), else prose, which names nothing."""
     names = []
-    for line in text.replace(",", "\n").splitlines():
-        name = _BULLET.sub("", line).strip()
-        if name:
-            names.append(name)
+    for piece in _SEPARATORS.split(text):
+        piece = _BULLET.sub("", piece)
+        if ":" in piece:
+            piece = piece.rsplit(":", 1)[1]
+        words = [word for word in (w.strip(_EDGES) for w in piece.split()) if word]
+        if len(words) == 1 or all(word[:1].isupper() and word.isalpha() for word in words):
+            names += words
     return names
 
 

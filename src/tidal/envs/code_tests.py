@@ -40,7 +40,9 @@ REPORT_MARK = "@@tidal-test@@"
 _BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 # Runs in the sandbox; CODE, FUNCTION and CASES are prepended as literals. Reports go to a duplicate of the
-# original stdout; the solution's own stdout and stderr are sent to /dev/null.
+# original stdout; the solution's own stdout and stderr are sent to /dev/null. Code that raises after defining
+# the function is still tested: real models end a right function with a self-check of their own
+# (Qwen2.5-Coder-0.5B: `check_run_length()`, whose assertion failed), which is not the answer.
 _HARNESS = """
 import json as _json, os as _os
 _reports = _os.fdopen(_os.dup(1), "w")
@@ -59,15 +61,16 @@ def _why(exc):
 
 
 _solution = {"__name__": "solution"}
+_failed = None
 try:
     exec(compile(CODE, "solution.py", "exec"), _solution)
-    _function = _solution[FUNCTION]
-    if not callable(_function):
-        raise TypeError(FUNCTION + " is not a function")
 except BaseException as _exc:
-    _report({"loaded": False, "error": _why(_exc)})
+    _failed = _why(_exc)
+_function = _solution.get(FUNCTION)
+if not callable(_function):
+    _report({"loaded": False, "error": _failed or FUNCTION + " is not a function"})
     raise SystemExit(1)
-_report({"loaded": True})
+_report({"loaded": True, "error": _failed})
 for _case, _args in enumerate(CASES):
     try:
         _line = _json.dumps({"case": _case, "value": _function(*_args)})

@@ -84,7 +84,24 @@ class ReverseTextEnv(SingleTurnEnv):
 
 
 def reversal_accuracy(task: Task, episode: Episode) -> float:
-    return char_accuracy(completion_text(episode).strip(), task.answer)
+    return char_accuracy(reversed_text(completion_text(episode)), task.answer)
+
+
+_EDGES = "`'\"*_.!"
+
+
+def reversed_text(reply: str) -> str:
+    """The reply's answer: its last line that is not a code fence, after a lead-in ending in a colon ("The
+    reversed text is: dzwa"), without quotes, backticks, bold or a full stop around it, lower-cased (the
+    texts are lower-case letters; SmolLM2 wrote "Awzd." as a sentence). Only the answer is compared, and
+    still at every position against the longer of the two, so nothing but the right letters scores."""
+    lines = [
+        line.strip() for line in reply.splitlines() if line.strip() and not line.strip().startswith("```")
+    ]
+    if not lines:
+        return ""
+    answer = lines[-1].rsplit(": ", 1)[-1] if ": " in lines[-1] else lines[-1]
+    return answer.strip().strip(_EDGES).strip().lower()
 
 
 def main() -> None:

@@ -59,14 +59,15 @@ class BuiltinDataset(Config):
 
     type: Literal["builtin"] = "builtin"
     name: str = "reverse_text"
-    """A built-in environment: reverse_text, alphabet_sort, math (its local generator: worked solutions),
-    wordle (a fixed solver's games), tool_use (one tool call, its result, the answer), code (the
-    reference solutions)."""
+    """A built-in environment: reverse_text, alphabet_sort, math (its local generator: worked solutions, at
+    its `level`), wordle (a fixed solver's games), tool_use (one tool call, its result, the answer), code
+    (the reference solutions)."""
     split: Literal["train", "heldout"] = "train"
-    """Which split; the two never share a task (reverse_text: a string; the others: a prompt and answer)."""
+    """Which split, the environment's own `split`: the two never share a task (a text, the names to sort, a
+    math question, a wordle word, a code task), and heldout is what `tidal rl` evaluates online."""
     num_examples: int | None = Field(default=None, gt=0)
     """Number of conversations, the split's first ones (fewer tasks than this: an error); None: every task
-    of the split (reverse_text: 10000)."""
+    of the split (the environment's `num_examples` of them; reverse_text: 10000)."""
     seed: int | None = None
     """Generator seed, the environment's `seed` argument (None: its default; reverse_text mixes in the
     split, so train and heldout differ)."""

@@ -57,8 +57,8 @@ class ToolCall:
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The calls of a reply, in order: every `<tool_call>` block (malformed ones come back with `error`
     set); where there is none, the call objects of its ```json (or bare ```) blocks; where there is none
-    either, the call objects in its text outside code blocks. Only an object with a `name` and `arguments` (or `parameters`) is a
-    call outside `<tool_call>` tags: other JSON in a reply (an example, a result) is not."""
+    either, the call objects in its text outside code blocks. Outside `<tool_call>` tags only an object
+    with a `name` and `arguments` (or `parameters`) is a call: other JSON in a reply (a result) is not."""
     tagged = _CALL_RE.findall(text)
     if tagged:
         return [_parse_one(raw.strip()) for raw in tagged]

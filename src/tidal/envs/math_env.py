@@ -3,9 +3,10 @@
 Tasks come from a local generator (deterministic, no download: CPU tests and demos) or from a Hugging Face
 dataset such as `openai/gsm8k` (GPU runs). The local generator has levels (`level`, one name or a list to
 mix), so a small real model gets rewards RL can move:
-- `arithmetic`: one +, - or × of small numbers ("What is 37 - 12?"); SmolLM2-135M-Instruct solves some;
-- `products`: two two-digit numbers multiplied ("What is 47 × 23?"): hard for Qwen2.5-Coder-0.5B greedy,
-  within reach when sampled;
+- `arithmetic`: one +, - or × of small numbers ("What is 37 - 12?", 3984 questions); SmolLM2-135M-Instruct
+  solves some;
+- `products`: two two-digit numbers multiplied ("What is 47 × 23?", 8100 questions): hard for
+  Qwen2.5-Coder-0.5B greedy, within reach when sampled;
 - `word_problems` (the default): short arithmetic word problems.
 
 The prompt asks for the final answer in `\\boxed{}`; a reply without it is still scored, on its final
@@ -14,7 +15,8 @@ reply (a "The answer is 40" phrase, else the last number), which is what small m
 almost never boxes). `boxed_format` (weight 0) logs how often replies box.
 
 `split` (local generator): the problems whose question hashes into the held-out bucket, or the others
-(`tidal.envs.splits`). For a hub dataset `split` is the dataset's split, and `heldout` means its `test`.
+(`tidal.envs.splits`), each once: a split of a level with fewer questions than `num_examples` starts over
+once all are drawn. For a hub dataset `split` is the dataset's split, and `heldout` means its `test`.
 """
 
 import random

@@ -29,6 +29,7 @@ import sys
 import tarfile
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ SHARED_GPU_FLAGS = [
     "--inference.vllm.gpu-memory-utilization", "0.05",
     "--inference.vllm.extra-args", '["--kv-cache-memory-bytes", "4G"]',
 ]  # fmt: skip
-"""Added to every RL and eval run here so that several share one GPU (not part of the recipes)."""
+"""Added to every RL and eval run here so that several share one GPU (not part of the recipes; `--cpu`: none)."""
+EXTRA: list[str] = []
+"""What this run adds to every RL and eval command: SHARED_GPU_FLAGS, unless `--cpu`."""
 
 
 def recipe_files(env: str, suffix: str) -> tuple[Path | None, Path]:
@@ -46,12 +49,30 @@ def recipe_files(env: str, suffix: str) -> tuple[Path | None, Path]:
     return (sft if sft.exists() else None), EXAMPLES / env / f"rl_{suffix}.toml"
 
 
+STARTED: list[subprocess.Popen] = []
+"""Every run this script started: stopped when it ends, however it ends."""
+
+
 def tidal(args: list[str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "tidal", *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT
         )
+    STARTED.append(process)
+    return process
+
+
+def stop_started() -> None:
+    """SIGTERM what is still running, all at once (each stops every process it started), then wait."""
+    alive = [p for p in STARTED if p.poll() is None]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def wait(process: subprocess.Popen, deadline: float) -> tuple[int | None, bool]:
@@ -91,7 +112,7 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     eval_config.write_text("\n".join(lines) + "\n")
     settings = tomllib.loads(rl_config.read_text())
     args = ["eval", "@", str(eval_config), "--model.name", model, "--output-dir", str(out),
-            "--inference.server.port", str(port), *SHARED_GPU_FLAGS]  # fmt: skip
+            "--inference.server.port", str(port), *EXTRA]  # fmt: skip
     if "max_model_len" in settings.get("inference", {}).get("vllm", {}):
         args += ["--inference.vllm.max-model-len", str(settings["inference"]["vllm"]["max_model_len"])]
     if "dtype" in settings.get("model", {}):
@@ -123,12 +144,17 @@ def env_report(record: dict[str, Any], env: str) -> dict[str, Any] | None:
 
 
 class Recipe:
-    """One environment's runs: the optional warm-up and base eval, then RL; `result()` is its entry."""
+    """One environment's runs: the optional warm-up and base eval, then RL; `result()` is its entry.
 
-    def __init__(self, env: str, suffix: str, model: str, workdir: Path):
-        self.env, self.model = env, model
-        self.sft_config, self.rl_config = recipe_files(env, suffix)
-        self.dir = workdir / env
+    `spec` is `env`, or `env@lr` for the same recipe at another RL learning rate (its own directory, and
+    ports 2 above the config's, so it runs beside the recipe itself)."""
+
+    def __init__(self, spec: str, suffix: str, model: str, workdir: Path):
+        self.env, _, self.lr = spec.partition("@")
+        self.model = model
+        self.sft_config, self.rl_config = recipe_files(self.env, suffix)
+        self.dir = workdir / (self.env if not self.lr else f"{self.env}_lr{self.lr}")
+        self.port = port_of(self.rl_config) + (2 if self.lr else 0)
         self.commands: list[str] = []
         self.notes: dict[str, Any] = {}
         self.base_eval: dict[str, Any] | None = None
@@ -140,9 +166,7 @@ class Recipe:
             return self.model
         sft_args = ["sft", "@", str(self.sft_config), "--model.name", self.model,
                     "--output-dir", str(self.dir / "sft")]  # fmt: skip
-        eval_args = heldout_eval_args(
-            self.rl_config, self.model, self.dir / "base_eval", port_of(self.rl_config) + 5
-        )
+        eval_args = heldout_eval_args(self.rl_config, self.model, self.dir / "base_eval", self.port + 5)
         self.commands += ["tidal " + " ".join(sft_args), "tidal " + " ".join(eval_args)]
         sft, base = tidal(sft_args, self.dir / "sft.log"), tidal(eval_args, self.dir / "base_eval.log")
         sft_code, _ = wait(sft, deadline)
@@ -156,7 +180,9 @@ class Recipe:
 
     def start_rl(self, start: str) -> subprocess.Popen:
         args = ["rl", "@", str(self.rl_config), "--model.name", start, "--output-dir", str(self.dir / "rl"),
-                *SHARED_GPU_FLAGS]  # fmt: skip
+                "--inference.server.port", str(self.port), *EXTRA]  # fmt: skip
+        if self.lr:
+            args += ["--trainer.optim.lr", self.lr]
         self.commands.append("tidal " + " ".join(args))
         self.rl_started = time.monotonic()
         return tidal(args, self.dir / "rl.log")
@@ -173,6 +199,7 @@ class Recipe:
         base = score(self.base_eval) if warm and self.base_eval else (None if warm else before)
         return {
             "env": self.env,
+            "rl_lr": self.lr or "the recipe's",
             "model": Path(self.model).name,
             "heldout_base": base,
             "heldout_warmup": before if warm else None,
@@ -230,22 +257,32 @@ def run(args: argparse.Namespace) -> None:
     meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
     runs: list[dict[str, Any]] = []
     # warm-ups first, side by side; RL runs without one start at once
-    running: dict[str, tuple[Recipe, subprocess.Popen]] = {}
+    running: list[tuple[Recipe, subprocess.Popen]] = []
     for recipe in recipes:
         if recipe.sft_config is None:
-            running[recipe.env] = (recipe, recipe.start_rl(recipe.model))
-    for recipe in recipes:
-        if recipe.sft_config is not None:
-            start = recipe.warm_up(deadline)
+            running.append((recipe, recipe.start_rl(recipe.model)))
+    warming = [recipe for recipe in recipes if recipe.sft_config is not None]
+    with ThreadPoolExecutor(max(1, len(warming))) as pool:  # the warm-ups side by side
+        for recipe, start in zip(warming, pool.map(lambda r: r.warm_up(deadline), warming), strict=True):
             if start is None:
                 runs.append(recipe.result(None, False))
                 continue
-            running[recipe.env] = (recipe, recipe.start_rl(start))
-    for recipe, process in running.values():
-        code, stopped = wait(process, deadline)
-        runs.append(recipe.result(code, stopped))
-        write(args.out, runs, meta)
-        print(f"[real_models] {recipe.env}: {json.dumps(runs[-1])}", flush=True)
+            running.append((recipe, recipe.start_rl(start)))
+    while running:  # each run collected as it ends (its wall time then), the rest stopped at the deadline
+        if time.monotonic() >= deadline:  # all at once: each takes seconds to stop what it started
+            for _, process in running:
+                if process.poll() is None:
+                    process.terminate()
+        ended = [(r, p) for r, p in running if p.poll() is not None or time.monotonic() >= deadline]
+        if not ended:
+            time.sleep(2.0)
+            continue
+        for recipe, process in ended:
+            running.remove((recipe, process))
+            code, stopped = wait(process, deadline)
+            runs.append(recipe.result(code, stopped or time.monotonic() >= deadline))
+            write(args.out, runs, meta)
+            print(f"[real_models] {recipe.dir.name}: {json.dumps(runs[-1])}", flush=True)
         if args.raw:
             pack(args.workdir, args.raw)
     write(args.out, runs, meta)
@@ -257,12 +294,20 @@ def main() -> None:
     parser.add_argument(
         "--suffix", required=True, help="recipe files are examples/<env>/{sft,rl}_<suffix>.toml"
     )
-    parser.add_argument("--envs", nargs="+", required=True)
+    parser.add_argument(
+        "--envs", nargs="+", required=True, help="ENV, or ENV@LR: the recipe at another RL lr"
+    )
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline", type=float, default=540, help="seconds from now: every run is stopped")
     parser.add_argument("--raw", type=Path, help="a tar.gz of every run's metrics, evals and logs")
-    run(parser.parse_args())
+    parser.add_argument("--cpu", action="store_true", help="no GPU-sharing flags (a check of this script)")
+    args = parser.parse_args()
+    EXTRA[:] = [] if args.cpu else SHARED_GPU_FLAGS
+    try:
+        run(args)
+    finally:
+        stop_started()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf
 WORK=/root/rm
 RESULTS=/root/rm-out
 CALL_LIMIT=${CALL_LIMIT:-560}          # seconds this call follows the benchmark before it returns
-BENCH_DEADLINE=${BENCH_DEADLINE:-1060} # seconds the benchmark may run, counted from `start`
+BENCH_DEADLINE=${BENCH_DEADLINE:-1000} # seconds the benchmark may run, counted from `start`
 
 export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1

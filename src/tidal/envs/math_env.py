@@ -8,6 +8,8 @@ mix), so a small real model gets rewards RL can move:
 - `products`: two two-digit numbers multiplied ("What is 47 × 23?", 8100 questions): hard for
   Qwen2.5-Coder-0.5B greedy, within reach when sampled;
 - `word_problems` (the default): short arithmetic word problems.
+The first two write `×`, which real tokenizers know and the tiny char-level test tokenizer does not (it reads
+`<unk>`): they are levels for real models.
 
 The prompt asks for the final answer in `\\boxed{}`; a reply without it is still scored, on its final
 answer: the text after GSM8K's `####` marker where it has one, else what math-verify finds in the whole

@@ -156,7 +156,7 @@ def with_tool_system_prompt(messages: list[Message], schemas: list[dict[str, Any
         lines.append(f"- {function['name']}({arguments}): {function.get('description', '')}")
     example = example_call(schemas)
     how = (
-        f"Call a tool by writing its call as JSON in tool_call tags, for example: {example}"
+        f"Call one like {example}"
         if example is not None
         else 'Call a tool by writing <tool_call>{"name": <tool name>, "arguments": {<argument>: <value>}}</tool_call>.'
     )

@@ -29,9 +29,9 @@ from tidal.envs.splits import check_split, in_split
 MAX_GUESSES = 6
 EXAMPLE_GUESS = "<guess>crane</guess>"
 SYSTEM_PROMPT = (
-    "Let's play Wordle. Guess the hidden five-letter English word. Write each guess as one five-letter word "
-    f"in guess tags, for example {EXAMPLE_GUESS}. After each guess you get one symbol per letter: G = right "
-    f"letter, right place; Y = in the word, wrong place; - = not in the word. You have {MAX_GUESSES} guesses."
+    f"Let's play Wordle. Guess the hidden five-letter word. Write each guess like {EXAMPLE_GUESS}. After each "
+    "guess you get one symbol per letter: G = right letter, right place; Y = in the word, wrong place; - = not "
+    f"in the word. You have {MAX_GUESSES} guesses."
 )
 WORDS_FILE = Path(__file__).with_name("data") / "wordle_words.json"
 WORDS: list[str] = json.loads(WORDS_FILE.read_text())["words"]

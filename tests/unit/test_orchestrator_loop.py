@@ -95,7 +95,8 @@ def orchestrator(tmp_path: Path, tokenizer_dir: Path, env, **batch) -> Orchestra
 
 
 def collect(orch: Orchestrator, client: FakeClient, step: int = 0):
-    return asyncio.run(asyncio.wait_for(orch._collect(client, step), timeout=10))
+    policy = PolicyWatcher(client, orch.out)  # type: ignore[arg-type]  # not started: serves version 0
+    return asyncio.run(asyncio.wait_for(orch._collect(client, policy, step), timeout=10))
 
 
 def test_all_zero_signal_stops_with_a_one_line_error_instead_of_refilling_forever(tmp_path, tokenizer_dir):
@@ -242,7 +243,8 @@ def test_a_reward_that_holds_the_event_loop_shows_in_the_lag_metrics_and_a_warni
         orch.lag.start()
         await asyncio.sleep(0.2)  # some samples of an idle loop first
         try:
-            return await orch._collect(FakeClient(), 0)
+            client = FakeClient()
+            return await orch._collect(client, PolicyWatcher(client, tmp_path), 0)  # type: ignore[arg-type]
         finally:
             await orch.lag.stop()
 

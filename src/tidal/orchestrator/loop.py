@@ -9,6 +9,7 @@ rollouts of step n may come from any policy n − k … n, which is where asynch
 """
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import drop_too_long, make_train_batches, make_train_samples
+from tidal.orchestrator.inflight import GroupPool, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
@@ -87,6 +89,14 @@ class Orchestrator:
         self.samples = MetricsLogger(run_layout.samples_path(self.out))
         self.online_evals = MetricsLogger(run_layout.online_eval_path(self.out))
         self.lag = LoopLagMonitor()
+        self.pool = GroupPool()
+        b = config.batch
+        self.launch_rule = LaunchRule(
+            num_prompts=b.num_prompts,
+            max_in_flight=config.client.max_in_flight,
+            max_async_level=config.max_async_level,
+            limit=math.floor(b.max_tasks_factor * b.num_prompts),
+        )
         self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
@@ -127,9 +137,11 @@ class Orchestrator:
                 with frozen_heap():
                     while self.state.step < cfg.max_steps:
                         await self._one_step(client, policy, sender)
+                    self.pool.cancel_all()  # groups started for steps past the last
                 if cfg.online_eval.interval and cfg.online_eval.final:
                     await self._final_eval(client, policy)
             finally:
+                self.pool.cancel_all()
                 await self.lag.stop()
                 await policy.stop()
                 sender.close()
@@ -147,7 +159,7 @@ class Orchestrator:
         evaluated: dict[str, float] = {}
         if cfg.online_eval.interval and step % cfg.online_eval.interval == 0:
             evaluated = await self._online_eval(client, step, policy.version)
-        groups, advantages, stats = await self._collect(client, step)
+        groups, advantages, stats = await self._collect(client, policy, step)
         b = cfg.batch
         samples, too_long = drop_too_long(make_train_samples(groups, advantages), b.seq_len)
         self._warn_too_long(step, too_long, len(samples))
@@ -170,46 +182,35 @@ class Orchestrator:
         sender.send(step, batches)
 
     async def _collect(
-        self, client: InferenceClient, step: int
+        self, client: InferenceClient, policy: PolicyWatcher, step: int
     ) -> tuple[list[Group], list[list[float]], StepStats]:
-        """`num_prompts` fresh groups with signal: buffered ones first, then new ones, refilling drops.
+        """`num_prompts` fresh groups with signal: buffered ones first, then those in flight or started now
+        (`tidal.orchestrator.inflight`: groups for later steps start while the policy allows), refilling
+        drops. Groups still running at the end go on into the next step if it may train them.
 
-        At most `max_tasks_factor × num_prompts` new tasks: then the step trains on fewer groups (warned),
-        or, with none, stops the run with the reason (every rollout failing, rewards that never differ).
+        At most `max_tasks_factor × num_prompts` new tasks for the step itself: then it trains on fewer
+        groups (warned), or, with none, stops the run with the reason (every rollout failing, rewards that
+        never differ).
         """
-        cfg, stats = self.config, StepStats()
+        cfg, stats, rule = self.config, StepStats(), self.launch_rule
         num_prompts = cfg.batch.num_prompts
-        limit = math.floor(cfg.batch.max_tasks_factor * num_prompts)
         kept: list[Group] = []
         advantages: list[list[float]] = []
         self._accept([Group.from_dict(g) for g in self.state.buffer], step, kept, advantages, stats)
         self.state.buffer = []
-        pending: dict[asyncio.Task[Group], int] = {}
-        # Groups queue themselves here as they end: waiting on it costs the same with 10 or 10,000 groups in
-        # flight, where asyncio.wait(pending) would (un)register a callback on every one of them per wake-up.
-        ended: asyncio.Queue[asyncio.Task[Group]] = asyncio.Queue()
+        stats.num_carried_in = len(self.pool)
         drawn = 0
-        try:
-            while len(kept) < num_prompts and (pending or drawn < limit):
-                busy = len(pending)
-                room = min(limit - drawn, num_prompts - len(kept) - busy, cfg.client.max_in_flight - busy)
-                for _ in range(max(0, room)):
-                    position, task = self._next_task()
-                    running = asyncio.create_task(self._run(client, task, position))
-                    running.add_done_callback(ended.put_nowait)
-                    pending[running] = position
-                    drawn += 1
-                done = [await ended.get()]
-                while not ended.empty():
-                    done.append(ended.get_nowait())
-                for finished in done:
-                    pending.pop(finished)
-                    stats.num_groups_run += 1
-                    self._accept([finished.result()], step, kept, advantages, stats)
-        finally:
-            for running, position in pending.items():  # not needed this step: run again later, same seed
-                running.cancel()
-                self.state.requeued.append(position)
+        while len(kept) < num_prompts and (self.pool or drawn < rule.limit):
+            version = policy.version
+            for _ in range(rule.room(step, version, len(kept), len(self.pool), drawn)):
+                position, task = self._next_task()
+                self.pool.start(position, version, self._run(client, task, position))
+                drawn += 1
+            for group in await self.pool.ended(functools.partial(policy.newer_than, version)):
+                stats.num_groups_run += 1
+                self._accept([group], step, kept, advantages, stats)
+        # the groups the next step may not train: run again later, same seeds
+        self.state.requeued += self.pool.carry_into(step + 1, rule)
         self._check_enough(step, len(kept), stats)
         self.state.buffer = [g.to_dict() for g in kept[num_prompts:]]
         return kept[:num_prompts], advantages[:num_prompts], stats
@@ -385,6 +386,7 @@ class Orchestrator:
             "rollouts/groups_kept": len(groups),
             "rollouts/failed_groups": stats.num_failed_groups,
             "rollouts/groups_run": stats.num_groups_run,
+            "rollouts/groups_carried_in": stats.num_carried_in,
             "completion_len/mean": num_tokens / max(1, len(rollouts)),
             "tokens_per_s": num_tokens / max(elapsed, 1e-9),
             "time/step": elapsed,
@@ -433,7 +435,9 @@ class Orchestrator:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"step_{self.state.step}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state.__dict__))
+        # groups still running belong to later steps: a run resumed from this state starts them again first
+        saved = {**self.state.__dict__, "requeued": self.pool.positions() + self.state.requeued}
+        tmp.write_text(json.dumps(saved))
         tmp.rename(path)
         self._prune_states()
 

@@ -61,6 +61,13 @@ class PolicyWatcher:
             raise self._failure
         return time.perf_counter() - start
 
+    async def newer_than(self, version: int) -> None:
+        """Return once inference serves a version newer than `version`; raises the watcher's error."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.version > version or self._failure is not None)
+        if self._failure is not None:
+            raise self._failure
+
     async def check_once(self) -> None:
         latest = latest_published(self.output_dir)
         if latest is None or latest[0] <= self.version:

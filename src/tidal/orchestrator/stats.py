@@ -21,6 +21,8 @@ class StepStats:
     num_failed_rollouts: int = 0
     num_stale_rollouts: int = 0
     num_groups_run: int = 0
+    num_carried_in: int = 0
+    """Groups still running from earlier steps when this step began collecting (started ahead for it)."""
     num_replica_switches: int = 0
     """Multi-turn rollouts whose turns more than one inference replica served (prefix cache lost)."""
     env_rewards: dict[str, list[float]] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""The groups in flight across steps: how many more to start (a pure rule) and the pool that runs them.
+
+A step used to start only the groups it still lacked and to cancel the rest when it had enough, so the
+engine ran dry at the tail of every step (the last, longest groups alone) and between steps. Here groups
+outlive the step that started them. A group started under policy version `v` may train any step up to
+`v + max_async_level`, so while the current policy allows it, groups for the next steps start as soon as
+the current step's own groups leave room: the engine stays busy while the trainer trains. At the end of a
+step the groups still running are carried into the next step if it may train them; the others are
+cancelled and their tasks run again later with the same seeds (as a synchronous run always did).
+
+With `max_async_level = 0` nothing runs ahead: the rule reduces to "the groups this step still lacks".
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from tidal.types import Group
+
+
+@dataclass(frozen=True)
+class LaunchRule:
+    """How many groups to start now (pure). All counts are groups, not requests."""
+
+    num_prompts: int
+    """Groups a step trains on."""
+    max_in_flight: int
+    """Groups running at once, whichever step they are for."""
+    max_async_level: int
+    """A group started under policy `v` may train steps up to `v + max_async_level`."""
+    limit: int
+    """New tasks a step may draw for its own groups (refills of dropped groups included)."""
+
+    def steps_ahead(self, step: int, version: int) -> int:
+        """Later steps, after `step`, that a group started now under `version` may still train."""
+        return max(0, version + self.max_async_level - step)
+
+    def room(self, step: int, version: int, kept: int, in_flight: int, drawn: int) -> int:
+        """Groups to start now, while `step` has `kept` groups and `drawn` tasks were started during it.
+
+        Demand is what the current step still lacks plus a whole step for each later step a group started
+        now may train; the groups in flight count against it. Draws during a step are bounded by its own
+        refill budget plus that look-ahead, so a run whose every group is dropped still stops."""
+        ahead = self.num_prompts * self.steps_ahead(step, version)
+        demand = self.num_prompts - kept + ahead - in_flight
+        budget = self.limit + ahead - drawn
+        return max(0, min(demand, budget, self.max_in_flight - in_flight))
+
+    def may_carry(self, launched: int, next_step: int) -> bool:
+        """Whether a group started under policy `launched` may still train `next_step`."""
+        return next_step - launched <= self.max_async_level
+
+
+@dataclass
+class _Running:
+    position: int
+    """The task's position in the stream (what a resumed run starts again)."""
+    launched: int
+    """The policy version inference served when the group started."""
+
+
+class GroupPool:
+    """The groups running now, in start order, each with its task position and the policy it started under.
+
+    Groups queue themselves as they end: waiting costs the same with 10 or 10,000 groups in flight, where
+    asyncio.wait over all of them would (un)register a callback on every one per wake-up."""
+
+    def __init__(self) -> None:
+        self._running: dict[asyncio.Task[Group], _Running] = {}
+        self._ended: asyncio.Queue[asyncio.Task[Group]] = asyncio.Queue()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def positions(self) -> list[int]:
+        """Task positions of the groups running, in start order: what a run resumed now must start again."""
+        return [running.position for running in self._running.values()]
+
+    def start(self, position: int, launched: int, work: Awaitable[Group]) -> None:
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(self._ended.put_nowait)
+        self._running[task] = _Running(position, launched)
+
+    async def ended(self, woken: Callable[[], Awaitable[object]] | None = None) -> list[Group]:
+        """The groups that ended since the last call, waiting for one; `woken` (e.g. a new policy version)
+        ends the wait early with none, so the caller can start the groups a newer policy allows."""
+        if self._ended.empty() and woken is not None:
+            waiting = asyncio.ensure_future(self._ended.get())
+            waking = asyncio.ensure_future(woken())
+            await asyncio.wait({waiting, waking}, return_when=asyncio.FIRST_COMPLETED)
+            waking.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                return []
+            self._ended.put_nowait(waiting.result())
+        done = [await self._ended.get()]
+        while not self._ended.empty():
+            done.append(self._ended.get_nowait())
+        # a group cancelled at a step's end queues itself too, later: it is no longer ours to report
+        return [task.result() for task in done if self._running.pop(task, None) is not None]
+
+    def carry_into(self, next_step: int, rule: LaunchRule) -> list[int]:
+        """Cancel the groups `next_step` may not train; returns their task positions, in start order."""
+        dropped = [task for task, run in self._running.items() if not rule.may_carry(run.launched, next_step)]
+        return [self._cancel(task) for task in dropped]
+
+    def cancel_all(self) -> list[int]:
+        return [self._cancel(task) for task in list(self._running)]
+
+    def _cancel(self, task: asyncio.Task[Group]) -> int:
+        task.cancel()
+        return self._running.pop(task).position

@@ -85,7 +85,8 @@ class ClientConfig(Config):
     """Seconds the orchestrator waits, when it starts, for the servers to answer /health. `tidal rl` sets it
     to its own startup_timeout: it starts the orchestrator while vLLM loads."""
     max_in_flight: int = Field(default=64, gt=0)
-    """Groups generated concurrently."""
+    """Groups generated concurrently, whichever step they are for: with max_async_level > 0, groups for the
+    next steps start while the current step's are still running (tidal.orchestrator.inflight)."""
     recovery_timeout: float = Field(default=0.0, ge=0)
     """Seconds a request, or a weight update, waits for an inference server to come back while every one
     is out of rotation (0: it fails at once, and with it the run). `tidal rl` sets it to startup_timeout

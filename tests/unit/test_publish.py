@@ -408,3 +408,35 @@ def test_a_tidal_rl_server_refuses_the_sender_driven_protocol(monkeypatch: pytes
     with pytest.raises(ValueError, match="receives `tidal rl` broadcasts"):
         engine.update_weights({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]})
     assert engine.events == [] and engine.model_update_group is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_filesystem_step_holds_what_a_full_export_holds_cast_before_it_leaves_the_weights(
+    tmp_path: Path, tied: bool
+) -> None:
+    """The served tensors (cast where the weights live) make the same checkpoint as the gathered fp32 state
+    dict cast on the CPU: every name, shape, dtype and value, the persistent buffers included."""
+    from safetensors.torch import load_file
+
+    from tidal.testing.tiny import build_tokenizer
+    from tidal.trainer.export import export_model
+
+    model = small_model()
+    model.config.tie_word_embeddings = tied
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 2)
+    model.model.register_buffer("scale", torch.full((3,), 1.5))  # persistent: part of the checkpoint
+    model.model.register_buffer("scratch", torch.zeros(2), persistent=False)
+    tokenizer = build_tokenizer()
+    FilesystemPublisher(tmp_path / "run", dtype=torch.bfloat16).publish(1, model, tokenizer, CPU)
+    export_model(tmp_path / "export", model, tokenizer, CPU, torch.bfloat16)
+    published = load_file(tmp_path / "run" / "weights" / "step_1" / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert published.keys() == exported.keys()
+    assert "model.scale" in published and "model.scratch" not in published
+    assert ("lm_head.weight" in published) is not tied
+    for name, tensor in exported.items():
+        assert published[name].dtype == torch.bfloat16 == tensor.dtype, name
+        assert torch.equal(published[name], tensor), name
+    config = json.loads((tmp_path / "run" / "weights" / "step_1" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"

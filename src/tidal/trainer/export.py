@@ -30,13 +30,19 @@ def export_model(
     """Gather on every rank, write on rank 0 (floating tensors cast to `dtype` when given), wait for it."""
     state_dict = full_state_dict(model)
     if info.is_main:
-        hf_config = model.config  # type: ignore[attr-defined]
-        try:
-            save_hf_checkpoint(target, state_dict, hf_config, tokenizer, dtype)
-        except Exception as exc:
-            problem = write_error(target, exc)
-            if problem is None:
-                raise
-            raise problem from None
+        write_checkpoint(target, state_dict, model, tokenizer, dtype)
     barrier(info)
     return target
+
+
+def write_checkpoint(
+    target: Path, state_dict: dict[str, torch.Tensor], model: torch.nn.Module, tokenizer: Any, dtype: Any
+) -> None:
+    """Write `state_dict` as `model`'s HF checkpoint; a full disk or a read-only directory is one line."""
+    try:
+        save_hf_checkpoint(target, state_dict, model.config, tokenizer, dtype)  # type: ignore[attr-defined]
+    except Exception as exc:
+        problem = write_error(target, exc)
+        if problem is None:
+            raise
+        raise problem from None

@@ -12,6 +12,7 @@ limit, or on Ctrl-C / SIGTERM, every child is stopped (process groups, grandchil
 launcher exits non-zero naming the culprit: the process that ended first.
 """
 
+import os
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ import tomli_w
 from pydantic import BaseModel
 
 from tidal import run_layout
+from tidal.config.inference import ADMIN_TOKEN_ENV
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import NO_RESTART_EXIT, UserError
@@ -38,7 +40,7 @@ from tidal.launcher.restarts import (
     max_restarts,
     missing_batches,
 )
-from tidal.launcher.split import RoleConfigs, split_config
+from tidal.launcher.split import RoleConfigs, run_admin_token, split_config
 from tidal.monitor.console import Console, clock
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
@@ -160,7 +162,7 @@ class Launcher:
 
             check_route_return(roles.inference, "cuda" if on_gpu else "cpu")
         paths = self._write_configs(roles, local)
-        env = self._device_env(roles, on_gpu, local)
+        env = self._child_env(roles, on_gpu, local)
         kv_store = kv_store_of(roles, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 1
@@ -413,6 +415,12 @@ class Launcher:
             name = replica_name(index, len(roles.replicas))
             paths[name] = write_config(roles.replicas[index], configs / f"{name}{self.suffix}.toml")
         return paths
+
+    def _child_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
+        """Each child's extra environment: its devices and, for the replicas and the orchestrator, the run's
+        admin token (never in a file: the configs written to the output dir have none)."""
+        token = run_admin_token(self.config, os.environ, shared=self.node is not None)
+        return with_admin_token(self._device_env(roles, on_gpu, local), token)
 
     def _device_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
         base = {"PYTHONUNBUFFERED": "1"}
@@ -700,6 +708,18 @@ def kv_store_of(roles: RoleConfigs, local: list[int]) -> Path | None:
         store.mkdir(parents=True, exist_ok=True)
         empty_store(store)
     return store
+
+
+def with_admin_token(env: dict[str, dict[str, str]], token: str | None) -> dict[str, dict[str, str]]:
+    """Each child's environment, the admin token added for the replicas and the orchestrator (the trainer
+    calls no admin route). The launcher keeps these environments for restarts: a restarted replica or
+    orchestrator gets the same token as the rest of the run."""
+    if token is None:
+        return env
+    return {
+        name: {**values, ADMIN_TOKEN_ENV: token} if name != TRAINER else dict(values)
+        for name, values in env.items()
+    }
 
 
 def replica_name(index: int, count: int) -> str:

@@ -771,7 +771,28 @@ def dry_run(config: RLConfig) -> str:
     return "\n".join(parts)
 
 
+def already_complete(config: RLConfig) -> str | None:
+    """With --resume, the line saying that the run has nothing left to do (then nothing is started, not
+    even vLLM), else None. Kubernetes runs keep output_dir on a volume of their own, not read from here."""
+    if not config.resume or config.deployment.type == "kubernetes":
+        return None
+    online = config.orchestrator.online_eval
+    final_eval = online.interval is not None and online.final
+    found = run_layout.finished_checkpoint(config.output_dir, config.max_steps, final_eval)
+    if found is None:
+        return None
+    step, path = found
+    return (
+        f"the run in {config.output_dir} is already complete at step {step} (max_steps {config.max_steps}; "
+        f"checkpoint {path}): nothing to resume (a larger --max-steps trains on)"
+    )
+
+
 def main(config: RLConfig) -> int:
+    complete = already_complete(config)
+    if complete is not None:
+        print(f"{clock()} tidal rl: {complete}", flush=True)
+        return 0
     if config.deployment.type == "slurm":
         from tidal.deploy import slurm
 

@@ -1,5 +1,6 @@
 """Where each process of a run reads and writes under `<output_dir>` (one place, so they agree)."""
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -101,6 +102,34 @@ def verified_resume_step(output_dir: Path, report: Callable[[str], None]) -> int
     reported and moved aside; a UserError when checkpoints exist and none is usable); 0 without one."""
     chosen = manifest.resume_checkpoint(trainer_checkpoints_dir(output_dir), report)
     return chosen[0] if chosen is not None else 0
+
+
+def finished_checkpoint(output_dir: Path, max_steps: int, final_eval: bool) -> tuple[int, Path] | None:
+    """The trainer's newest complete checkpoint (step, path) when the run in `output_dir` has nothing left
+    to do for `max_steps`: that checkpoint is at max_steps or past it and, when the run ends with a final
+    online eval (`final_eval`), that eval was logged (a run stopped during it is not finished). Else None."""
+    found = manifest.complete_checkpoints(trainer_checkpoints_dir(output_dir))
+    if not found or found[-1][0] < max_steps:
+        return None
+    if final_eval and not _final_eval_logged(online_eval_path(output_dir), max_steps):
+        return None
+    return found[-1]
+
+
+def _final_eval_logged(path: Path, max_steps: int) -> bool:
+    """Whether online_eval.jsonl holds the final eval of step `max_steps` (or later); a line a killed writer
+    left half-written counts as none."""
+    if not path.is_file():
+        return False
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step >= max_steps and record.get("final") is True:
+            return True
+    return False
 
 
 def orchestrator_states_dir(output_dir: Path) -> Path:

@@ -203,6 +203,13 @@ def test_bad_requests_get_4xx(inference_server: ServerProcess, admin_token: str,
             assert (await client.versions())[inference_server.url] != 99
         response = httpx.post(inference_server.url + "/v1/completions", json={"model": "nope", "prompt": [5]})
         assert response.status_code == 404
+        # issue 34: an empty update list reached vLLM (a 500, IndexError), which closed the update session so
+        # that the finish call failed too; the guard refuses it and the session closes as usual
+        url, token = inference_server.url, {"X-Admin-Token": admin_token}
+        assert httpx.post(url + "/start_weight_update", headers=token).status_code == 200
+        empty = httpx.post(url + "/update_weights", json={"update_info": []}, headers=token)
+        assert empty.status_code == 400 and "empty list" in empty.json()["error"]["message"], empty.text
+        assert httpx.post(url + "/finish_weight_update", headers=token).status_code == 200
         messages = [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]
         chat = {"model": TINY_MODEL_NAME, "messages": messages, "max_tokens": 2}
         response = httpx.post(inference_server.url + "/v1/chat/completions", json=chat)
@@ -323,21 +330,28 @@ def test_bad_weight_files_are_refused_and_the_old_weights_keep_serving(
     asyncio.run(go())
 
 
-def test_dev_routes_need_the_token_from_loopback_too(
-    inference_server: ServerProcess, admin_token: str
+def test_dev_routes_are_refused_from_loopback_even_with_the_token_unless_asked_for(
+    inference_server: ServerProcess, admin_token: str, tmp_path: Path
 ) -> None:
+    """Issue 34: a default server answered 200 to /collective_rpc (save_sharded_state wrote a file), /sleep
+    and /wake_up from loopback. Without `server.dev_routes` they are refused, the token notwithstanding."""
     url, token = inference_server.url, {"X-Admin-Token": admin_token}
-    rpc = {"method": "save_sharded_state", "kwargs": {"path": "/tmp/tidal-should-not-exist"}}
-    assert httpx.post(url + "/collective_rpc", json=rpc).status_code == 401
-    assert httpx.post(url + "/sleep").status_code == 401
-    assert httpx.post(url + "/wake_up").status_code == 401
-    assert httpx.get(url + "/server_info").status_code == 401
-    assert httpx.get(url + "/is_sleeping").status_code == 401
-    assert httpx.post(url + "/weight_checker", json={"action": "reset"}).status_code == 401
+    target = tmp_path / "sharded"
+    rpc = {"method": "save_sharded_state", "kwargs": {"path": str(target)}}
+    for headers in ({}, token):
+        assert httpx.post(url + "/collective_rpc", json=rpc, headers=headers).status_code == 403
+        assert httpx.post(url + "/sleep", headers=headers).status_code == 403
+        assert httpx.post(url + "/wake_up", headers=headers).status_code == 403
+        assert httpx.get(url + "/server_info", headers=headers).status_code == 403
+        assert httpx.get(url + "/is_sleeping", headers=headers).status_code == 403
+        assert (
+            httpx.post(url + "/weight_checker", json={"action": "reset"}, headers=headers).status_code == 403
+        )
+    assert not target.exists()
     assert httpx.post(url + "/reset_prefix_cache").status_code == 401
     # with the token, what tidal (or an operator on this host) needs still works
     assert httpx.post(url + "/reset_prefix_cache", headers=token).status_code == 200
-    assert httpx.get(url + "/is_sleeping", headers=token).json() == {"is_sleeping": False}
+    assert httpx.get(url + "/is_paused", headers=token).json() == {"is_paused": False}
     assert httpx.get(url + "/health").status_code == 200
 
 

@@ -283,6 +283,19 @@ def test_rl_resume_with_only_damaged_checkpoints_is_one_line_before_anything_sta
     assert not (tmp_path / "logs" / "inference.log").exists()  # nothing was started
 
 
+def test_rl_resume_of_a_finished_run_is_one_line_and_exit_0_before_anything_starts(tmp_path):
+    """Issue 34: `--resume` of a run that had trained and checkpointed every step started vLLM for nothing."""
+    checkpoints = run_layout.trainer_checkpoints_dir(tmp_path)
+    (checkpoints / f"step_{STEPS}").mkdir(parents=True)
+    (checkpoints / f"step_{STEPS}" / "state").write_bytes(b"x" * 64)
+    manifest.write_manifest(checkpoints / f"step_{STEPS}", STEPS)
+    result = run_tidal(*rl_args(tmp_path, 0, "--resume"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"is already complete at step {STEPS} (max_steps {STEPS}; checkpoint" in result.stdout
+    assert len(result.stdout.strip().splitlines()) == 1 and not result.stderr.strip(), result.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
 VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
 
 

@@ -22,7 +22,8 @@ def test_a_step_without_learning_signal_stops_the_run_without_restarts(tmp_path)
         "rl", "@", "configs/ci/rl_tiny.toml", "--output-dir", str(out),
         "--orchestrator.env", '[{name = "math", kwargs = {num_examples = 64}}]',
         "--orchestrator.batch.num-prompts", "2", "--orchestrator.batch.group-size", "2",
-        "--orchestrator.batch.max-tasks-factor", "1", "--inference.server.port", str(free_port()),
+        "--orchestrator.batch.max-tasks-factor", "1", "--orchestrator.batch.zero-signal", "drop",
+        "--inference.server.port", str(free_port()),
         timeout=400,
     )  # fmt: skip
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]

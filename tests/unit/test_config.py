@@ -278,14 +278,16 @@ def test_rl_rejects_a_sub_table_key_that_tidal_rl_sets_from_the_top(tmp_path, te
 
 def test_rl_sub_table_keys_tidal_rl_does_not_set_are_kept(tmp_path):
     from tidal.config.rl import RLConfig
-    from tidal.launcher.split import split_config
+    from tidal.launcher.split import run_admin_token, split_config
 
     text = "[orchestrator.sampling]\ntemperature = 0.7\n[orchestrator.batch]\nnum_prompts = 4\n"
     text += '[orchestrator.client]\nadmin_token = "t"\n[trainer]\nnum_threads = 1\n'
     config = load_config(RLConfig, [write(tmp_path, "rl.toml", text)], [("trainer.optim.lr", 1e-6)])
     roles = split_config(config, on_gpu=False, num_cpus=4)
     assert roles.trainer.temperature == 0.7 and roles.orchestrator.batch.num_prompts == 4
-    assert roles.orchestrator.client.admin_token == "t" and roles.trainer.num_threads == 1
+    assert roles.trainer.num_threads == 1
+    # the token is kept too, but travels in the environment only (tidal.launcher.split.run_admin_token)
+    assert run_admin_token(config, {}, shared=True) == "t" and roles.orchestrator.client.admin_token is None
 
 
 SHIPPED_CONFIGS = sorted(

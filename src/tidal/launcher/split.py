@@ -2,13 +2,15 @@
 one per inference replica, the orchestrator, the trainer."""
 
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import run_layout
 from tidal.config.deployment import parse_cpu_list, share_cores
 from tidal.config.inference import (
+    ADMIN_TOKEN_ENV,
     InferenceConfig,
     NcclRendezvous,
     VLLMConfig,
@@ -78,13 +80,14 @@ def split_config(
         "resume": rl.resume,
         "model": rl.model,
     }
+    # the admin token reaches the processes in their environment (`run_admin_token`), never in the config
+    # files `tidal rl` writes to the output dir (or prints with --dry-run)
+    server = rl.inference.server.model_copy(update={"admin_token": None})
+    if addresses is not None and is_loopback(server.host):
+        server = server.model_copy(update={"host": "0.0.0.0"})
     inference = rl.inference.model_copy(
-        update={"model": rl.model, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
+        update={"model": rl.model, "server": server, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
     )
-    if addresses is not None and is_loopback(inference.server.host):
-        inference = inference.model_copy(
-            update={"server": inference.server.model_copy(update={"host": "0.0.0.0"})}
-        )
     per_node = rl.deployment.num_replicas
     cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
     trainer_host = "127.0.0.1" if addresses is None else addresses[placement.trainer_nodes[0]]
@@ -121,7 +124,7 @@ def split_config(
                     "urls": urls[num_prefill:],
                     "prefill_urls": urls[:num_prefill],
                     "kv_store": None if kv_store is None else str(kv_store),
-                    "admin_token": rl.inference.server.admin_token or rl.orchestrator.client.admin_token,
+                    "admin_token": None,
                     # a lost replica is restarted: requests and updates wait for it while no other serves
                     "recovery_timeout": rl.startup_timeout if max_restarts(rl) > 0 else 0.0,
                     # it starts while vLLM loads (launcher/rl.py): as long a wait as the launcher's own
@@ -145,6 +148,20 @@ def split_config(
     )
     gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
     return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls))
+
+
+def run_admin_token(rl: RLConfig, environ: Mapping[str, str], shared: bool) -> str | None:
+    """The admin token of a run's replicas, which `tidal rl` passes in the environment to them and to the
+    orchestrator (the only process that calls their admin routes): the configured one
+    (`inference.server.admin_token`, else `orchestrator.client.admin_token`), else TIDAL_ADMIN_TOKEN, else
+    a new one for this run, so that no other process on the host can pause the servers or load weights
+    into them. `shared`: the nodes of a cluster run must agree on it, so none is made
+    up on one (the Slurm job and the Kubernetes Secret put one in every node's environment)."""
+    configured = rl.inference.server.admin_token or rl.orchestrator.client.admin_token
+    found = configured or environ.get(ADMIN_TOKEN_ENV) or None
+    if found is not None or shared:
+        return found
+    return secrets.token_hex(32)
 
 
 def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -> InferenceConfig:

@@ -440,3 +440,13 @@ def test_a_filesystem_step_holds_what_a_full_export_holds_cast_before_it_leaves_
         assert torch.equal(published[name], tensor), name
     config = json.loads((tmp_path / "run" / "weights" / "step_1" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
+    # later steps write the config and tokenizer files made at the first one: the same files, the same bytes
+    publisher = FilesystemPublisher(tmp_path / "again", dtype=torch.bfloat16)
+    for step in (1, 2):
+        publisher.publish(step, model, tokenizer, CPU)
+    second = tmp_path / "again" / "weights" / "step_2"
+    files = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert sorted(p.name for p in second.iterdir()) == files
+    for name in files:
+        if name != "model.safetensors":
+            assert (second / name).read_bytes() == (tmp_path / "export" / name).read_bytes(), name

@@ -36,11 +36,17 @@ def export_model(
 
 
 def write_checkpoint(
-    target: Path, state_dict: dict[str, torch.Tensor], model: torch.nn.Module, tokenizer: Any, dtype: Any
+    target: Path,
+    state_dict: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dtype: Any,
+    static: dict[str, bytes] | None = None,
 ) -> None:
-    """Write `state_dict` as `model`'s HF checkpoint; a full disk or a read-only directory is one line."""
+    """Write `state_dict` as `model`'s HF checkpoint (`static`: its other files, made once; see
+    save_hf_checkpoint); a full disk or a read-only directory is one line."""
     try:
-        save_hf_checkpoint(target, state_dict, model.config, tokenizer, dtype)  # type: ignore[attr-defined]
+        save_hf_checkpoint(target, state_dict, model.config, tokenizer, dtype, static)  # type: ignore[attr-defined]
     except Exception as exc:
         problem = write_error(target, exc)
         if problem is None:

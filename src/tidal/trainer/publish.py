@@ -49,6 +49,7 @@ from tidal.transport.weights import (
     check_keep_last,
     prune_published,
     refuse_non_finite,
+    static_files,
     step_dir,
 )
 
@@ -122,6 +123,7 @@ class FilesystemPublisher(WeightPublisher):
         self.dtype = dtype
         # LoRA runs: publish only the adapter, with this adapter_config.json (see tidal.trainer.lora)
         self.adapter_config = adapter_config
+        self._static: dict[str, bytes] | None = None
 
     def publish(self, step: int, model: torch.nn.Module, tokenizer: Any, info: DistInfo) -> Path:
         """Gather on every rank and write on rank 0; with an adapter config only the trainable LoRA tensors
@@ -133,7 +135,9 @@ class FilesystemPublisher(WeightPublisher):
         else:
             tensors = served_checkpoint(model, self.dtype, keep=info.is_main)
             if info.is_main:
-                write_checkpoint(target, tensors, model, tokenizer, self.dtype)
+                if self._static is None:  # config and tokenizer do not change during a run
+                    self._static = static_files(model.config, tokenizer, self.dtype)  # type: ignore[attr-defined]
+                write_checkpoint(target, tensors, model, tokenizer, self.dtype, self._static)
             barrier(info)
         if info.is_main:
             prune_published(self.output_dir, self.keep_last)

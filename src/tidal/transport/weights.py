@@ -14,6 +14,7 @@ guard read it) and nothing of the trainer; gathering a sharded model is tidal.tr
 import copy
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +108,18 @@ class WeightPublisher:
 
 
 def save_hf_checkpoint(
-    target: Path, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
+    target: Path,
+    state_dict: dict[str, Any],
+    hf_config: Any,
+    tokenizer: Any,
+    dtype: Any = None,
+    static: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write a complete HF checkpoint (config, safetensors, tokenizer, generation config) atomically."""
+    """Write a complete HF checkpoint (config, safetensors, tokenizer, generation config) atomically.
+
+    `static`: those other files as `static_files` made them once (a publisher writes the same ones every
+    step; serialising a real tokenizer again took 0.1-0.3 s a step)."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     target = Path(target)
     staging = target.with_name(target.name + ".tmp")
@@ -126,15 +134,34 @@ def save_hf_checkpoint(
             tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
         ).contiguous()
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    if static is None:
+        write_static_files(staging, hf_config, tokenizer, dtype)
+    else:
+        for name, content in static.items():
+            (staging / name).write_bytes(content)
+    return finish_staged(staging, target)
+
+
+def write_static_files(directory: Path, hf_config: Any, tokenizer: Any, dtype: Any = None) -> None:
+    """A checkpoint's files besides its weights: config (its dtype the one written), tokenizer, generation
+    config (greedy, the tokenizer's EOS and padding)."""
+    from transformers import GenerationConfig
+
     if dtype is not None:
         hf_config = copy.deepcopy(hf_config)  # the trainer's own config keeps describing its master weights
         hf_config.dtype = dtype
-    hf_config.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    hf_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
-    ).save_pretrained(staging)
-    return finish_staged(staging, target)
+    ).save_pretrained(directory)
+
+
+def static_files(hf_config: Any, tokenizer: Any, dtype: Any = None) -> dict[str, bytes]:
+    """`write_static_files`' files as bytes by name, to write again without serialising them again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_static_files(Path(tmp), hf_config, tokenizer, dtype)
+        return {path.name: path.read_bytes() for path in Path(tmp).iterdir() if path.is_file()}
 
 
 def finish_staged(staging: Path, target: Path) -> Path:

@@ -228,3 +228,28 @@ def test_a_state_saved_while_groups_run_ahead_starts_them_again_on_resume(tmp_pa
     saved = json.loads((orch.state_dir / "step_2.json").read_text())
     assert saved["requeued"][: len(running)] == running
     assert orch.state.requeued == []  # the live run does not start them twice
+
+
+class LongAndShort(TwoTurns):
+    """Even tasks take four model turns, odd ones one; every group has a learning signal."""
+
+    max_turns = 4
+
+    async def env_response(self, task: Task, episode: Episode) -> list[dict] | None:
+        long = int(task.task_id.split("/")[1]) % 2 == 0
+        return [{"role": "user", "content": "again"}] if long else None
+
+    def reward(self, task: Task, episode: Episode) -> float:
+        sample = self._samples.get(task.task_id, 0)
+        self._samples[task.task_id] = sample + 1
+        return float(sample % 2)
+
+
+def test_a_step_trains_the_groups_it_started_first_not_the_ones_that_ended_first(tmp_path, tokenizer_dir):
+    """Short episodes started for the next step end before the long ones of this step: the step still
+    trains its own (start order), and the next step the ones after them."""
+    orch = orchestrator(tmp_path, tokenizer_dir, max_async_level=1)
+    orch.env = LongAndShort()
+    _, _, trained = run_two_steps(orch, update_after=0.0)
+    assert [g.task_id for g in trained[0]] == [f"t/{i}" for i in range(8)]
+    assert [g.task_id for g in trained[1]] == [f"t/{i}" for i in range(8, 16)]

@@ -81,10 +81,13 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def orchestrator(tmp_path: Path, tokenizer_dir: Path, env, **batch) -> Orchestrator:
+    """Synchronous (max_async_level 0): a step draws only its own tasks, as these tests count them; groups
+    started ahead for later steps are tests/unit/test_inflight.py's."""
     config = OrchestratorConfig.model_validate(
         {
             "output_dir": str(tmp_path),
             "model": {"name": str(tokenizer_dir)},
+            "max_async_level": 0,
             "batch": {"num_prompts": 4, "group_size": 2, "seq_len": 64, **batch},
             "client": {"max_in_flight": 4},
         }

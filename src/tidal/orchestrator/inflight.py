@@ -4,9 +4,10 @@ A step used to start only the groups it still lacked and to cancel the rest when
 engine ran dry at the tail of every step (the last, longest groups alone) and between steps. Here groups
 outlive the step that started them. A group started under policy version `v` may train any step up to
 `v + max_async_level`, so while the current policy allows it, groups for the next steps start as soon as
-the current step's own groups leave room: the engine stays busy while the trainer trains. At the end of a
-step the groups still running are carried into the next step if it may train them; the others are
-cancelled and their tasks run again later with the same seeds (as a synchronous run always did).
+the current step's own groups leave room: the engine stays busy while the trainer trains. A step takes the
+groups in the order they started, so what it trains does not depend on which episodes end first. At the
+end of a step the groups still running are carried into the next step if it may train them; the others
+are cancelled and their tasks run again later with the same seeds (as a synchronous run always did).
 
 With `max_async_level = 0` nothing runs ahead: the rule reduces to "the groups this step still lacks".
 """
@@ -35,14 +36,15 @@ class LaunchRule:
         """Later steps, after `step`, that a group started now under `version` may still train."""
         return max(0, version + self.max_async_level - step)
 
-    def room(self, step: int, version: int, kept: int, in_flight: int, drawn: int) -> int:
-        """Groups to start now, while `step` has `kept` groups and `drawn` tasks were started during it.
+    def room(self, step: int, version: int, kept: int, in_flight: int, drawn: int, waiting: int = 0) -> int:
+        """Groups to start now, while `step` has `kept` groups, `in_flight` run, `waiting` ended and wait for
+        their turn, and `drawn` tasks were started during the step.
 
         Demand is what the current step still lacks plus a whole step for each later step a group started
-        now may train; the groups in flight count against it. Draws during a step are bounded by its own
-        refill budget plus that look-ahead, so a run whose every group is dropped still stops."""
+        now may train; groups running or waiting count against it. Draws during a step are bounded by its
+        own refill budget plus that look-ahead, so a run whose every group is dropped still stops."""
         ahead = self.num_prompts * self.steps_ahead(step, version)
-        demand = self.num_prompts - kept + ahead - in_flight
+        demand = self.num_prompts - kept + ahead - in_flight - waiting
         budget = self.limit + ahead - drawn
         return max(0, min(demand, budget, self.max_in_flight - in_flight))
 
@@ -53,6 +55,8 @@ class LaunchRule:
 
 @dataclass
 class _Running:
+    order: int
+    """Start order: a step trains groups in the order they started, whichever ends first."""
     position: int
     """The task's position in the stream (what a resumed run starts again)."""
     launched: int
@@ -60,30 +64,59 @@ class _Running:
 
 
 class GroupPool:
-    """The groups running now, in start order, each with its task position and the policy it started under.
+    """The groups started and not yet trained on: running, or ended and waiting for their turn.
+
+    Groups are handed out in the order they started (`pop_ready`), not the order they end: with groups for
+    later steps running beside the current step's, short episodes end first, and a step filled by whatever
+    ended first would train on the short ones and leave the long ones (a multi-turn environment of a mix)
+    to later steps. In start order a step trains the groups it would have trained had it run alone.
 
     Groups queue themselves as they end: waiting costs the same with 10 or 10,000 groups in flight, where
     asyncio.wait over all of them would (un)register a callback on every one per wake-up."""
 
     def __init__(self) -> None:
-        self._running: dict[asyncio.Task[Group], _Running] = {}
+        self._running: dict[asyncio.Task[Group], _Running] = {}  # in start order
+        self._finished: dict[int, Group] = {}
         self._ended: asyncio.Queue[asyncio.Task[Group]] = asyncio.Queue()
+        self._next_order = 0
 
     def __len__(self) -> int:
+        return len(self._running) + len(self._finished)
+
+    @property
+    def num_running(self) -> int:
         return len(self._running)
 
     def positions(self) -> list[int]:
         """Task positions of the groups running, in start order: what a run resumed now must start again."""
         return [running.position for running in self._running.values()]
 
+    def finished_groups(self) -> list[Group]:
+        """The groups that ended and wait for their turn, in start order (what a saved state keeps)."""
+        return [self._finished[order] for order in sorted(self._finished)]
+
     def start(self, position: int, launched: int, work: Awaitable[Group]) -> None:
         task = asyncio.ensure_future(work)
         task.add_done_callback(self._ended.put_nowait)
-        self._running[task] = _Running(position, launched)
+        self._running[task] = _Running(self._take_order(), position, launched)
 
-    async def ended(self, woken: Callable[[], Awaitable[object]] | None = None) -> list[Group]:
-        """The groups that ended since the last call, waiting for one; `woken` (e.g. a new policy version)
-        ends the wait early with none, so the caller can start the groups a newer policy allows."""
+    def add_finished(self, groups: list[Group]) -> None:
+        """Groups that ended before (a restored state's), in their start order, ahead of any started later."""
+        for group in groups:
+            self._finished[self._take_order()] = group
+
+    def pop_ready(self) -> Group | None:
+        """The oldest group not yet handed out, if it has ended (None while it runs, or with none left)."""
+        if not self._finished:
+            return None
+        oldest = min(self._finished)
+        if self._running and next(iter(self._running.values())).order < oldest:
+            return None
+        return self._finished.pop(oldest)
+
+    async def wait(self, woken: Callable[[], Awaitable[object]] | None = None) -> int:
+        """Wait for running groups to end; returns how many did. `woken` (e.g. a new policy version) ends
+        the wait early, so the caller can start the groups a newer policy allows."""
         if self._ended.empty() and woken is not None:
             waiting = asyncio.ensure_future(self._ended.get())
             waking = asyncio.ensure_future(woken())
@@ -91,16 +124,22 @@ class GroupPool:
             waking.cancel()
             if not waiting.done():
                 waiting.cancel()
-                return []
+                return 0
             self._ended.put_nowait(waiting.result())
         done = [await self._ended.get()]
         while not self._ended.empty():
             done.append(self._ended.get_nowait())
-        # a group cancelled at a step's end queues itself too, later: it is no longer ours to report
-        return [task.result() for task in done if self._running.pop(task, None) is not None]
+        ended = 0
+        for task in done:
+            running = self._running.pop(task, None)
+            if running is None:  # cancelled at a step's end, queued itself later: no longer ours
+                continue
+            self._finished[running.order] = task.result()  # a group's own error (e.g. inference lost) raises
+            ended += 1
+        return ended
 
     def carry_into(self, next_step: int, rule: LaunchRule) -> list[int]:
-        """Cancel the groups `next_step` may not train; returns their task positions, in start order."""
+        """Cancel the running groups `next_step` may not train; returns their task positions, in start order."""
         dropped = [task for task, run in self._running.items() if not rule.may_carry(run.launched, next_step)]
         return [self._cancel(task) for task in dropped]
 
@@ -110,3 +149,7 @@ class GroupPool:
     def _cancel(self, task: asyncio.Task[Group]) -> int:
         task.cancel()
         return self._running.pop(task).position
+
+    def _take_order(self) -> int:
+        self._next_order += 1
+        return self._next_order - 1

@@ -184,36 +184,42 @@ class Orchestrator:
     async def _collect(
         self, client: InferenceClient, policy: PolicyWatcher, step: int
     ) -> tuple[list[Group], list[list[float]], StepStats]:
-        """`num_prompts` fresh groups with signal: buffered ones first, then those in flight or started now
-        (`tidal.orchestrator.inflight`: groups for later steps start while the policy allows), refilling
-        drops. Groups still running at the end go on into the next step if it may train them.
+        """`num_prompts` fresh groups with signal, taken in the order they started (`tidal.orchestrator.
+        inflight`: groups for later steps start while the policy allows), refilling drops. Groups still
+        running or waiting at the end go on into the next step if it may train them.
 
         At most `max_tasks_factor × num_prompts` new tasks for the step itself: then it trains on fewer
         groups (warned), or, with none, stops the run with the reason (every rollout failing, rewards that
         never differ).
         """
-        cfg, stats, rule = self.config, StepStats(), self.launch_rule
+        cfg, stats, rule, pool = self.config, StepStats(), self.launch_rule, self.pool
         num_prompts = cfg.batch.num_prompts
         kept: list[Group] = []
         advantages: list[list[float]] = []
-        self._accept([Group.from_dict(g) for g in self.state.buffer], step, kept, advantages, stats)
+        pool.add_finished([Group.from_dict(g) for g in self.state.buffer])  # a restored state's
         self.state.buffer = []
-        stats.num_carried_in = len(self.pool)
+        stats.num_carried_in = len(pool)
         drawn = 0
-        while len(kept) < num_prompts and (self.pool or drawn < rule.limit):
-            version = policy.version
-            for _ in range(rule.room(step, version, len(kept), len(self.pool), drawn)):
-                position, task = self._next_task()
-                self.pool.start(position, version, self._run(client, task, position))
-                drawn += 1
-            for group in await self.pool.ended(functools.partial(policy.newer_than, version)):
+        while len(kept) < num_prompts:
+            group = pool.pop_ready()
+            if group is not None:
                 stats.num_groups_run += 1
                 self._accept([group], step, kept, advantages, stats)
+                continue
+            version = policy.version
+            room = rule.room(step, version, len(kept), pool.num_running, drawn, len(pool) - pool.num_running)
+            if room == 0 and not pool.num_running:
+                break  # the step's refill budget is spent and nothing runs
+            for _ in range(room):
+                position, task = self._next_task()
+                pool.start(position, version, self._run(client, task, position))
+                drawn += 1
+            if pool.num_running:
+                await pool.wait(functools.partial(policy.newer_than, version))
         # the groups the next step may not train: run again later, same seeds
-        self.state.requeued += self.pool.carry_into(step + 1, rule)
+        self.state.requeued += pool.carry_into(step + 1, rule)
         self._check_enough(step, len(kept), stats)
-        self.state.buffer = [g.to_dict() for g in kept[num_prompts:]]
-        return kept[:num_prompts], advantages[:num_prompts], stats
+        return kept, advantages, stats
 
     def _replica_metrics(self, client: InferenceClient, seconds: float) -> dict[str, float]:
         now = [
@@ -435,8 +441,12 @@ class Orchestrator:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"step_{self.state.step}.json"
         tmp = path.with_suffix(".tmp")
-        # groups still running belong to later steps: a run resumed from this state starts them again first
-        saved = {**self.state.__dict__, "requeued": self.pool.positions() + self.state.requeued}
+        # groups started for later steps: the ended ones are kept, the running ones start again on resume
+        saved = {
+            **self.state.__dict__,
+            "requeued": self.pool.positions() + self.state.requeued,
+            "buffer": [g.to_dict() for g in self.pool.finished_groups()],
+        }
         tmp.write_text(json.dumps(saved))
         tmp.rename(path)
         self._prune_states()

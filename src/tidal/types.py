@@ -126,16 +126,6 @@ class Group:
     env: str
     rollouts: list[Rollout]
 
-    @property
-    def min_version(self) -> int:
-        """Oldest policy version behind any token of the group: the one the staleness bound applies to."""
-        return min(r.policy_version for r in self.rollouts)
-
-    @property
-    def max_version(self) -> int:
-        """Newest policy version behind any token of the group."""
-        return max(r.policy_version_max for r in self.rollouts)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -9,7 +9,6 @@ from tidal.orchestrator.advantages import (
     compute_advantages,
     filter_groups,
     is_zero_signal,
-    off_policy_lags,
     split_stale,
     stale,
 )
@@ -116,13 +115,6 @@ def test_stale_bound():
     assert stale(group_version=3, step=4, max_async_level=0)
 
 
-def test_group_versions_are_oldest_and_newest_token():
-    g = Group("t", "test", [rollout(1.0, version=3), rollout(0.0, version=1), rollout(0.0, version=2)])
-    g.rollouts[0].policy_version_max = 4
-    assert g.min_version == 1
-    assert g.max_version == 4
-
-
 def test_split_stale_judges_a_group_by_its_oldest_rollout():
     mixed = Group("mixed", "test", [rollout(1.0, version=4), rollout(0.0, version=2)])
     fresh = group(1.0, 0.0, version=4, task_id="fresh")
@@ -150,11 +142,6 @@ def test_negative_async_level_is_rejected():
         StalenessTracker(-1)
     with pytest.raises(ValueError, match="max_async_level"):
         split_stale([], step=0, max_async_level=-1)
-
-
-def test_off_policy_lags_per_rollout():
-    groups = [group(1.0, 0.0, version=3), Group("t", "test", [rollout(1.0, version=5)])]
-    assert off_policy_lags(groups, step=5) == [2, 2, 0]
 
 
 def test_failed_rollouts_do_not_make_a_group_stale():

@@ -90,10 +90,6 @@ class DeploymentConfig(TrainerDeployment):
         return 1 if self.type == "local" else self.num_inference_nodes + self.num_trainer_nodes
 
     @property
-    def total_replicas(self) -> int:
-        return self.num_replicas * self.num_inference_nodes
-
-    @property
     def node_gpus(self) -> int:
         """GPUs one node lists: the larger of the inference and trainer lists (a node runs one role)."""
         return max(len(self.inference_gpus), len(self.trainer_gpus))

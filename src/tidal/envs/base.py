@@ -306,11 +306,3 @@ async def score_episode(env: Environment, task: Task, episode: Episode) -> Episo
 
 async def run_episode(env: Environment, task: Task, sampler: Sampler) -> Episode:
     return await score_episode(env, task, await env.rollout(task, sampler))
-
-
-def task_stream(env: Environment, start: int = 0) -> Iterator[tuple[int, Task]]:
-    """Endless (position, task) pairs cycling through the environment's tasks."""
-    position = start
-    while True:
-        yield position, env.task(position % env.num_tasks())
-        position += 1

@@ -295,8 +295,3 @@ def _missing_is_taskset(exc: ModuleNotFoundError, env_id: str) -> bool:
 def _described(exc: BaseException) -> str:
     cause = exc.__cause__ if isinstance(exc, ModuleNotFoundError) and exc.__cause__ else exc
     return f"{type(cause).__name__}: {first_line(cause)}"
-
-
-def load_verifiers_env(env_id: str, **kwargs: Any) -> VerifiersEnv:
-    """`load_env("vf:<id>", ...)`: the taskset package must be importable (installed, or on sys.path)."""
-    return resolve_verifiers_env(env_id)(env_id, **kwargs)

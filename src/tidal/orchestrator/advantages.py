@@ -100,11 +100,6 @@ def stale(group_version: int, step: int, max_async_level: int) -> bool:
     return step - group_version > max_async_level
 
 
-def off_policy_lags(groups: Sequence[Group], step: int) -> list[int]:
-    """Per rollout, how many steps older than `step` the oldest policy behind it is (logged as off-policy lag)."""
-    return [step - r.policy_version for g in groups for r in g.rollouts]
-
-
 @dataclass
 class StalenessSplit:
     """Groups split by the staleness bound for one step."""

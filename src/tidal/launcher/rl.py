@@ -801,10 +801,6 @@ def main(config: RLConfig) -> int:
         from tidal.deploy import kubernetes
 
         return kubernetes.launch(config)
-    if config.deployment.type != "local":
-        raise UserError(
-            f'deployment.type = {config.deployment.type!r} is not supported yet; use "local"'
-        )  # TODO(issue 13): render and submit the job instead
     from tidal.envs.registry import check_envs
 
     # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup

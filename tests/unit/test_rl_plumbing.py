@@ -7,7 +7,13 @@ import pytest
 
 from tidal import run_layout
 from tidal.config.loader import load_config
-from tidal.config.rl import HELDOUT_SEED_OFFSET, FilesystemTransport, OrchestratorConfig, RLConfig, ZMQTransport
+from tidal.config.rl import (
+    HELDOUT_SEED_OFFSET,
+    FilesystemTransport,
+    OrchestratorConfig,
+    RLConfig,
+    ZMQTransport,
+)
 from tidal.errors import UserError
 from tidal.launcher.split import split_config
 from tidal.transport.rollouts import FilesystemReceiver, FilesystemSender, ZMQReceiver, ZMQSender
@@ -152,8 +158,11 @@ def test_online_eval_defaults_to_the_runs_own_environments_held_out(tmp_path):
     assert spec.name == "wordle" and spec.display_name == "wordle"
     # a built-in: its other split, the games the run does not train on, as many as online eval asks for
     assert spec.kwargs == {"num_examples": 50, "split": "heldout"}
-    custom = OrchestratorConfig(env=[{"name": "my_pkg.envs:Maze", "kwargs": {"seed": 7}}], online_eval={"interval": 5})
-    assert custom.online_eval.env[0].kwargs["seed"] == 7 + HELDOUT_SEED_OFFSET  # another seed: other instances
+    custom = OrchestratorConfig(
+        env=[{"name": "my_pkg.envs:Maze", "kwargs": {"seed": 7}}], online_eval={"interval": 5}
+    )
+    # another seed: other instances
+    assert custom.online_eval.env[0].kwargs["seed"] == 7 + HELDOUT_SEED_OFFSET
     mixed = OrchestratorConfig(
         env=[
             {"name": "reverse_text", "kwargs": {"num_examples": 20000, "seed": 1}},

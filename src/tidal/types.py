@@ -14,6 +14,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+PAD_MULTIPLE = 16
+"""Default of the packers' `pad_multiple` (SFT's data.pad_multiple, RL's orchestrator.batch.pad_multiple)."""
+
+
+def padded_width(longest: int, seq_len: int, multiple: int) -> int:
+    """The width of a micro-batch whose longest row holds `longest` tokens: rounded up to a multiple of
+    `multiple`, never wider than `seq_len`, at least one token (a micro-batch of padding only still runs).
+
+    Rows are padded to this rather than to `seq_len` so that the forward pass costs what the real tokens
+    cost; `multiple` bounds how many distinct shapes compiled kernels meet (`multiple` = `seq_len`: one).
+    """
+    rounded = -(-max(1, longest) // multiple) * multiple
+    return min(seq_len, rounded)
+
 
 @dataclass(frozen=True)
 class RoutedExperts:
@@ -159,10 +173,11 @@ class TrainSample:
 
 @dataclass
 class MicroBatch:
-    """Packed rows for one forward pass; every field is a `[rows][seq_len]` nested list.
+    """Packed rows for one forward pass; every field is a `[rows][width]` nested list, where width is the
+    longest row's length rounded up (`padded_width`), at most the batch's seq_len.
 
     Several samples share a row; `position_ids` restart at 0 for each (that is what keeps attention inside
-    a sample) and padding continues the last sample's positions (see `trainer/data.py: pack_samples`).
+    a sample) and padding continues the last sample's positions (see `trainer/data.py: pad_row`).
     Position i predicts `target_ids[i]`, the next token of the same sample; `loss_mask`,
     `inference_logprobs` and `advantages` describe that target (0 where it does not exist: a sample's last
     token and padding). `sample_ids` numbers the samples of this micro-batch 0..num_samples-1 (−1 on
@@ -180,10 +195,10 @@ class MicroBatch:
     rollout_ids: list[str] = field(default_factory=list)
     """The rollout of each sample, by sample id: what the trainer trained, for checks across steps."""
     routed_experts: RoutedExperts | None = None
-    """Routing replay: inference's experts for every position, [rows · seq_len] tokens in row order (zeros
+    """Routing replay: inference's experts for every position, [rows · width] tokens in row order (zeros
     where `routed_mask` is 0); None: no sample of the micro-batch has routes."""
     routed_mask: list[list[int]] = field(default_factory=list)
-    """[rows][seq_len]: 1 where `routed_experts` holds a route (empty when it is None)."""
+    """[rows][width]: 1 where `routed_experts` holds a route (empty when it is None)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -206,7 +221,7 @@ class MicroBatch:
         return self.routed_experts.to_tensor(device), mask
 
     def to_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The fields as tensors on `device`, every one of shape [rows, seq_len]."""
+        """The fields as tensors on `device`, every one of shape [rows, width]."""
         import torch
 
         def as_tensor(value: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ from tidal.trainer.data import (
     TokenizedSample,
     collate,
     pack_samples,
+    pad_rows,
     shard_rows,
     tokenize_conversation,
 )
@@ -39,8 +40,11 @@ def test_pack_keeps_samples_whole_and_restarts_positions():
     a = TokenizedSample([1, 2, 3, 4], [0, 0, 1, 1])
     b = TokenizedSample([5, 6, 7], [0, 1, 1])
     c = TokenizedSample([8, 9, 10, 11, 12], [0, 0, 0, 1, 1])
-    rows, truncated = pack_samples([a, b, c], seq_len=8, pad_id=0)
+    rows, truncated = pack_samples([a, b, c], seq_len=8)
     assert truncated == 0 and len(rows) == 2
+    assert rows[0].input_ids == [1, 2, 3, 4, 5, 6, 7]  # unpadded: a micro-batch's rows are padded together
+    assert rows[1].input_ids == [8, 9, 10, 11, 12]
+    rows = pad_rows(rows, seq_len=8, pad_id=0, pad_multiple=4)
     assert rows[0].input_ids == [1, 2, 3, 4, 5, 6, 7, 0]
     assert rows[0].position_ids == [0, 1, 2, 3, 0, 1, 2, 3]
     # label i = token i+1 where that token is trained; never across the sample boundary
@@ -50,16 +54,18 @@ def test_pack_keeps_samples_whole_and_restarts_positions():
 
 
 def test_pack_truncates_overlong_samples_and_counts_them():
-    rows, truncated = pack_samples([TokenizedSample(list(range(1, 11)), [1] * 10)], seq_len=4, pad_id=0)
+    rows, truncated = pack_samples([TokenizedSample(list(range(1, 11)), [1] * 10)], seq_len=4)
     assert truncated == 1 and rows[0].input_ids == [1, 2, 3, 4]
 
 
 def test_shard_rows_gives_every_rank_the_same_number_of_micro_batches():
-    rows, _ = pack_samples([TokenizedSample([1, 2, 3], [0, 1, 1])] * 5, seq_len=3, pad_id=0)
+    rows, _ = pack_samples([TokenizedSample([1, 2, 3], [0, 1, 1])] * 5, seq_len=3)
     shards = [shard_rows(rows, r, 2, micro_batch_size=2) for r in range(2)]
     assert [len(s) for s in shards] == [2, 2]
     assert sum(row.num_loss_tokens for s in shards for mb in s for row in mb) == 10
-    assert all(len(mb) == 2 for s in shards for mb in s)
+    # rank 0 has rows 0, 2, 4; rank 1 rows 1, 3 and then one empty row, not micro-batches filled with them
+    assert [[len(mb) for mb in s] for s in shards] == [[2, 1], [2, 1]]
+    assert len(shards[1][1][0]) == 0
 
 
 def test_packed_forward_matches_separate_forwards(tokenizer):
@@ -70,7 +76,7 @@ def test_packed_forward_matches_separate_forwards(tokenizer):
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **TINY_CONFIG)).eval()
     samples = [tokenize_conversation(tokenizer, c) for c in generate_conversations("train", 3)]
-    rows, _ = pack_samples(samples, seq_len=400, pad_id=0)
+    rows, _ = pack_samples(samples, seq_len=400)
     assert len(rows) == 1
     # the check has teeth: with a KV cache transformers ignores position resets and samples 2 and 3 would differ
     batch = collate(rows)

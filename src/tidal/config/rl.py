@@ -32,6 +32,7 @@ from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig, check_cp, check_ep, check_fsdp
 from tidal.config.restarts import RestartsConfig
 from tidal.config.slurm import SlurmConfig
+from tidal.types import PAD_MULTIPLE
 
 
 class FilesystemTransport(Config):
@@ -132,6 +133,10 @@ class BatchConfig(Config):
     """Packed row length for the trainer; must hold the longest prompt + completion."""
     micro_batch_size: int = Field(default=1, gt=0)
     """Packed rows per forward pass."""
+    pad_multiple: int = Field(default=PAD_MULTIPLE, gt=0)
+    """A micro-batch's rows are padded to its longest row rounded up to a multiple of this many tokens (at
+    most seq_len), so the trainer's compute follows the real tokens; seq_len: every micro-batch is
+    [rows, seq_len] (fixed shapes for compiled kernels, at the cost of computing the padding)."""
     num_trainer_ranks: int = Field(default=1, gt=0)
     """Trainer processes to shard each batch over (set by `tidal rl`)."""
     cp: int = Field(default=1, gt=0)

@@ -21,6 +21,7 @@ from tidal.config.lora import LoraConfig
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig, check_cp, check_ep, check_fsdp
 from tidal.config.slurm import SFTSlurmConfig
+from tidal.types import PAD_MULTIPLE
 
 
 class SFTDataConfig(Config):
@@ -34,6 +35,11 @@ class SFTDataConfig(Config):
     """Length of a packed row in tokens; conversations are packed into rows without cross-attention."""
     micro_batch_size: int = Field(default=1, gt=0)
     """Packed rows per forward/backward pass on one rank (gradients accumulate over micro-batches)."""
+    pad_multiple: int = Field(default=PAD_MULTIPLE, gt=0)
+    """A micro-batch's rows are padded to its longest row rounded up to a multiple of this many tokens (at
+    most seq_len), and a micro-batch has only the rows it needs, so compute follows the real tokens;
+    seq_len: every row is seq_len wide (fixed shapes for compiled kernels, at the cost of computing the
+    padding)."""
     shuffle: bool = True
     """Shuffle conversations each epoch (seeded)."""
 

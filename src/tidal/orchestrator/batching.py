@@ -1,10 +1,23 @@
-"""Turn scored groups into train samples and pack them into equal numbers of micro-batches per trainer rank."""
+"""Turn scored groups into train samples and pack them into equal numbers of micro-batches per trainer rank.
+
+A micro-batch's rows are padded only to its longest row (rounded up to `pad_multiple`, see
+`tidal.types.padded_width`), not to seq_len: the trainer's forward then costs what the real tokens cost.
+"""
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
-from tidal.types import Group, MicroBatch, Rollout, RoutedExperts, TrainBatch, TrainSample
+from tidal.types import (
+    PAD_MULTIPLE,
+    Group,
+    MicroBatch,
+    Rollout,
+    RoutedExperts,
+    TrainBatch,
+    TrainSample,
+    padded_width,
+)
 
 
 def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
@@ -101,9 +114,9 @@ class _Row:
         self.advantages += [sample.advantage] * num
         self.sample_ids += [sample_id] * num
 
-    def pad(self, seq_len: int, pad_id: int) -> None:
-        # positions continue the last sample's (see trainer/data.py pack_samples); sample id −1 marks padding
-        num = seq_len - len(self.input_ids)
+    def pad(self, width: int, pad_id: int) -> None:
+        # positions continue the last sample's (see trainer/data.py pad_rows); sample id −1 marks padding
+        num = width - len(self.input_ids)
         start = self.position_ids[-1] + 1 if self.position_ids else 0
         self.input_ids += [pad_id] * num
         self.position_ids += range(start, start + num)
@@ -115,10 +128,10 @@ class _Row:
 
 
 def pack_routes(
-    rows: Sequence[Sequence[TrainSample]], seq_len: int
+    rows: Sequence[Sequence[TrainSample]], width: int
 ) -> tuple[RoutedExperts | None, list[list[int]]]:
     """The samples' routes laid out as `_Row` lays out their tokens: (routes of every position [rows ·
-    seq_len], zeros where there is none; mask [rows][seq_len], 1 where there is one). (None, []) when no
+    width], zeros where there is none; mask [rows][width], 1 where there is one). (None, []) when no
     sample has routes. A sample's routes cover its first tokens (all but the last one, from vLLM)."""
     given = [s.routed_experts for samples in rows for s in samples if s.routed_experts is not None]
     if not given:
@@ -126,22 +139,28 @@ def pack_routes(
     shape = given[0]
     if not all(r.same_shape(shape) for r in given):
         raise ValueError("routed experts of one micro-batch differ in layers, top-k or id size")
-    width = shape.token_bytes
+    token_bytes = shape.token_bytes
     data, mask = bytearray(), []
     for samples in rows:
         row_mask: list[int] = []
         for sample in samples:
             raw = b"" if sample.routed_experts is None else sample.routed_experts.raw()
-            covered = min(len(raw) // width, len(sample))
-            data += raw[: covered * width] + bytes((len(sample) - covered) * width)
+            covered = min(len(raw) // token_bytes, len(sample))
+            data += raw[: covered * token_bytes] + bytes((len(sample) - covered) * token_bytes)
             row_mask += [1] * covered + [0] * (len(sample) - covered)
-        data += bytes((seq_len - len(row_mask)) * width)
-        mask.append(row_mask + [0] * (seq_len - len(row_mask)))
+        data += bytes((width - len(row_mask)) * token_bytes)
+        mask.append(row_mask + [0] * (width - len(row_mask)))
     return RoutedExperts.from_raw(bytes(data), shape.num_layers, shape.top_k, shape.itemsize), mask
 
 
-def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_id: int) -> MicroBatch:
-    """Pack rows of samples into one micro-batch of shape [len(rows), seq_len]; sample ids count up across rows."""
+def build_micro_batch(
+    rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_id: int, pad_multiple: int = PAD_MULTIPLE
+) -> MicroBatch:
+    """Pack rows of samples into one micro-batch of shape [len(rows), width]: width is the longest row
+    rounded up to `pad_multiple` tokens, at most `seq_len`. Sample ids count up across rows."""
+    width = padded_width(
+        max((sum(len(s) for s in samples) for samples in rows), default=0), seq_len, pad_multiple
+    )
     built: list[_Row] = []
     num_samples = 0
     for samples in rows:
@@ -149,9 +168,9 @@ def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_i
         for sample in samples:
             row.add(sample, num_samples, pad_id)
             num_samples += 1
-        row.pad(seq_len, pad_id)
+        row.pad(width, pad_id)
         built.append(row)
-    routed_experts, routed_mask = pack_routes(rows, seq_len)
+    routed_experts, routed_mask = pack_routes(rows, width)
     return MicroBatch(
         input_ids=[r.input_ids for r in built],
         position_ids=[r.position_ids for r in built],
@@ -167,10 +186,13 @@ def build_micro_batch(rows: Sequence[Sequence[TrainSample]], seq_len: int, pad_i
     )
 
 
-def _check_args(samples: Sequence[TrainSample], world_size: int, seq_len: int, micro_batch_size: int) -> None:
-    if world_size < 1 or seq_len < 1 or micro_batch_size < 1:
+def _check_args(
+    samples: Sequence[TrainSample], world_size: int, seq_len: int, micro_batch_size: int, pad_multiple: int
+) -> None:
+    if min(world_size, seq_len, micro_batch_size, pad_multiple) < 1:
         raise ValueError(
-            f"world_size, seq_len and micro_batch_size must be >= 1, got {world_size}, {seq_len}, {micro_batch_size}"
+            "world_size, seq_len, micro_batch_size and pad_multiple must be >= 1, got "
+            f"{world_size}, {seq_len}, {micro_batch_size}, {pad_multiple}"
         )
     longest = max((len(s) for s in samples), default=0)
     if longest > seq_len:
@@ -181,25 +203,31 @@ def _check_args(samples: Sequence[TrainSample], world_size: int, seq_len: int, m
 
 
 def pack_for_ranks(
-    samples: Sequence[TrainSample], world_size: int, seq_len: int, micro_batch_size: int, pad_id: int
+    samples: Sequence[TrainSample],
+    world_size: int,
+    seq_len: int,
+    micro_batch_size: int,
+    pad_id: int,
+    pad_multiple: int = PAD_MULTIPLE,
 ) -> list[list[MicroBatch]]:
     """Micro-batches per rank: tokens balanced greedily across ranks, then first-fit packed into rows.
 
-    A micro-batch holds up to `micro_batch_size` rows of `seq_len` tokens. Every rank gets the same number of
-    micro-batches (at least one), padded with single all-padding rows, because FSDP runs collectives in every
-    forward/backward and a rank with fewer passes would hang the others. Empty samples are skipped.
+    A micro-batch holds up to `micro_batch_size` rows of at most `seq_len` tokens, padded to its longest row
+    rounded up to `pad_multiple`. Every rank gets the same number of micro-batches (at least one), the
+    missing ones a single all-padding row, because FSDP runs collectives in every forward/backward and a
+    rank with fewer passes would hang the others. Empty samples are skipped.
     """
-    _check_args(samples, world_size, seq_len, micro_batch_size)
+    _check_args(samples, world_size, seq_len, micro_batch_size, pad_multiple)
     samples = [s for s in samples if len(s) > 0]
     per_rank: list[list[MicroBatch]] = []
     for indices in balance_across_ranks([len(s) for s in samples], world_size):
         rows = first_fit([samples[i] for i in indices], seq_len)
         chunks = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
-        per_rank.append([build_micro_batch(chunk, seq_len, pad_id) for chunk in chunks])
+        per_rank.append([build_micro_batch(chunk, seq_len, pad_id, pad_multiple) for chunk in chunks])
     num_micro = max(1, *(len(m) for m in per_rank))
     for micro_batches in per_rank:
         while len(micro_batches) < num_micro:
-            micro_batches.append(build_micro_batch([[]], seq_len, pad_id))
+            micro_batches.append(build_micro_batch([[]], seq_len, pad_id, pad_multiple))
     return per_rank
 
 
@@ -217,13 +245,15 @@ def make_train_batches(
     pad_id: int,
     metrics: dict[str, float] | None = None,
     cp: int = 1,
+    pad_multiple: int = PAD_MULTIPLE,
 ) -> list[TrainBatch]:
     """One TrainBatch per rank for optimizer step `step`, carrying the global normalisers of the loss.
 
     With context parallelism (`cp` ranks per group, consecutive), the step is split into world_size / cp
-    shards and each group's ranks get the same one: they split its rows along the sequence.
+    shards and each group's ranks get the same one: they split its rows along the sequence. The normalisers
+    count samples and loss tokens, never padding, so they do not depend on `pad_multiple`.
     """
-    per_group = pack_for_ranks(samples, world_size // cp, seq_len, micro_batch_size, pad_id)
+    per_group = pack_for_ranks(samples, world_size // cp, seq_len, micro_batch_size, pad_id, pad_multiple)
     num_loss_tokens = sum(mb.num_loss_tokens for micro_batches in per_group for mb in micro_batches)
     num_samples = num_trainable_samples(samples)
     return [

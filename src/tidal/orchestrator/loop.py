@@ -166,7 +166,7 @@ class Orchestrator:
         try:
             batches = make_train_batches(
                 step, samples, b.num_trainer_ranks, b.seq_len, b.micro_batch_size, self.tokenizer.pad_token_id,
-                cp=b.cp,
+                cp=b.cp, pad_multiple=b.pad_multiple,
             )  # fmt: skip
         except ValueError as exc:
             raise UserError(f"orchestrator.batch.seq_len: {exc}") from None

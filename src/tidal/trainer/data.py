@@ -1,5 +1,9 @@
 """SFT data logic: tokenise conversations with an assistant-only loss mask, pack them, shard rows over ranks.
 
+Rows are packed up to seq_len tokens but padded per micro-batch, only to its longest row (rounded up to
+data.pad_multiple, `tidal.types.padded_width`), and a micro-batch has only the rows it needs: the forward
+pass then costs what the real tokens cost, not micro_batch_size × seq_len.
+
 Pure functions and small state; no torch here except `collate`, so it is unit-tested in isolation.
 """
 
@@ -8,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tidal.types import PAD_MULTIPLE, padded_width
 
 IGNORE_INDEX = -100
 
@@ -77,10 +83,9 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) ->
     return TokenizedSample(full, mask)
 
 
-def pack_samples(
-    samples: Sequence[TokenizedSample], seq_len: int, pad_id: int
-) -> tuple[list[PackedRow], int]:
-    """First-fit pack samples into rows of exactly `seq_len` tokens; returns rows and #samples truncated."""
+def pack_samples(samples: Sequence[TokenizedSample], seq_len: int) -> tuple[list[PackedRow], int]:
+    """First-fit pack samples into rows of at most `seq_len` tokens, unpadded (`pad_rows` pads a
+    micro-batch's); returns rows and #samples truncated."""
     rows: list[PackedRow] = []
     num_truncated = 0
     for sample in samples:
@@ -98,32 +103,47 @@ def pack_samples(
         row.labels += [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [
             IGNORE_INDEX
         ]
-    for row in rows:
-        # Padding continues the last sample's positions: it then counts as part of that sample, which is
-        # harmless (causal attention: no real token sees it; its labels are ignored) and leaves a row holding
-        # one sample free of the packed-sequence mask, so attention can take the plain causal fast path.
-        pad = seq_len - len(row)
-        last = row.position_ids[-1] + 1 if row.position_ids else 0
-        row.input_ids += [pad_id] * pad
-        row.position_ids += list(range(last, last + pad))
-        row.labels += [IGNORE_INDEX] * pad
-        row.num_padding = pad
     return rows, num_truncated
+
+
+def pad_row(row: PackedRow, width: int, pad_id: int) -> PackedRow:
+    """A copy of `row` padded at its end to `width` tokens.
+
+    Padding continues the last sample's positions: it then counts as part of that sample, which is harmless
+    (causal attention: no real token sees it; its labels are ignored) and leaves a row holding one sample
+    free of the packed-sequence mask, so attention can take the plain causal fast path.
+    """
+    pad = width - len(row)
+    last = row.position_ids[-1] + 1 if row.position_ids else 0
+    return PackedRow(
+        row.input_ids + [pad_id] * pad,
+        row.position_ids + list(range(last, last + pad)),
+        row.labels + [IGNORE_INDEX] * pad,
+        row.num_padding + pad,
+    )
+
+
+def pad_rows(
+    rows: Sequence[PackedRow], seq_len: int, pad_id: int, pad_multiple: int = PAD_MULTIPLE
+) -> list[PackedRow]:
+    """One micro-batch's rows padded to a common width: the longest rounded up to `pad_multiple`, at most
+    `seq_len` (`padded_width`)."""
+    width = padded_width(max((len(r) for r in rows), default=0), seq_len, pad_multiple)
+    return [pad_row(r, width, pad_id) for r in rows]
 
 
 def shard_rows(
     rows: Sequence[PackedRow], rank: int, world_size: int, micro_batch_size: int
 ) -> list[list[PackedRow]]:
-    """This rank's micro-batches. Every rank gets the same number (padded with empty rows), because FSDP
-    runs collectives in every forward/backward and a rank with fewer passes would hang the others."""
+    """This rank's micro-batches of up to `micro_batch_size` unpadded rows. Every rank gets the same number:
+    where its rows run out, a micro-batch of one empty row (`pad_rows` pads it like any other), because
+    FSDP runs collectives in every forward/backward and a rank with fewer passes would hang the others. No
+    micro-batch is filled up with empty rows: padding rows cost the forward as much as real ones."""
     mine = list(rows[rank::world_size])
     per_rank = -(-len(rows) // world_size)
     num_micro = max(1, -(-per_rank // micro_batch_size))
-    seq_len = len(rows[0]) if rows else 1
-    while len(mine) < num_micro * micro_batch_size:
-        mine.append(PackedRow([0] * seq_len, list(range(seq_len)), [IGNORE_INDEX] * seq_len, seq_len))
-    # drop all-padding rows beyond what is needed to keep micro-batch counts equal
-    return [mine[i : i + micro_batch_size] for i in range(0, num_micro * micro_batch_size, micro_batch_size)]
+    micro = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    return micro + [[PackedRow()] for _ in range(num_micro - len(micro))]
 
 
 class EpochSampler:

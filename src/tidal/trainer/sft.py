@@ -28,6 +28,7 @@ from tidal.trainer.data import (
     TokenizedSample,
     collate,
     pack_samples,
+    pad_rows,
     shard_rows,
     tokenize_conversation,
 )
@@ -90,11 +91,12 @@ class SFTData:
     def next_batch(self) -> StepBatch:
         data = self.config.data
         samples = [self._sample(i) for i in self.sampler.next_indices(data.batch_size)]
-        rows, num_truncated = pack_samples(samples, data.seq_len, self.tokenizer.pad_token_id)
+        rows, num_truncated = pack_samples(samples, data.seq_len)
         # the ranks of a context-parallel group train the same rows (each a chunk of their sequence)
         micro = shard_rows(rows, self.info.dp_rank, self.info.dp_size, data.micro_batch_size)
+        pad_id = self.tokenizer.pad_token_id
         return StepBatch(
-            micro_batches=micro,
+            micro_batches=[pad_rows(m, data.seq_len, pad_id, data.pad_multiple) for m in micro],
             num_loss_tokens=sum(r.num_loss_tokens for r in rows),
             num_tokens=sum(len(s.input_ids) for s in samples),
             num_truncated=num_truncated,

@@ -77,6 +77,10 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
     fully_shard(model)
     broadcaster = _Recorder(out) if rank == 0 else None
     NcclPublisher(Path(out), 3, torch.bfloat16, broadcaster).publish(1, model, None, info)
+    # both ranks past every collective before either tears gloo down: on a loaded machine a rank torn down
+    # while the other's last collective was still in flight aborted ("terminate called without an active
+    # exception", SIGABRT) once in a full suite
+    dist.barrier()
     dist.destroy_process_group()
 
 

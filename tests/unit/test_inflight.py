@@ -49,6 +49,13 @@ def test_groups_for_the_next_steps_start_as_far_as_the_policy_allows():
     assert RULE.may_carry(launched=2, next_step=3) and not RULE.may_carry(launched=2, next_step=4)
 
 
+def test_nothing_starts_for_a_step_past_the_last():
+    ending = LaunchRule(num_prompts=8, max_in_flight=32, max_async_level=2, limit=32, last_step=4)
+    assert ending.steps_ahead(step=3, version=3) == 1  # step 4 is the last: not 2 ahead
+    assert ending.room(step=4, version=4, kept=0, in_flight=0, drawn=0) == 8  # the last step's own only
+    assert ending.room(step=4, version=4, kept=6, in_flight=2, drawn=8) == 0
+
+
 def test_every_group_dropped_still_ends_the_step_after_the_refill_budget_and_look_ahead():
     drawn, in_flight = 0, 0
     for _ in range(1000):  # each round: start what the rule allows, then every group ends, dropped

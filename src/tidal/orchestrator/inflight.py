@@ -31,10 +31,15 @@ class LaunchRule:
     """A group started under policy `v` may train steps up to `v + max_async_level`."""
     limit: int
     """New tasks a step may draw for its own groups (refills of dropped groups included)."""
+    last_step: int | None = None
+    """The run's last step (max_steps − 1): nothing starts for a step past it (None: no end)."""
 
     def steps_ahead(self, step: int, version: int) -> int:
         """Later steps, after `step`, that a group started now under `version` may still train."""
-        return max(0, version + self.max_async_level - step)
+        reach = version + self.max_async_level
+        if self.last_step is not None:
+            reach = min(reach, self.last_step)
+        return max(0, reach - step)
 
     def room(self, step: int, version: int, kept: int, in_flight: int, drawn: int, waiting: int = 0) -> int:
         """Groups to start now, while `step` has `kept` groups, `in_flight` run, `waiting` ended and wait for

@@ -96,6 +96,7 @@ class Orchestrator:
             max_in_flight=config.client.max_in_flight,
             max_async_level=config.max_async_level,
             limit=math.floor(b.max_tasks_factor * b.num_prompts),
+            last_step=config.max_steps - 1,
         )
         self._replicas_before: list[ReplicaCounts] | None = None
 

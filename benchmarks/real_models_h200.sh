@@ -13,14 +13,18 @@
 #      that it outlives the call, and follows it)
 #   5. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows it to its end or this call's limit; the results and a tar.gz of the runs land in $OUT)
+# With BENCH=loop in every call, `start` runs benchmarks/loop_throughput.py instead (issue 34: tidal rl against
+# vLLM alone and TRL; its parts in PARTS, default "offline tidal trl"; no ENV arguments), in /root/lt; `.gpu/whl`
+# then also holds trl and accelerate (and datasets with its dependencies where the machine lacks them).
 set -euo pipefail
 stage=${1:?copy, start or follow}
 shift || true
 VLLM_PARTS=/root/vllm-parts
 MODEL_PARTS=/root/model-parts
 MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf
-WORK=/root/rm
-RESULTS=/root/rm-out
+BENCH=${BENCH:-real_models}            # or loop: benchmarks/loop_throughput.py
+if [ "$BENCH" = loop ]; then WORK=/root/lt RESULTS=/root/lt-out; else WORK=/root/rm RESULTS=/root/rm-out; fi
+PARTS=${PARTS:-offline tidal trl}      # BENCH=loop only
 CALL_LIMIT=${CALL_LIMIT:-560}          # seconds this call follows the benchmark before it returns
 BENCH_DEADLINE=${BENCH_DEADLINE:-1000} # seconds the benchmark may run, counted from `start`
 
@@ -63,6 +67,10 @@ EOF
         done
     done
     tail -5 "$WORK/driver.log" || true
+    if [ "$BENCH" = loop ]; then  # logs and metrics of every run, no weights
+        tar czf "$RESULTS/loop_throughput_raw.tar.gz" -C "$WORK" --exclude='*.safetensors' --exclude='*.pt' \
+            --exclude='*.bin' --exclude='weights' --exclude='checkpoints' . 2>/dev/null || true
+    fi
     cp "$RESULTS"/* "$OUT"/ 2>/dev/null || true
     cp "$WORK/driver.log" "$OUT"/ 2>/dev/null || true
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv || true
@@ -80,9 +88,16 @@ start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
     python3 -m tidal convert "$MODEL"
     mkdir -p "$WORK" "$RESULTS"
-    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix smollm2 --envs "$@" \
-        --workdir "$WORK" --out "$RESULTS/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
-        --raw "$RESULTS/real_models_raw.tar.gz" > "$WORK/driver.log" 2>&1 < /dev/null &
+    if [ "$BENCH" = loop ]; then
+        # shellcheck disable=SC2086  # PARTS: several words
+        setsid nohup timeout $((BENCH_DEADLINE - SECONDS)) python3 benchmarks/loop_throughput.py \
+            --model "$MODEL" --parts $PARTS --trl-site /tmp/site --workdir "$WORK" \
+            --out "$RESULTS/loop_throughput_h200.json" > "$WORK/driver.log" 2>&1 < /dev/null &
+    else
+        setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix smollm2 --envs "$@" \
+            --workdir "$WORK" --out "$RESULTS/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
+            --raw "$RESULTS/real_models_raw.tar.gz" > "$WORK/driver.log" 2>&1 < /dev/null &
+    fi
     echo $! > "$WORK/driver.pid"
     follow
     ;;

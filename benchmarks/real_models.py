@@ -44,9 +44,12 @@ EXTRA: list[str] = []
 """What this run adds to every RL and eval command: SHARED_GPU_FLAGS, unless `--cpu`."""
 
 
-def recipe_files(env: str, suffix: str) -> tuple[Path | None, Path]:
-    sft = EXAMPLES / env / f"sft_{suffix}.toml"
-    return (sft if sft.exists() else None), EXAMPLES / env / f"rl_{suffix}.toml"
+def recipe_files(env: str, suffix: str, variant: str = "") -> tuple[Path | None, Path]:
+    """The recipe's (warm-up, RL) configs; a variant is `rl_<suffix>_<variant>.toml` (and its own warm-up if
+    `sft_<suffix>_<variant>.toml` exists)."""
+    name = f"{suffix}_{variant}" if variant else suffix
+    sft = EXAMPLES / env / f"sft_{name}.toml"
+    return (sft if sft.exists() else None), EXAMPLES / env / f"rl_{name}.toml"
 
 
 STARTED: list[subprocess.Popen] = []
@@ -146,14 +149,18 @@ def env_report(record: dict[str, Any], env: str) -> dict[str, Any] | None:
 class Recipe:
     """One environment's runs: the optional warm-up and base eval, then RL; `result()` is its entry.
 
-    `spec` is `env`, or `env@lr` for the same recipe at another RL learning rate (its own directory, and
-    ports 2 above the config's, so it runs beside the recipe itself)."""
+    `spec` is `env`, `env:variant` for the recipe variant `rl_<suffix>_<variant>.toml` (its own port), and
+    either with `@lr` for the same recipe at another RL learning rate (its own directory, and ports 2 above
+    the config's, so it runs beside the recipe itself)."""
 
-    def __init__(self, spec: str, suffix: str, model: str, workdir: Path):
-        self.env, _, self.lr = spec.partition("@")
+    def __init__(self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None):
+        recipe, _, self.lr = spec.partition("@")
+        self.env, _, variant = recipe.partition(":")
         self.model = model
-        self.sft_config, self.rl_config = recipe_files(self.env, suffix)
-        self.dir = workdir / (self.env if not self.lr else f"{self.env}_lr{self.lr}")
+        self.max_steps = max_steps
+        self.sft_config, self.rl_config = recipe_files(self.env, suffix, variant)
+        name = f"{self.env}_{variant}" if variant else self.env
+        self.dir = workdir / (name if not self.lr else f"{name}_lr{self.lr}")
         self.port = port_of(self.rl_config) + (2 if self.lr else 0)
         self.commands: list[str] = []
         self.notes: dict[str, Any] = {}
@@ -183,6 +190,8 @@ class Recipe:
                 "--inference.server.port", str(self.port), *EXTRA]  # fmt: skip
         if self.lr:
             args += ["--trainer.optim.lr", self.lr]
+        if self.max_steps:
+            args += ["--max-steps", str(self.max_steps)]
         self.commands.append("tidal " + " ".join(args))
         self.rl_started = time.monotonic()
         return tidal(args, self.dir / "rl.log")
@@ -199,6 +208,7 @@ class Recipe:
         base = score(self.base_eval) if warm and self.base_eval else (None if warm else before)
         return {
             "env": self.env,
+            "recipe": self.rl_config.name,
             "rl_lr": self.lr or "the recipe's",
             "model": Path(self.model).name,
             "heldout_base": base,
@@ -253,7 +263,7 @@ def machine() -> str:
 
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
-    recipes = [Recipe(env, args.suffix, str(args.model), args.workdir) for env in args.envs]
+    recipes = [Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps) for env in args.envs]
     meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
     runs: list[dict[str, Any]] = []
     # warm-ups first, side by side; RL runs without one start at once
@@ -295,8 +305,13 @@ def main() -> None:
         "--suffix", required=True, help="recipe files are examples/<env>/{sft,rl}_<suffix>.toml"
     )
     parser.add_argument(
-        "--envs", nargs="+", required=True, help="ENV, or ENV@LR: the recipe at another RL lr"
-    )
+        "--envs", nargs="+", required=True,
+        help="ENV, ENV:VARIANT (rl_<suffix>_<variant>.toml), either with @LR: the recipe at another RL lr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-steps", type=int, default=None,
+        help="every RL run's max_steps (default: each recipe's); the deadline may stop a run first",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline", type=float, default=540, help="seconds from now: every run is stopped")

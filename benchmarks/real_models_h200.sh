@@ -1,53 +1,66 @@
 #!/usr/bin/env bash
-# benchmarks/real_models.py on one H200 through the device tool, which takes at most 64 MiB along per call and
-# gives an idle machine back after 30 s: five calls, back to back. Here, once:
+# benchmarks/real_models.py and/or benchmarks/loop_throughput.py on one H200 through the device tool, which takes
+# at most 64 MiB along per call and gives an idle machine back after 30 s: five calls, back to back. Here, once:
 #   bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm                                   # 3 parts, 44.7 MiB each
 #   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 14.5 14.5 14.5  # 4 slices
 #   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime
+#   (BENCH=loop or both: also trl accelerate datasets dill multiprocess xxhash fsspec; pandas, 12 MB, in .gpu/whl2
+#    where the machine lacks it: `copy` prints which of these the machine has)
 # Then the calls (carry = the folders each one takes along):
 #   1. carry .gpu/vllm/part1 .gpu/model/slice1:      bash benchmarks/real_models_h200.sh copy
 #   2. carry .gpu/vllm/part2 .gpu/model/slice2:      bash benchmarks/real_models_h200.sh copy
 #   3. carry .gpu/vllm/part3 .gpu/model/slice3:      bash benchmarks/real_models_h200.sh copy
-#   4. carry .gpu/model/slice4 .gpu/whl:             bash benchmarks/real_models_h200.sh start ENV...
-#      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark in its own session so
-#      that it outlives the call, and follows it)
+#   4. carry .gpu/model/slice4 .gpu/whl [.gpu/whl2]: bash benchmarks/real_models_h200.sh start ENV...
+#      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark(s) in their own session
+#      so that they outlive the call, and follows them)
 #   5. nothing carried:                              bash benchmarks/real_models_h200.sh follow
-#      (follows it to its end or this call's limit; the results and a tar.gz of the runs land in $OUT)
-# With BENCH=loop in every call, `start` runs benchmarks/loop_throughput.py instead (issue 34: tidal rl against
-# vLLM alone and TRL; its parts in PARTS, default "offline tidal trl"; no ENV arguments), in /root/lt; `.gpu/whl`
-# then also holds trl and accelerate (and datasets with its dependencies where the machine lacks them).
+#      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
+# BENCH picks what `start` runs: real_models (default; ENV... are its --envs, MAX_STEPS its --max-steps), loop
+# (benchmarks/loop_throughput.py, issue 34: tidal rl against vLLM alone and TRL; its parts in PARTS, default
+# "offline tidal trl", LOOP_ARGS added to its command; no ENV arguments), or both side by side on the one GPU
+# (each then measures under the other's load: say so with their numbers). Every call names the same BENCH.
 set -euo pipefail
 stage=${1:?copy, start or follow}
 shift || true
 VLLM_PARTS=/root/vllm-parts
 MODEL_PARTS=/root/model-parts
+WHEELS=/root/whl
 MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf
-BENCH=${BENCH:-real_models}            # or loop: benchmarks/loop_throughput.py
-if [ "$BENCH" = loop ]; then WORK=/root/lt RESULTS=/root/lt-out; else WORK=/root/rm RESULTS=/root/rm-out; fi
-PARTS=${PARTS:-offline tidal trl}      # BENCH=loop only
+BENCH=${BENCH:-real_models}            # real_models, loop or both
+PARTS=${PARTS:-offline tidal trl}      # loop only; "offline tidal|trl": two loop_throughput.py side by side
+LOOP_ARGS=${LOOP_ARGS:-}               # loop only: more loop_throughput.py flags
+MAX_STEPS=${MAX_STEPS:-}               # real_models only: every RL run's max_steps
 CALL_LIMIT=${CALL_LIMIT:-560}          # seconds this call follows the benchmark before it returns
 BENCH_DEADLINE=${BENCH_DEADLINE:-1000} # seconds the benchmark may run, counted from `start`
+RM_WORK=/root/rm RM_OUT=/root/rm-out LT_WORK=/root/lt LT_OUT=/root/lt-out
+IFS='|' read -r -a LOOPS <<< "$PARTS"
+LT_WORKS=$LT_WORK
+for ((i = 2; i <= ${#LOOPS[@]}; i++)); do LT_WORKS="$LT_WORKS $LT_WORK$i"; done
+case "$BENCH" in
+real_models) WORKS="$RM_WORK" ;;
+loop) WORKS="$LT_WORKS" ;;
+both) WORKS="$RM_WORK $LT_WORKS" ;;
+*) echo "BENCH is real_models, loop or both, not $BENCH" >&2; exit 2 ;;
+esac
 
 export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export TIDAL_CACHE_DIR=/root/tidal-cache
 
 copy_parts() {
-    mkdir -p "$VLLM_PARTS" "$MODEL_PARTS"
+    mkdir -p "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
     for d in .gpu/vllm/part*; do [ -d "$d" ] && cp "$d"/* "$VLLM_PARTS"/; done
     for d in .gpu/model/slice*; do [ -d "$d" ] && cp "$d"/* "$MODEL_PARTS"/; done
-    ls -l "$VLLM_PARTS" "$MODEL_PARTS"
+    for d in .gpu/whl*; do [ -d "$d" ] && cp "$d"/*.whl "$WHEELS"/; done
+    ls -l "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
+    for m in pandas datasets accelerate peft pyarrow transformers huggingface_hub; do  # what the machine has
+        python3 -c "import $m; print('have $m', $m.__version__)" 2>/dev/null || echo "lacks $m"
+    done
 }
 
-follow() {  # until the benchmark ends or CALL_LIMIT; then its files into $OUT
-    local pid
-    pid=$(cat "$WORK/driver.pid")
-    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$CALL_LIMIT" ]; do
-        sleep 30
-        echo "--- $(date +%T) (${SECONDS}s)"
-        for run in "$WORK"/*/rl; do
-            [ -f "$run/orchestrator/metrics.jsonl" ] || continue
-            python3 - "$run" <<'EOF'
+summary() {  # one line per RL run: step, reward, step time, online evals
+    local run=$1
+    python3 - "$run" <<'EOF'
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
@@ -61,19 +74,61 @@ if evals.exists():
         for name, r in e["envs"].items():
             if "avg@1" in r:
                 scores.append(f"{e['step']}{'F' if e['final'] else ''}:{r['avg@1']['mean']:.3f}")
-print(f"{run.parent.name}: step {last['step']} reward {last.get('reward/mean', float('nan')):.3f} "
+print(f"{run.parent.name}/{run.name}: step {last['step']} reward {last.get('reward/mean', float('nan')):.3f} "
       f"{last.get('time/step', 0):.1f}s/step evals {' '.join(scores)}")
 EOF
+}
+
+running() {  # true while a started driver still runs
+    local work
+    for work in $WORKS; do
+        [ -f "$work/driver.pid" ] && kill -0 "$(cat "$work/driver.pid")" 2>/dev/null && return 0
+    done
+    return 1
+}
+
+follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
+    while running && [ "$SECONDS" -lt "$CALL_LIMIT" ]; do
+        sleep 30
+        echo "--- $(date +%T) (${SECONDS}s)"
+        for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl; do
+            [ -f "$run/orchestrator/metrics.jsonl" ] && { summary "$run" || true; }
         done
     done
-    tail -5 "$WORK/driver.log" || true
-    if [ "$BENCH" = loop ]; then  # logs and metrics of every run, no weights
-        tar czf "$RESULTS/loop_throughput_raw.tar.gz" -C "$WORK" --exclude='*.safetensors' --exclude='*.pt' \
-            --exclude='*.bin' --exclude='weights' --exclude='checkpoints' . 2>/dev/null || true
+    for work in $WORKS; do tail -5 "$work/driver.log" || true; done
+    if [ -d "$LT_WORK" ]; then  # logs and metrics of every run (driver logs too), no weights
+        tar czf "$LT_OUT/loop_throughput_raw.tar.gz" -C /root --exclude='*.safetensors' --exclude='*.pt' \
+            --exclude='*.bin' --exclude='weights' --exclude='checkpoints' --exclude='final' \
+            $(cd /root && ls -d lt lt[0-9] 2>/dev/null) 2>/dev/null || true
     fi
-    cp "$RESULTS"/* "$OUT"/ 2>/dev/null || true
-    cp "$WORK/driver.log" "$OUT"/ 2>/dev/null || true
+    [ -f "$RM_WORK/driver.log" ] && cp "$RM_WORK/driver.log" "$OUT/real_models_driver.log"
+    cp "$RM_OUT"/* "$LT_OUT"/* "$OUT"/ 2>/dev/null || true
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv || true
+}
+
+start_real_models() {
+    mkdir -p "$RM_WORK" "$RM_OUT"
+    local steps=()
+    [ -n "$MAX_STEPS" ] && steps=(--max-steps "$MAX_STEPS")
+    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix smollm2 --envs "$@" "${steps[@]}" \
+        --workdir "$RM_WORK" --out "$RM_OUT/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
+        --raw "$RM_OUT/real_models_raw.tar.gz" > "$RM_WORK/driver.log" 2>&1 < /dev/null &
+    echo $! > "$RM_WORK/driver.pid"
+}
+
+start_loop() {  # one loop_throughput.py per '|'-separated group of PARTS, each in its own folder
+    local i work suffix
+    mkdir -p "$LT_OUT"
+    for ((i = 1; i <= ${#LOOPS[@]}; i++)); do
+        work=$LT_WORK suffix=""
+        [ "$i" -gt 1 ] && work=$LT_WORK$i suffix=_$i
+        mkdir -p "$work"
+        # shellcheck disable=SC2086  # the parts and LOOP_ARGS: several words
+        setsid nohup timeout $((BENCH_DEADLINE - SECONDS)) python3 benchmarks/loop_throughput.py \
+            --model "$MODEL" --parts ${LOOPS[$((i - 1))]} --trl-site /tmp/site --workdir "$work" $LOOP_ARGS \
+            --out "$LT_OUT/loop_throughput_h200$suffix.json" > "$work/driver.log" 2>&1 < /dev/null &
+        echo $! > "$work/driver.pid"
+    done
 }
 
 case "$stage" in
@@ -85,20 +140,14 @@ start)
     (cd "$VLLM_PARTS" && cat vllm-site.tar.xz.[0-9][0-9] > vllm-site.tar.xz && sha256sum -c SHA256SUMS)
     [ -d /root/vllm-site/vllm ] || python3 -c "import tarfile; tarfile.open('$VLLM_PARTS/vllm-site.tar.xz').extractall('/root/vllm-site', filter='data')"
     python3 benchmarks/carry_model.py join "$MODEL_PARTS" --out "$MODEL"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl
     python3 -m tidal convert "$MODEL"
-    mkdir -p "$WORK" "$RESULTS"
-    if [ "$BENCH" = loop ]; then
-        # shellcheck disable=SC2086  # PARTS: several words
-        setsid nohup timeout $((BENCH_DEADLINE - SECONDS)) python3 benchmarks/loop_throughput.py \
-            --model "$MODEL" --parts $PARTS --trl-site /tmp/site --workdir "$WORK" \
-            --out "$RESULTS/loop_throughput_h200.json" > "$WORK/driver.log" 2>&1 < /dev/null &
-    else
-        setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix smollm2 --envs "$@" \
-            --workdir "$WORK" --out "$RESULTS/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
-            --raw "$RESULTS/real_models_raw.tar.gz" > "$WORK/driver.log" 2>&1 < /dev/null &
-    fi
-    echo $! > "$WORK/driver.pid"
+    case "$BENCH" in
+    real_models) start_real_models "$@" ;;
+    loop) start_loop ;;
+    both) start_real_models "$@"; start_loop ;;
+    esac
     follow
     ;;
 follow)

@@ -79,7 +79,7 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
 def layout_tokens(seq_lens: Sequence[int]) -> dict[str, dict[str, int]]:
     """Real and computed tokens of the first step's batch under both layouts (this tree's code)."""
     from tidal.config.sft import SFTConfig
-    from tidal.testing.tiny import build_tokenizer
+    from tidal.models.tiny import build_tokenizer
     from tidal.trainer.data import EpochSampler, pack_samples, pad_rows, shard_rows, tokenize_conversation
     from tidal.trainer.sources import load_conversations
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidal.testing.random_models import QWEN3_0_6B_CONFIG
+from tidal.models.random_models import QWEN3_0_6B_CONFIG
 
 # Qwen3-0.6B's architecture (random weights: no download); 0.6B parameters, 1.2 GB in bf16. The results on
 # record were measured with a 4096-token position table.
@@ -51,7 +51,7 @@ def publish_checkpoints(arch: str, dtype: str, run_dir: Path) -> list[Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tidal.testing.tiny import TINY_CONFIG, build_tokenizer
+    from tidal.models.tiny import TINY_CONFIG, build_tokenizer
     from tidal.transport.weights import WeightPublisher
 
     tokenizer = build_tokenizer()

@@ -37,9 +37,9 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "rl": Command(
         "tidal.config.rl:RLConfig",
-        "tidal.launcher.rl:main",
+        "tidal.deploy.run:rl_main",
         "Asynchronous RL: starts vLLM inference, the orchestrator and the trainer from one config.",
-        dry_run="tidal.launcher.rl:dry_run",
+        dry_run="tidal.deploy.run:rl_dry_run",
         as_run="tidal.launcher.rl:as_run",
     ),
     "node": Command(
@@ -49,10 +49,10 @@ COMMANDS: dict[str, Command] = {
     ),
     "sft": Command(
         "tidal.config.sft:SFTConfig",
-        "tidal.launcher.sft:main",
+        "tidal.deploy.run:sft_main",
         "Supervised fine-tuning on chat conversations (loss on assistant tokens; FSDP2 under torchrun, which "
         "it starts itself for several ranks, here or on Slurm or Kubernetes).",
-        dry_run="tidal.launcher.sft:dry_run",
+        dry_run="tidal.deploy.run:sft_dry_run",
     ),
     "sft-node": Command(
         "tidal.config.node:SFTNodeConfig",

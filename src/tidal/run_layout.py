@@ -6,10 +6,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from tidal import manifest
 from tidal.errors import UserError
-from tidal.trainer import manifest
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _STATE_FILE = re.compile(r"^step_(\d+)\.json$")
 
 
@@ -69,13 +68,9 @@ def trainer_dir(output_dir: Path) -> Path:
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """`step_<n>` directories under root (complete ones: staging names never match), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    )
+    """`step_<n>` directories under root (rollouts, weights or checkpoints; complete ones: staging names never
+    match), oldest first. One listing for all three: tidal.manifest's."""
+    return manifest.checkpoint_dirs(root)
 
 
 def trainer_resume_step(output_dir: Path) -> int:

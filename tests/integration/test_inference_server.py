@@ -8,10 +8,10 @@ import httpx
 import pytest
 import torch
 
+from tidal.envs.chat import continue_prompt
 from tidal.inference.client import InferenceClient, RequestRejected
 from tidal.inference.server import ServerProcess
 from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, Generation, SamplingParams
-from tidal.rollout.chat import continue_prompt
 from tidal.testing import TINY_MODEL_NAME
 
 from .conftest import non_loopback_ip

@@ -23,6 +23,7 @@ from tests.ranks import free_port
 from tidal.config.common import ModelConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.rl import SamplingConfig
+from tidal.envs.chat import continue_prompt
 from tidal.envs.registry import load_env
 from tidal.inference.client import InferenceClient
 from tidal.inference.server import ServerProcess, start_server
@@ -32,7 +33,6 @@ from tidal.models import resolve_model_name
 from tidal.models.gguf import INFO_FILE, find_converted
 from tidal.monitor.metrics import read_metrics
 from tidal.orchestrator.rollouts import run_group
-from tidal.rollout.chat import continue_prompt
 from tidal.testing.assets import SMOLLM2, fetch_gguf
 from tidal.trainer.data import tokenize_conversation
 

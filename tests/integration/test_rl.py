@@ -17,13 +17,13 @@ import pytest
 
 from tests.conftest import REPO, run_tidal
 from tests.wandb_files import offline_run_files, read_offline_run
-from tidal import run_layout
+from tidal import manifest, run_layout
 from tidal.config.rl import FilesystemTransport
-from tidal.launcher.process import INNER_STOP_GRACE
 from tidal.monitor.metrics import read_metrics
 from tidal.orchestrator.batching import make_train_batches
+from tidal.process import INNER_STOP_GRACE
 from tidal.testing import TINY_MODEL_NAME
-from tidal.trainer import ckpt, manifest
+from tidal.trainer import ckpt
 from tidal.transport.rollouts import FilesystemSender
 from tidal.types import TrainBatch, TrainSample
 

@@ -12,9 +12,9 @@ import torch
 
 from tests.unit.models import tiny_lm
 from tests.unit.test_trainer_resume import CPU, _state  # one tiny train state for both files
-from tidal import run_layout
+from tidal import manifest, run_layout
 from tidal.errors import UserError
-from tidal.trainer import ckpt, manifest
+from tidal.trainer import ckpt
 from tidal.trainer.session import TrainState, maybe_resume, verify_resume_checkpoint
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_tidal
+from tidal.config.env_names import env_names, installed_envs, unknown_name
 from tidal.config.envs import EnvSpec
-from tidal.envs.names import env_names, installed_envs, unknown_name
 from tidal.envs.registry import check_env, load_env
 from tidal.errors import UserError
 

@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 
 from tests.unit.test_envs_multiturn import roll
+from tidal.config.env_names import env_names
 from tidal.config.envs import EnvSpec
 from tidal.envs.base import Episode, SingleTurnEnv, Task
 from tidal.envs.math_env import LEVELS, MathEnv, generate_problem, gsm8k_answer, verify_answer
 from tidal.envs.mix import EnvMix, env_name
-from tidal.envs.names import env_names
 from tidal.envs.registry import build_envs, load_env
 from tidal.errors import UserError
 

@@ -17,8 +17,8 @@ from tidal.envs.alphabet_sort import (
 from tidal.envs.base import ContextFull, Episode, Turn, answer_text, render_prompt, run_episode
 from tidal.envs.tool_use import ToolUseEnv
 from tidal.envs.wordle import MAX_GUESSES, WORDS, WordleEnv, feedback, feedback_table, parse_guess
-from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.templates import QWEN3_STYLE_TEMPLATE
+from tidal.models.tiny import build_tokenizer
 
 
 class ScriptedSampler:

@@ -10,7 +10,7 @@ from tests.unit.test_envs_multiturn import check_token_invariants, roll
 from tidal.envs.sandbox import PythonSandbox, calculate
 from tidal.envs.tool_use import SYSTEM_PROMPT, ToolUseEnv, generate_question, parse_answer
 from tidal.envs.tools import ToolCall, example_call, parse_tool_calls, render_tool_prompt
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.tiny import build_tokenizer
 
 
 def call(name: str, **arguments) -> str:

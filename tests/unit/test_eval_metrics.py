@@ -20,7 +20,7 @@ from tidal.eval.runner import (
     markdown_table,
     write_outputs,
 )
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.tiny import build_tokenizer
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

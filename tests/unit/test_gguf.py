@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import REPO
 from tidal.errors import UserError
 from tidal.models import gguf as g
+from tidal.models.tiny import build_tokenizer
 from tidal.testing import build_tiny_model
-from tidal.testing.tiny import build_tokenizer
 
 
 def write_gguf(path: Path, architecture: str = "llama", tensors: int = 2) -> Path:

@@ -17,10 +17,10 @@ from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode, Task
 from tidal.envs.multiturn import MultiTurnEnv
 from tidal.inference.types import GenerateRequest, Generation
+from tidal.models.tiny import build_tokenizer
 from tidal.orchestrator.inflight import LaunchRule
 from tidal.orchestrator.loop import Orchestrator
 from tidal.orchestrator.policy import PolicyWatcher
-from tidal.testing.tiny import build_tokenizer
 
 from .test_orchestrator_loop import FakeClient
 

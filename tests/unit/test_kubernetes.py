@@ -25,8 +25,8 @@ from tidal.config.node import SFTNodeConfig
 from tidal.config.rl import RLConfig
 from tidal.config.sft import SFTConfig
 from tidal.deploy import kubernetes as k8s
-from tidal.deploy.plan import INFERENCE, TRAINER, place
 from tidal.errors import UserError
+from tidal.launcher.plan import INFERENCE, TRAINER, place
 from tidal.launcher.split import split_config
 
 RUN = REPO / "examples" / "math" / "rl.toml"

@@ -13,7 +13,7 @@ from tidal.config.common import OptimConfig
 from tidal.config.lora import LoraConfig, vllm_lora_rank
 from tidal.config.perf import PerfConfig
 from tidal.errors import UserError
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.tiny import build_tokenizer
 from tidal.trainer import ckpt
 from tidal.trainer.lora import (
     LoraLinear,

@@ -186,7 +186,7 @@ def test_one_offline_wandb_run_across_a_resumed_launcher(wandb_env):
 
 
 def test_waiting_for_inference_reports_what_it_still_waits_for(unused_url):
-    from tidal.launcher.process import wait_healthy
+    from tidal.process import wait_healthy
 
     seen: list[list[str]] = []
     left = wait_healthy({unused_url: None}, timeout=1.0, poll=0.2, on_poll=lambda w: seen.append(list(w)))

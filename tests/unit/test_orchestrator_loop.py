@@ -15,9 +15,9 @@ from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode, SingleTurnEnv, Task
 from tidal.errors import UserError
 from tidal.inference.types import Completion, GenerateRequest, Generation
+from tidal.models.tiny import build_tokenizer
 from tidal.orchestrator.loop import Orchestrator
 from tidal.orchestrator.policy import PolicyWatcher
-from tidal.testing.tiny import build_tokenizer
 
 
 class FakeClient:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tidal.inference.server import ServerProcess
-from tidal.launcher.process import (
+from tidal.process import (
     STOP_GRACE,
     DeathWatch,
     ManagedProcess,

@@ -146,7 +146,7 @@ def test_nccl_restore_broadcasts_the_resumed_step_again_but_filesystem_only_when
     nccl.publish(4, model, None, CPU)
     nccl.restore(4, model, None, CPU)  # servers restarted from the base model: they need step 4 again
     assert [h.step for h, _ in wire.sent] == [4, 4]
-    from tidal.testing.tiny import build_tokenizer
+    from tidal.models.tiny import build_tokenizer
 
     files, tokenizer = FilesystemPublisher(tmp_path / "fs"), build_tokenizer()
     files.restore(4, model, tokenizer, CPU)
@@ -418,7 +418,7 @@ def test_a_filesystem_step_holds_what_a_full_export_holds_cast_before_it_leaves_
     dict cast on the CPU: every name, shape, dtype and value, the persistent buffers included."""
     from safetensors.torch import load_file
 
-    from tidal.testing.tiny import build_tokenizer
+    from tidal.models.tiny import build_tokenizer
     from tidal.trainer.export import export_model
 
     model = small_model()

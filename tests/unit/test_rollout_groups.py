@@ -9,9 +9,9 @@ from tidal.envs.base import Episode, SingleTurnEnv, Task
 from tidal.envs.mix import EnvMix
 from tidal.envs.multiturn import MultiTurnEnv
 from tidal.inference.types import GenerateRequest, Generation
+from tidal.models.tiny import build_tokenizer
 from tidal.orchestrator.rollouts import REPLICAS_METRIC, run_group
 from tidal.rollout.sampler import rollout_seed
-from tidal.testing.tiny import build_tokenizer
 
 
 class RecordingClient(FakeClient):

@@ -3,8 +3,7 @@ has nothing left to do is told apart."""
 
 from pathlib import Path
 
-from tidal import run_layout
-from tidal.trainer import manifest
+from tidal import manifest, run_layout
 
 
 def _make(root: Path, steps: list[int]) -> None:

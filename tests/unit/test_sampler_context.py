@@ -7,8 +7,8 @@ import pytest
 from tests.unit.test_orchestrator_loop import FakeClient
 from tidal.envs.base import ContextFull
 from tidal.inference.types import GenerateRequest, Generation
+from tidal.models.tiny import build_tokenizer
 from tidal.rollout.sampler import ClientSampler
-from tidal.testing.tiny import build_tokenizer
 
 
 class LimitedClient(FakeClient):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tidal.envs.reverse_text import generate_conversations
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.tiny import build_tokenizer
 from tidal.trainer.data import (
     IGNORE_INDEX,
     EpochSampler,
@@ -71,7 +71,7 @@ def test_shard_rows_gives_every_rank_the_same_number_of_micro_batches():
 def test_packed_forward_matches_separate_forwards(tokenizer):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tidal.testing.tiny import TINY_CONFIG
+    from tidal.models.tiny import TINY_CONFIG
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **TINY_CONFIG)).eval()

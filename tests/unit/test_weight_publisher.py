@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.testing.tiny import build_tokenizer
+from tidal.models.tiny import build_tokenizer
 from tidal.trainer.publish import FilesystemPublisher
 from tidal.transport.weights import WeightPublisher, check_weights_dir, latest_published, list_published
 

@@ -77,7 +77,7 @@ class BuiltinDataset(Config):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        from tidal.envs.names import BUILTIN_ENVS  # imports no environment (nor torch)
+        from tidal.config.env_names import BUILTIN_ENVS  # imports no environment (nor torch)
 
         if name not in BUILTIN_ENVS:
             raise ValueError(

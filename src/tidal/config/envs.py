@@ -24,7 +24,7 @@ class EnvSpec(Config):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        from tidal.envs.names import unknown_name  # imports no environment (nor torch)
+        from tidal.config.env_names import unknown_name  # imports no environment (nor torch)
 
         problem = unknown_name(name)
         if problem is not None:

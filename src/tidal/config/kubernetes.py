@@ -3,15 +3,11 @@ run rendered as Kubernetes manifests (`deployment.type = "kubernetes"`; see tida
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
 from tidal.config.base import Config, ConfigProblem
-
-if TYPE_CHECKING:
-    from tidal.config.rl import RLConfig
-    from tidal.config.sft import SFTConfig
 
 # Names end up in pod hostnames `<name>-inference-<index>`, which must be DNS labels of at most 63 characters.
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -177,31 +173,3 @@ def check_pods(kube: KubernetesPods, output_dir: Path, gpu_lists: dict[str, list
                     f"deployment.{key}",
                     f"a pod sees the {len(gpus)} GPU(s) it is given as {list(range(len(gpus)))}; list those",
                 )
-
-
-def check_run(rl: "RLConfig") -> None:
-    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes RL run cannot do."""
-    deploy = rl.deployment
-    check_pods(
-        rl.kubernetes,
-        rl.output_dir,
-        {"inference_gpus": deploy.inference_gpus, "trainer_gpus": deploy.trainer_gpus},
-    )
-    for key, value in (
-        ("inference.server.admin_token", rl.inference.server.admin_token),
-        ("orchestrator.client.admin_token", rl.orchestrator.client.admin_token),
-    ):
-        if value is not None:
-            raise ConfigProblem(
-                key, "pods take the token from a Secret (kubernetes.admin_token_secret, or one generated)"
-            )
-    if rl.inference.server.host not in ("127.0.0.1", "localhost", "0.0.0.0"):
-        raise ConfigProblem(
-            "inference.server.host",
-            "Kubernetes assigns pod addresses; leave it unset (replicas bind 0.0.0.0)",
-        )
-
-
-def check_sft_run(sft: "SFTConfig") -> None:
-    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes SFT run cannot do."""
-    check_pods(sft.kubernetes, sft.output_dir, {"trainer_gpus": sft.deployment.trainer_gpus})

@@ -25,7 +25,7 @@ from tidal.config.inference import (
     InferenceConfig,
     check_disaggregated_replicas,
 )
-from tidal.config.kubernetes import KubernetesConfig, check_run
+from tidal.config.kubernetes import KubernetesConfig, check_pods
 from tidal.config.lora import LoraConfig
 from tidal.config.loss import LossConfig
 from tidal.config.moe import MoEConfig
@@ -186,7 +186,7 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split). Other
     environments: another seed (new instances of the same generator; a small task space may repeat some).
     """
-    from tidal.envs.names import BUILTIN_ENVS  # imports no environment (nor torch)
+    from tidal.config.env_names import BUILTIN_ENVS  # imports no environment (nor torch)
 
     kwargs = dict(spec.kwargs)
     if spec.name == "math" and kwargs.get("dataset", "local") != "local":
@@ -535,7 +535,7 @@ class RLConfig(RunConfig):
     def _check_kubernetes(self) -> "RLConfig":
         check_table_used(self, "kubernetes", self.deployment.type)
         if self.deployment.type == "kubernetes":
-            check_run(self)
+            check_kubernetes_run(self)
         return self
 
     @model_validator(mode="after")
@@ -680,4 +680,27 @@ def check_one_gpu(rl: RLConfig) -> None:
             f"cuda_ipc needs inference on trainer rank 0's GPU {trainer_gpu}, but deployment.inference_gpus "
             f"lists {others} {fix}",
             also=("deployment.inference_gpus", "deployment.trainer_gpus"),
+        )
+
+
+def check_kubernetes_run(rl: RLConfig) -> None:
+    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes RL run cannot do."""
+    deploy = rl.deployment
+    check_pods(
+        rl.kubernetes,
+        rl.output_dir,
+        {"inference_gpus": deploy.inference_gpus, "trainer_gpus": deploy.trainer_gpus},
+    )
+    for key, value in (
+        ("inference.server.admin_token", rl.inference.server.admin_token),
+        ("orchestrator.client.admin_token", rl.orchestrator.client.admin_token),
+    ):
+        if value is not None:
+            raise ConfigProblem(
+                key, "pods take the token from a Secret (kubernetes.admin_token_secret, or one generated)"
+            )
+    if rl.inference.server.host not in ("127.0.0.1", "localhost", "0.0.0.0"):
+        raise ConfigProblem(
+            "inference.server.host",
+            "Kubernetes assigns pod addresses; leave it unset (replicas bind 0.0.0.0)",
         )

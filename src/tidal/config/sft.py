@@ -16,7 +16,7 @@ from tidal.config.common import (
     WandbConfig,
 )
 from tidal.config.deployment import SFTDeploymentConfig, check_table_used
-from tidal.config.kubernetes import SFTKubernetesConfig, check_sft_run
+from tidal.config.kubernetes import SFTKubernetesConfig, check_pods
 from tidal.config.lora import LoraConfig
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig, check_cp, check_ep, check_fsdp
@@ -106,7 +106,7 @@ class SFTConfig(TrainerRunConfig):
         check_table_used(self, "slurm", self.deployment.type)
         check_table_used(self, "kubernetes", self.deployment.type)
         if self.deployment.type == "kubernetes":
-            check_sft_run(self)
+            check_kubernetes_run(self)
         if self.num_threads is not None and self.deployment.trainer_threads is not None:
             raise ConfigProblem(
                 "deployment.trainer_threads", "sets what num_threads sets (threads per rank): set one of them"
@@ -130,3 +130,8 @@ class SFTConfig(TrainerRunConfig):
             )
         # an interval past max_steps is fine: the trainer also checkpoints the end of the run
         return self
+
+
+def check_kubernetes_run(sft: SFTConfig) -> None:
+    """Raise a ConfigProblem (key relative to the run config) for what a Kubernetes SFT run cannot do."""
+    check_pods(sft.kubernetes, sft.output_dir, {"trainer_gpus": sft.deployment.trainer_gpus})

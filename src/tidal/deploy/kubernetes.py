@@ -1,7 +1,7 @@
 """Kubernetes manifests of a `tidal rl` or `tidal sft` run (`deployment.type = "kubernetes"`), rendered from
 the run config into `<output_dir>/k8s/` and applied with `kubectl apply -f` on that folder (`kubernetes.apply`).
 
-Each node of the plan (tidal.deploy.plan) is one pod, and every pod runs the node agent,
+Each node of the plan (tidal.launcher.plan) is one pod, and every pod runs the node agent,
 `tidal node @ rl.toml --node-index K --addresses <every pod's DNS name>`, which starts that node's roles (the
 replicas of an inference node, torchrun on a trainer node, the orchestrator on the first node of its role)
 and supervises them. The pods start the run by themselves; nothing is exec'd into them.
@@ -59,8 +59,8 @@ from tidal.config.deployment import DeploymentConfig
 from tidal.config.inference import ADMIN_TOKEN_ENV
 from tidal.config.kubernetes import KubernetesConfig, KubernetesPods, PodConfig
 from tidal.config.rl import RLConfig, ZMQTransport
-from tidal.deploy.plan import INFERENCE, TRAINER, ClusterRun, kind_of, place, role_nodes
 from tidal.errors import UserError
+from tidal.launcher.plan import INFERENCE, TRAINER, ClusterRun, kind_of, place, role_nodes
 from tidal.launcher.split import split_config
 
 Manifest = dict[str, Any]

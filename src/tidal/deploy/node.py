@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tidal.config.deployment import DeploymentConfig
 from tidal.config.node import NodeConfig, SFTNodeConfig
-from tidal.deploy.plan import place
 from tidal.errors import UserError
+from tidal.launcher.plan import place
 from tidal.launcher.rl import ClusterNode, Launcher
 from tidal.launcher.sft import run_node
 

@@ -17,8 +17,8 @@ import tomli_w
 
 from tidal import run_layout
 from tidal.config.rl import RLConfig
-from tidal.deploy.plan import ClusterRun, kind_of, place
 from tidal.errors import UserError
+from tidal.launcher.plan import ClusterRun, kind_of, place
 
 NODE_SCRIPT_END = "TIDAL_NODE"
 

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tidal.rollout.chat import token_ids
+from tidal.envs.chat import token_ids
 from tidal.types import RoutedExperts
 
 
@@ -96,7 +96,7 @@ class Episode:
 
     def add_model_turn(self, turn: Turn) -> None:
         # the turn's routes describe its own prompt + completion: the episode's tokens only when that prompt
-        # is exactly the context so far (as tidal.rollout.chat.continue_prompt builds it)
+        # is exactly the context so far (as tidal.envs.chat.continue_prompt builds it)
         continues = turn.routed_experts is not None and turn.prompt_ids == self.context_ids
         self.completion_ids += turn.completion_ids
         self.completion_logprobs += turn.logprobs

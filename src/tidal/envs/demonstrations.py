@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tidal.config.env_names import BUILTIN_ENVS
 from tidal.envs.base import Environment
-from tidal.envs.names import BUILTIN_ENVS
 from tidal.envs.splits import SPLITS
 from tidal.errors import UserError
 

@@ -8,8 +8,8 @@ from abc import abstractmethod
 from typing import Any
 
 from tidal.envs.base import ContextFull, Environment, Episode, Sampler, Task, answer_text, render_prompt
+from tidal.envs.chat import continue_prompt
 from tidal.inference.types import ChatMessage
-from tidal.rollout.chat import continue_prompt
 
 Message = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Environments by name: `load_env("wordle", seed=1)` imports and builds what a name refers to.
 
-A name (`tidal.envs.names`, the one source of names) is one of:
+A name (`tidal.config.env_names`, the one source of names) is one of:
 - a built-in (`reverse_text`, `math`, ...);
 - an entry point that an installed package declares in the `tidal.environments` group
   (`[project.entry-points."tidal.environments"] my_env = "my_pkg.env:MyEnv"`);
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tidal.config.env_names import VERIFIERS_PREFIX, reference
 from tidal.envs.base import Environment
-from tidal.envs.names import VERIFIERS_PREFIX, reference
 from tidal.errors import UserError, first_line
 
 if TYPE_CHECKING:

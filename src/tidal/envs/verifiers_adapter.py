@@ -31,9 +31,9 @@ from tidal.envs.base import (
     check_reward,
     render_prompt,
 )
+from tidal.envs.chat import continue_prompt
 from tidal.errors import UserError, first_line
 from tidal.inference.types import ChatMessage
-from tidal.rollout.chat import continue_prompt
 
 try:
     import verifiers.v1 as vf

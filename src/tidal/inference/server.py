@@ -37,8 +37,8 @@ from tidal.inference.guard import (
     REFERENCE_WEIGHTS_ENV,
     WEIGHTS_BACKEND_ENV,
 )
-from tidal.launcher.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnded, wait_healthy
 from tidal.models.gguf import is_gguf_name
+from tidal.process import INNER_STOP_GRACE, ManagedProcess, ProcessEnded, wait_healthy
 from tidal.transport.cuda_ipc import ENGINE_NAME as CUDA_IPC_ENGINE_NAME
 from tidal.transport.cuda_ipc import LOAD_ENV as CUDA_IPC_LOAD_ENV
 from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME

@@ -27,11 +27,10 @@ from pydantic import BaseModel
 from tidal import run_layout
 from tidal.config.inference import ADMIN_TOKEN_ENV
 from tidal.config.rl import RLConfig
-from tidal.deploy.plan import ORCHESTRATOR, TRAINER, place
 from tidal.errors import NO_RESTART_EXIT, UserError
 from tidal.inference.disagg import empty_store, storage_of
 from tidal.launcher.argv import tidal_argv, torchrun_argv
-from tidal.launcher.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
+from tidal.launcher.plan import ORCHESTRATOR, TRAINER, place
 from tidal.launcher.restarts import (
     Recovery,
     RestartPolicy,
@@ -45,6 +44,7 @@ from tidal.monitor.console import Console, clock
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsTail
 from tidal.monitor.progress import BackgroundPlot, StepReporter
+from tidal.process import DeathWatch, ManagedProcess, ProcessEnded, stop_together, wait_healthy
 
 if TYPE_CHECKING:
     from tidal.monitor.wandb_run import WandbRun
@@ -80,7 +80,7 @@ def trainer_argv(
 
 @dataclass(frozen=True)
 class ClusterNode:
-    """The node a `Launcher` runs in a cluster run (`tidal node`): its index (tidal.deploy.plan), every
+    """The node a `Launcher` runs in a cluster run (`tidal node`): its index (tidal.launcher.plan), every
     node's address by index, its name for messages, and the run's id (torchrun's rendezvous id; the
     done markers of one run are told from an earlier one's by it)."""
 
@@ -749,17 +749,8 @@ def as_run(config: RLConfig) -> RLConfig:
 
 
 def dry_run(config: RLConfig) -> str:
-    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
-    on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes
-    (tidal.deploy.kubernetes), listed."""
-    if config.deployment.type == "slurm":
-        from tidal.deploy import slurm
-
-        return slurm.dry_run(config)
-    if config.deployment.type == "kubernetes":
-        from tidal.deploy import kubernetes
-
-        return kubernetes.dry_run(config)
+    """The resolved config of every process a local `tidal rl` would start, as the TOML files it would write
+    (a cluster run's: tidal.deploy.run)."""
     roles = split_config(config, _on_gpu())
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
@@ -788,19 +779,18 @@ def already_complete(config: RLConfig) -> str | None:
     )
 
 
-def main(config: RLConfig) -> int:
+def say_if_complete(config: RLConfig) -> bool:
+    """Print the line of `already_complete` and return True when there is one."""
     complete = already_complete(config)
     if complete is not None:
         print(f"{clock()} tidal rl: {complete}", flush=True)
+    return complete is not None
+
+
+def main(config: RLConfig) -> int:
+    """A local `tidal rl` (a cluster run is submitted by tidal.deploy.run instead)."""
+    if say_if_complete(config):
         return 0
-    if config.deployment.type == "slurm":
-        from tidal.deploy import slurm
-
-        return slurm.submit(config)
-    if config.deployment.type == "kubernetes":
-        from tidal.deploy import kubernetes
-
-        return kubernetes.launch(config)
     from tidal.envs.registry import check_envs
 
     # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup

@@ -1,12 +1,13 @@
-"""`tidal sft`: train in this process, start torchrun for several ranks on this machine, or hand the run to
-Slurm or Kubernetes (tidal.deploy); and the torchrun of one cluster node (`tidal sft-node`, tidal.deploy.node).
+"""`tidal sft`: train in this process or start torchrun for several ranks on this machine; and the torchrun of
+one cluster node (`tidal sft-node`, tidal.deploy.node). A Slurm or Kubernetes run is handed over by
+tidal.deploy.run before this module is reached.
 
 Inside torchrun (RANK or LOCAL_RANK set: a torchrun someone started by hand, or ours) `tidal sft` is one of
-its ranks and trains. Otherwise `deployment.type` decides: `slurm` and `kubernetes` render (and submit) the
-job; `local` trains here with one rank, and with several starts `python -m torch.distributed.run
---nproc-per-node N -m tidal sft @ <output_dir>/configs/sft.toml` (the resolved config) and supervises it:
-its output is ours, its exit code is ours, SIGTERM or SIGINT reach every rank as SIGTERM (each finishes its
-step and checkpoints), and no process of it is left when `tidal sft` returns.
+its ranks and trains. Otherwise (`deployment.type = "local"`) it trains here with one rank, and with several
+starts `python -m torch.distributed.run --nproc-per-node N -m tidal sft @ <output_dir>/configs/sft.toml`
+(the resolved config) and supervises it: its output is ours, its exit code is ours, SIGTERM or SIGINT reach
+every rank as SIGTERM (each finishes its step and checkpoints), and no process of it is left when `tidal sft`
+returns.
 """
 
 import contextlib
@@ -26,7 +27,7 @@ from tidal.config.node import NodeFields
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.launcher.argv import torchrun_argv
-from tidal.launcher.process import ManagedProcess
+from tidal.process import ManagedProcess
 
 if TYPE_CHECKING:
     from tidal.launcher.rl import ClusterNode
@@ -45,14 +46,6 @@ def main(config: SFTConfig) -> int:
     if in_torchrun(os.environ):
         check_world_size(config, os.environ)
         return _train(config)
-    if config.deployment.type == "slurm":
-        from tidal.deploy import slurm
-
-        return slurm.submit(config)
-    if config.deployment.type == "kubernetes":
-        from tidal.deploy import kubernetes
-
-        return kubernetes.launch(config)
     from tidal.models import prepare_model_files
 
     # once, before torchrun's ranks start (each would wait on the lock of the one converting)
@@ -240,16 +233,8 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def dry_run(config: SFTConfig) -> str:
-    """The resolved config (and the torchrun a local run with several ranks starts); on Slurm the batch
-    script and the config it submits; on Kubernetes the manifests, written and listed."""
-    if config.deployment.type == "slurm":
-        from tidal.deploy import slurm
-
-        return slurm.dry_run(config)
-    if config.deployment.type == "kubernetes":
-        from tidal.deploy import kubernetes
-
-        return kubernetes.dry_run(config)
+    """The resolved config and the torchrun a local run with several ranks starts (a cluster run's:
+    tidal.deploy.run)."""
     text = resolved_toml(config)
     ranks = config.deployment.num_trainer_ranks
     if ranks > 1:

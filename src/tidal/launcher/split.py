@@ -27,10 +27,10 @@ from tidal.config.rl import (
     RLTrainerConfig,
     ZMQTransport,
 )
-from tidal.deploy.plan import place
 from tidal.errors import UserError
 from tidal.inference.disagg import storage_of, with_roles
 from tidal.inference.server import client_url
+from tidal.launcher.plan import place
 from tidal.launcher.restarts import max_restarts
 
 
@@ -45,7 +45,7 @@ class RoleConfigs:
     replica_gpus: tuple[tuple[int, ...], ...] = ()
     """The GPU ids of each replica on its node (GPU runs; empty on CPU)."""
     replica_nodes: tuple[int, ...] = (0,)
-    """The node index of each replica (see tidal.deploy.plan)."""
+    """The node index of each replica (see tidal.launcher.plan)."""
     replica_urls: tuple[str, ...] = ()
     """Where the orchestrator reaches each replica (with disaggregation, prefill and decode ones alike)."""
 
@@ -65,7 +65,7 @@ def split_config(
     """Shared keys (output_dir, max_steps, seed, resume, model, async bound, transport) come from the top
     (RLConfig refuses them in the sub-tables, where they would be overwritten).
 
-    `addresses`: on a cluster, each node's address by node index (tidal.deploy.plan): replicas then bind
+    `addresses`: on a cluster, each node's address by node index (tidal.launcher.plan): replicas then bind
     every interface (their admin routes need the token), the orchestrator reaches them at their node's
     address, and trainer ranks reach a zmq transport at the orchestrator node's. None: one machine, loopback.
     """

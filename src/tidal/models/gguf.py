@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tidal.errors import UserError, first_line
 
@@ -44,10 +44,19 @@ quantised twice (measured: 0.044 for Qwen2.5-Coder-0.5B's Q8_0 output vs its Q5_
 matrices differ by far more (~1.4 for independent ones of the same scale)."""
 INSTALL_HINT = "pip install 'tidal[gguf]' (the gguf and accelerate packages)"
 
-if TYPE_CHECKING:
-    from tidal.config.convert import ConvertConfig
-
 Say = Callable[[str], None]
+
+
+class ConvertRequest(Protocol):
+    """What `tidal convert` asks for (tidal.config.convert.ConvertConfig; named here by its fields, since the
+    config floor sits above this one)."""
+
+    @property
+    def gguf(self) -> Path: ...
+    @property
+    def output_dir(self) -> Path | None: ...
+    @property
+    def force(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ def cache_root() -> Path:
     return Path(root) / "models" / "gguf"
 
 
-def convert_command(config: "ConvertConfig") -> int:
+def convert_command(config: ConvertRequest) -> int:
     """`tidal convert`: convert into `output_dir`, or into the cache where `model.name` finds it."""
     try:
         return _convert(config)
@@ -82,7 +91,7 @@ def convert_command(config: "ConvertConfig") -> int:
         raise UserError(str(exc).removeprefix("model.name: "), exc.exit_code) from None
 
 
-def _convert(config: "ConvertConfig") -> int:
+def _convert(config: ConvertRequest) -> int:
     path = config.gguf.expanduser()
     check_file(path)
     if config.output_dir is not None:

@@ -2,7 +2,7 @@
 scheduler, data position and RNG as plain JSON.
 
 Written to `step_<n>.tmp/`, then rank 0 (after every rank finished) writes the manifest of every file's
-size and sha256 (tidal.trainer.manifest) and renames the directory to `step_<n>/`: a crash mid-save leaves
+size and sha256 (tidal.manifest) and renames the directory to `step_<n>/`: a crash mid-save leaves
 only the staging directory, which nothing reads, and a checkpoint damaged later fails its manifest.
 
 The per-rank state is JSON so that loading a checkpoint never runs code (a pickle would).
@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from tidal import manifest
 from tidal.errors import UserError, write_error
-from tidal.trainer import manifest
 from tidal.trainer.parallel import DistInfo, barrier
 
 PAUSE_ENV = "TIDAL_TEST_CHECKPOINT_PAUSE"

@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
+from tidal import manifest
 from tidal.config.rl import RLTrainerConfig
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.inference.tokenizer import load_tokenizer
 from tidal.monitor.metrics import MetricsLogger
 from tidal.run_layout import check_output_dir
-from tidal.trainer import ckpt, manifest
+from tidal.trainer import ckpt
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.lora import apply_lora
 from tidal.trainer.model import load_model, quiet_transformers

@@ -5,7 +5,7 @@ special tokens, and the model is a randomly initialised Qwen3 with a fixed seed.
 format, so `AutoModelForCausalLM`, `AutoTokenizer` and vLLM load the directory like any hub model.
 
 `tidal-testing/tiny-qwen3` uses plain ChatML; `tidal-testing/tiny-qwen3-chat` is the same model and
-vocabulary with a Qwen3-style chat template (`tidal.testing.templates`: `<think>` blocks on the last
+vocabulary with a Qwen3-style chat template (`tidal.models.templates`: `<think>` blocks on the last
 assistant turn only, reasoning stripped from earlier turns, tool results in `<tool_response>` user turns),
 for multi-turn runs that meet a template which re-renders history. `<think>` is plain characters there.
 
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tidal.testing.templates import QWEN3_STYLE_TEMPLATE
+from tidal.models.templates import QWEN3_STYLE_TEMPLATE
 
 TINY_MODEL_NAME = "tidal-testing/tiny-qwen3"
 TINY_CHAT_MODEL_NAME = "tidal-testing/tiny-qwen3-chat"
@@ -74,10 +74,9 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def resolve_test_model(name: str) -> str:
-    """The directory of a local test model (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`,
-    `…/tiny-qwen3-moe`, `…/random-qwen3-0.6b`), built on first use; any other name unchanged. Configs go
-    through `tidal.models.resolve_model_name`, which also converts GGUF files."""
+def tiny_model_dir(name: str) -> str | None:
+    """The directory of `tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat` or `…/tiny-qwen3-moe`, built on first
+    use; None for any other name (tidal.models.resolve_model_name resolves every name)."""
     if name == TINY_MOE_MODEL_NAME:
         target = cache_dir() / f"tiny-qwen3-moe-{_MOE_RECIPE_VERSION}"
         if not (target / "config.json").exists():
@@ -91,15 +90,7 @@ def resolve_test_model(name: str) -> str:
         if not (target / "config.json").exists():
             build_tiny_model(target, chat_template=QWEN3_STYLE_TEMPLATE if chat else CHAT_TEMPLATE)
         return str(target)
-    from tidal.testing.random_models import RANDOM_MODELS, build_random_model  # imports tiny: cycle
-
-    spec = RANDOM_MODELS.get(name)
-    if spec is not None:
-        target = cache_dir() / spec.dir_name
-        if not (target / "config.json").exists():
-            build_random_model(target, spec)
-        return str(target)
-    return name
+    return None
 
 
 def build_tokenizer(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.models.tiny import build_tokenizer, cache_dir, write_model_dir
+
 RANDOM_QWEN3_0_6B = "tidal-testing/random-qwen3-0.6b"
 RANDOM_QWEN3_1_7B = "tidal-testing/random-qwen3-1.7b"
 SMALL_QWEN3 = "tidal-testing/small-qwen3"
@@ -85,12 +87,21 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
 }
 
 
+def random_model_dir(name: str) -> str | None:
+    """The directory of one of `RANDOM_MODELS`, built on first use; None for any other name."""
+    spec = RANDOM_MODELS.get(name)
+    if spec is None:
+        return None
+    target = cache_dir() / spec.dir_name
+    if not (target / "config.json").exists():
+        build_random_model(target, spec)
+    return str(target)
+
+
 def build_random_model(target: Path, spec: RandomModelSpec) -> Path:
     """Write a seeded random Qwen3 of `spec`'s shape and the padded char tokenizer to `target` atomically."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tidal.testing.tiny import build_tokenizer, write_model_dir
 
     tokenizer = build_tokenizer(spec.config["vocab_size"])
     tokenizer.model_max_length = spec.config["max_position_embeddings"]

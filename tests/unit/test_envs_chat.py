@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from tidal.envs.chat import TemplateMismatch, continue_prompt, render
 from tidal.inference.types import ChatMessage
-from tidal.rollout.chat import TemplateMismatch, continue_prompt, render
-from tidal.testing.templates import QWEN3_STYLE_TEMPLATE, harmony_style_tokenizer
-from tidal.testing.tiny import CHAT_TEMPLATE, build_tokenizer
+from tidal.models.templates import QWEN3_STYLE_TEMPLATE
+from tidal.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from tidal.testing.templates import harmony_style_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,7 @@ def test_a_template_that_drops_the_reply_is_refused() -> None:
 def test_token_ids_through_the_rust_backend_are_the_tokenizers_own(tokenizer):  # type: ignore[no-untyped-def]
     """The fast path (`backend_tokenizer.encode`) gives the ids `tokenizer(text)` gives, special tokens included."""
     from tidal.envs.base import render_prompt
-    from tidal.rollout.chat import token_ids
+    from tidal.envs.chat import token_ids
 
     messages = [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "tidal <|im_end|> x"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

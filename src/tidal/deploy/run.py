@@ -1,0 +1,69 @@
+"""`tidal rl` and `tidal sft`: where the run goes, by `deployment.type`.
+
+`local` runs here under tidal.launcher (rl.main, sft.main); `slurm` renders and submits a batch job
+(tidal.deploy.slurm), `kubernetes` renders and applies manifests (tidal.deploy.kubernetes). A rank inside
+torchrun is always local: its `tidal sft` trains. This is the one place that chooses, so the launcher, which
+the cluster's node agents (tidal.deploy.node) also run, never imports deploy.
+"""
+
+import os
+
+from tidal.config.rl import RLConfig
+from tidal.config.sft import SFTConfig
+from tidal.launcher import rl, sft
+
+
+def rl_main(config: RLConfig) -> int:
+    if config.deployment.type == "slurm":
+        if rl.say_if_complete(config):
+            return 0
+        from tidal.deploy import slurm
+
+        return slurm.submit(config)
+    if config.deployment.type == "kubernetes":  # its output_dir is on a volume of its own, not read here
+        from tidal.deploy import kubernetes
+
+        return kubernetes.launch(config)
+    return rl.main(config)
+
+
+def rl_dry_run(config: RLConfig) -> str:
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
+    on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes
+    (tidal.deploy.kubernetes), listed."""
+    if config.deployment.type == "slurm":
+        from tidal.deploy import slurm
+
+        return slurm.dry_run(config)
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.dry_run(config)
+    return rl.dry_run(config)
+
+
+def sft_main(config: SFTConfig) -> int:
+    if not sft.in_torchrun(os.environ):
+        if config.deployment.type == "slurm":
+            from tidal.deploy import slurm
+
+            return slurm.submit(config)
+        if config.deployment.type == "kubernetes":
+            from tidal.deploy import kubernetes
+
+            return kubernetes.launch(config)
+    return sft.main(config)
+
+
+def sft_dry_run(config: SFTConfig) -> str:
+    """The resolved config (and the torchrun a local run with several ranks starts); on Slurm the batch
+    script and the config it submits; on Kubernetes the manifests, written and listed."""
+    if config.deployment.type == "slurm":
+        from tidal.deploy import slurm
+
+        return slurm.dry_run(config)
+    if config.deployment.type == "kubernetes":
+        from tidal.deploy import kubernetes
+
+        return kubernetes.dry_run(config)
+    return sft.dry_run(config)

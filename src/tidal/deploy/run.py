@@ -3,17 +3,19 @@
 `local` runs here under tidal.launcher (rl.main, sft.main); `slurm` renders and submits a batch job
 (tidal.deploy.slurm), `kubernetes` renders and applies manifests (tidal.deploy.kubernetes). A rank inside
 torchrun is always local: its `tidal sft` trains. This is the one place that chooses, so the launcher, which
-the cluster's node agents (tidal.deploy.node) also run, never imports deploy.
+the cluster's node agents (tidal.deploy.node) also run, never imports deploy. Each command imports only its
+own launcher module (and a backend only when it is chosen), as when the launcher chose.
 """
 
 import os
 
 from tidal.config.rl import RLConfig
 from tidal.config.sft import SFTConfig
-from tidal.launcher import rl, sft
 
 
 def rl_main(config: RLConfig) -> int:
+    from tidal.launcher import rl
+
     if config.deployment.type == "slurm":
         if rl.say_if_complete(config):
             return 0
@@ -39,10 +41,14 @@ def rl_dry_run(config: RLConfig) -> str:
         from tidal.deploy import kubernetes
 
         return kubernetes.dry_run(config)
+    from tidal.launcher import rl
+
     return rl.dry_run(config)
 
 
 def sft_main(config: SFTConfig) -> int:
+    from tidal.launcher import sft
+
     if not sft.in_torchrun(os.environ):
         if config.deployment.type == "slurm":
             from tidal.deploy import slurm
@@ -66,4 +72,6 @@ def sft_dry_run(config: SFTConfig) -> str:
         from tidal.deploy import kubernetes
 
         return kubernetes.dry_run(config)
+    from tidal.launcher import sft
+
     return sft.dry_run(config)

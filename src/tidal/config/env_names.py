@@ -2,7 +2,8 @@
 
 Reading names imports no environment (only entry-point metadata), so the config validator can ask
 `unknown_name` on `--help` and `--dry-run` without importing torch or any environment's dependencies.
-`tidal.envs.registry` imports and builds what a name refers to.
+It lives with the config, which validates names; `tidal.envs.registry` imports and builds what a name
+refers to.
 """
 
 import re

@@ -69,12 +69,13 @@ def publish_checkpoints(arch: str, dtype: str, run_dir: Path) -> list[Path]:
 
 
 async def time_updates(url: str, paths: list[Path], repeats: int) -> list[float]:
+    from tidal.config.rl import ClientConfig
     from tidal.inference.client import InferenceClient
 
     seconds = []
-    async with InferenceClient([url]) as client:
+    async with InferenceClient.from_config(ClientConfig(urls=[url])) as client:
         for i in range(repeats):
-            report = await client.update_weights(paths[(i + 1) % 2], version=i + 1)
+            report = await client.weights.load_step(paths[(i + 1) % 2], version=i + 1)
             assert report.all_ok, report
             seconds.append(report.servers[0].seconds)
     return seconds

@@ -52,18 +52,20 @@ def publish_checkpoints(arch: str, dtype: str, run_dir: Path) -> list[Path]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tidal.testing.tiny import TINY_CONFIG, build_tokenizer
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.publish import FilesystemPublisher
 
     tokenizer = build_tokenizer()
     fields = dict(TINY_CONFIG, vocab_size=len(tokenizer)) if arch == "tiny" else ARCHS[arch]
     config = Qwen3Config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
     config.dtype = dtype
-    publisher = WeightPublisher(run_dir, keep_last=None)
+    publisher = FilesystemPublisher(run_dir, keep_last=None)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     paths = []
     for step in (1, 2):
         torch.manual_seed(step)
         model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
-        paths.append(publisher.publish_state_dict(step, model.state_dict(), config, tokenizer))
+        paths.append(publisher.publish(step, model, tokenizer, info))
         del model
     return paths
 

@@ -59,13 +59,14 @@ def perturbed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_filesystem_update_on_one_gpu(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.publish import FilesystemPublisher
 
     base = Path(resolve_model_name(TINY_MODEL_NAME))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    step = WeightPublisher(tmp_path).publish_state_dict(
-        1, perturbed_state(model), model.config, AutoTokenizer.from_pretrained(base)
-    )
+    model.load_state_dict(perturbed_state(model))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    step = FilesystemPublisher(tmp_path).publish(1, model, AutoTokenizer.from_pretrained(base), info)
     server = start_gpu_server("filesystem", "0")
     try:
 

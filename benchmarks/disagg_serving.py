@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from tidal.config.inference import InferenceConfig
+from tidal.config.rl import ClientConfig
 from tidal.inference.client import InferenceClient
 from tidal.inference.disagg import Prefill, decode_body, empty_store, prefill_body, with_roles
 from tidal.inference.server import ServerProcess, build_launch
@@ -107,7 +108,7 @@ async def throughput(
 
     async def one(prompt: list[int]) -> int:
         async with gate:
-            generation = await client.generate(
+            generation = await client.generation.generate(
                 GenerateRequest(prompt_token_ids=tuple(prompt), sampling=sampling)
             )
         return len(generation.completions[0].token_ids)
@@ -168,9 +169,8 @@ async def measure(
     decode = urls[1:] if mode == "disaggregated" else urls
     batch = prompts(args)
     warm = [[5] * args.prompt_tokens]
-    async with InferenceClient(
-        decode, prefill_urls=prefill, kv_store=store, model=model, timeout=3600
-    ) as client:
+    config = ClientConfig(urls=decode, prefill_urls=prefill, kv_store=str(store), timeout=3600)
+    async with InferenceClient.from_config(config, model=model) as client:
         await throughput(client, warm, args)  # CUDA graphs, allocator, connector handshakes
         result: dict[str, Any] = {"throughput": await throughput(client, batch, args)}
     empty_store(store)

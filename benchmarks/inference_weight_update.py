@@ -52,29 +52,32 @@ def publish_checkpoints(arch: str, dtype: str, run_dir: Path) -> list[Path]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tidal.models.tiny import TINY_CONFIG, build_tokenizer
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.publish import FilesystemPublisher
 
     tokenizer = build_tokenizer()
     fields = dict(TINY_CONFIG, vocab_size=len(tokenizer)) if arch == "tiny" else ARCHS[arch]
     config = Qwen3Config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
     config.dtype = dtype
-    publisher = WeightPublisher(run_dir, keep_last=None)
+    publisher = FilesystemPublisher(run_dir, keep_last=None)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     paths = []
     for step in (1, 2):
         torch.manual_seed(step)
         model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
-        paths.append(publisher.publish_state_dict(step, model.state_dict(), config, tokenizer))
+        paths.append(publisher.publish(step, model, tokenizer, info))
         del model
     return paths
 
 
 async def time_updates(url: str, paths: list[Path], repeats: int) -> list[float]:
+    from tidal.config.rl import ClientConfig
     from tidal.inference.client import InferenceClient
 
     seconds = []
-    async with InferenceClient([url]) as client:
+    async with InferenceClient.from_config(ClientConfig(urls=[url])) as client:
         for i in range(repeats):
-            report = await client.update_weights(paths[(i + 1) % 2], version=i + 1)
+            report = await client.weights.load_step(paths[(i + 1) % 2], version=i + 1)
             assert report.all_ok, report
             seconds.append(report.servers[0].seconds)
     return seconds

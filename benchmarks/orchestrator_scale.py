@@ -378,9 +378,9 @@ async def run_tidal(
         advantages.clear()
 
     orchestrator._accept = counting_accept  # type: ignore[method-assign]
-    client = InferenceClient(urls, model=None, timeout=600.0, http_workers=args.http_workers)
+    client = InferenceClient.from_config(config.client)  # as Orchestrator.run builds it
     async with client, reward_workers(config.reward_workers) as reward_pool:  # as Orchestrator.run
-        await client.wait_healthy(timeout=30)
+        await client.pool.wait_healthy(timeout=30)
         heap = frozen_heap()  # as Orchestrator.run does once set up
         heap.__enter__()
         lag = orchestrator.lag
@@ -388,10 +388,10 @@ async def run_tidal(
         collect = asyncio.create_task(orchestrator._collect(client, 0))
 
         def count() -> tuple[int, int]:
-            workers = client._workers.pids() if client._workers is not None else []
+            workers = client.generation.workers.pids() if client.generation.workers is not None else []
             pool = reward_pool.pids() if reward_pool is not None else []
             window.client_pids = [*workers, *pool]  # sampled as the window starts and ends
-            return finished[0], sum(s.requests for s in client.servers.values())
+            return finished[0], sum(s.requests for s in client.pool.servers.values())
 
         try:
             warmup, seconds = timing(cell, args)

@@ -25,8 +25,8 @@ import torch
 
 from tests.conftest import REPO
 from tests.gpu.test_inference_gpu import free_port, greedy, perturbed_state
+from tests.unit.http_servers import make_client
 from tidal.config.inference import InferenceConfig
-from tidal.inference.client import InferenceClient
 from tidal.inference.server import ServerProcess, build_launch
 from tidal.monitor.metrics import read_metrics
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
@@ -68,12 +68,12 @@ def test_a_published_buffer_changes_vllms_outputs_and_restores_them(tmp_path: Pa
 
         async def go() -> None:
             before = await greedy(server.url)
-            async with InferenceClient([server.url]) as client:
+            async with make_client([server.url]) as client:
                 model.load_state_dict(perturbed_state(model))
-                assert (await client.update_weights(publisher.publish(1, model, None, info), 1)).all_ok
+                assert (await client.weights.load_step(publisher.publish(1, model, None, info), 1)).all_ok
                 changed = await greedy(server.url)
                 model.load_state_dict(original)
-                assert (await client.update_weights(publisher.publish(2, model, None, info), 2)).all_ok
+                assert (await client.weights.load_step(publisher.publish(2, model, None, info), 2)).all_ok
             restored = await greedy(server.url)
             print(f"\nMEASURED greedy tokens: before {before}, perturbed {changed}, restored {restored}")
             assert changed != before and restored == before

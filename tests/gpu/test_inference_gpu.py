@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.ranks import free_port
+from tests.unit.http_servers import make_client
 from tidal.config.inference import InferenceConfig
-from tidal.inference.client import InferenceClient
 from tidal.inference.server import ServerProcess, build_launch
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
@@ -40,10 +40,10 @@ def start_gpu_server(backend: str, gpu: str) -> ServerProcess:
 
 
 async def greedy(url: str) -> tuple[int, ...]:
-    async with InferenceClient([url]) as client:
+    async with make_client([url]) as client:
         sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         return (
-            (await client.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)))
+            (await client.generation.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)))
             .completions[0]
             .token_ids
         )
@@ -59,22 +59,23 @@ def perturbed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_filesystem_update_on_one_gpu(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.publish import FilesystemPublisher
 
     base = Path(resolve_model_name(TINY_MODEL_NAME))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    step = WeightPublisher(tmp_path).publish_state_dict(
-        1, perturbed_state(model), model.config, AutoTokenizer.from_pretrained(base)
-    )
+    model.load_state_dict(perturbed_state(model))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    step = FilesystemPublisher(tmp_path).publish(1, model, AutoTokenizer.from_pretrained(base), info)
     server = start_gpu_server("filesystem", "0")
     try:
 
         async def go() -> None:
             before = await greedy(server.url)
-            async with InferenceClient([server.url]) as client:
-                assert (await client.update_weights(step, 1)).all_ok
+            async with make_client([server.url]) as client:
+                assert (await client.weights.load_step(step, 1)).all_ok
                 changed = await greedy(server.url)
-                assert (await client.update_weights(base, 2)).all_ok
+                assert (await client.weights.load_step(base, 2)).all_ok
             assert changed != before and await greedy(server.url) == before
 
         asyncio.run(go())

@@ -109,14 +109,17 @@ def perturbed_weights(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.transport.weights import WeightPublisher
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.publish import FilesystemPublisher
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     generator = torch.Generator().manual_seed(1)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
     run_dir = tmp_path_factory.mktemp("run")
-    return WeightPublisher(run_dir).publish_state_dict(1, state, model.config, tokenizer)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    return FilesystemPublisher(run_dir).publish(1, model, tokenizer, info)
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ import pytest
 from tests.conftest import run_tidal
 from tests.integration.conftest import SERVER_STARTUP_TIMEOUT
 from tests.ranks import free_port
+from tests.unit.http_servers import make_client
 from tidal.config.inference import InferenceConfig
-from tidal.inference.client import InferenceClient
 from tidal.inference.disagg import with_roles
 from tidal.inference.server import ServerProcess, start_server
 from tidal.inference.types import GenerateRequest, Generation, SamplingParams
@@ -149,22 +149,22 @@ def test_kv_stored_before_a_weight_update_is_not_used_after_it(
     prefill, decode, store = pools
 
     async def go() -> None:
-        async with InferenceClient([decode.url], prefill_urls=[prefill.url], kv_store=store) as client:
-            before = {name: await client.generate(sample(p)) for name, p in (("x", X), ("y", Y))}
+        async with make_client([decode.url], prefill_urls=[prefill.url], kv_store=str(store)) as client:
+            before = {name: await client.generation.generate(sample(p)) for name, p in (("x", X), ("y", Y))}
             assert external_hits(decode.url) >= 64  # both prompts' 32 tokens came from the prefill server
             assert gap(before["x"], tiny_model_dir, X) < 1e-3  # and are the ones the model computes
             shutil.copytree(store, tmp_path / "old_kv")  # the store as it was before the update
-            report = await client.update_weights(perturbed_weights, 1)
+            report = await client.weights.load_step(perturbed_weights, 1)
             assert report.all_ok and not any(store.iterdir())
-            after = await client.generate(sample(X))
+            after = await client.generation.generate(sample(X))
             assert after.weight_version == 1 and gap(after, perturbed_weights, X) < 1e-3
             assert gap(after, tiny_model_dir, X) > 1e-2  # the update changes these logprobs
 
         # What the emptied store prevents: KV of the old weights, put back, is used by the new ones.
         for entry in (tmp_path / "old_kv").iterdir():
             shutil.copytree(entry, store / entry.name, dirs_exist_ok=True)
-        async with InferenceClient([decode.url]) as plain:
-            stale = await plain.generate(sample(Y))
+        async with make_client([decode.url]) as plain:
+            stale = await plain.generation.generate(sample(Y))
         assert gap(stale, perturbed_weights, Y) > 1e-2
 
     asyncio.run(go())

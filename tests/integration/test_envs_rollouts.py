@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
+from tests.unit.http_servers import make_client
 from tidal.config.envs import EnvSpec
 from tidal.config.rl import SamplingConfig
 from tidal.envs.base import Episode, SingleTurnEnv, Task, Turn, run_episode
 from tidal.envs.mix import EnvMix
 from tidal.envs.registry import build_envs, load_env
-from tidal.inference.client import InferenceClient
 from tidal.orchestrator.rollouts import run_group
 from tidal.rollout.sampler import ClientSampler
 from tidal.testing import TINY_MODEL_NAME, resolve_model_name
@@ -34,10 +34,10 @@ def tokenizer() -> Any:
 
 def groups(url: str, env, tokenizer, tasks: list[Task], group_size: int = 2, timeout: float = 60.0):
     async def go():
-        async with InferenceClient([url]) as client:
+        async with make_client([url]) as client:
             return await asyncio.gather(
                 *(
-                    run_group(client, env, tokenizer, t, i, group_size, SAMPLING, 0, timeout)
+                    run_group(client.generation, env, tokenizer, t, i, group_size, SAMPLING, 0, timeout)
                     for i, t in enumerate(tasks)
                 )
             )
@@ -134,13 +134,25 @@ def test_raising_and_hanging_envs_fail_their_rollouts_only(inference_server, tok
     good = load_env("reverse_text", num_examples=4)
 
     async def go():
-        async with InferenceClient([inference_server.url]) as client:
+        async with make_client([inference_server.url]) as client:
             bad = await asyncio.gather(
-                run_group(client, Exploding(), tokenizer, Exploding().task(0), 0, 2, SAMPLING, 0, 30.0),
-                run_group(client, Hanging(), tokenizer, Hanging().task(0), 1, 2, SAMPLING, 0, 2.0),
-                run_group(client, Unrenderable(), tokenizer, Unrenderable().task(0), 3, 2, SAMPLING, 0, 30.0),
+                run_group(
+                    client.generation, Exploding(), tokenizer, Exploding().task(0), 0, 2, SAMPLING, 0, 30.0
+                ),
+                run_group(client.generation, Hanging(), tokenizer, Hanging().task(0), 1, 2, SAMPLING, 0, 2.0),
+                run_group(
+                    client.generation,
+                    Unrenderable(),
+                    tokenizer,
+                    Unrenderable().task(0),
+                    3,
+                    2,
+                    SAMPLING,
+                    0,
+                    30.0,
+                ),
             )
-            after = await run_group(client, good, tokenizer, good.task(0), 2, 2, SAMPLING, 0, 30.0)
+            after = await run_group(client.generation, good, tokenizer, good.task(0), 2, 2, SAMPLING, 0, 30.0)
             return bad, after
 
     start = time.perf_counter()
@@ -184,11 +196,11 @@ def test_verifiers_env_rollouts_through_run_group(inference_server, tokenizer, m
     env = load_env("vf:vf_reverse_words", num_examples=4)
 
     async def go():
-        async with InferenceClient([inference_server.url]) as client:
+        async with make_client([inference_server.url]) as client:
             try:
                 return await asyncio.gather(
                     *(
-                        run_group(client, env, tokenizer, env.task(i), i, 2, SAMPLING, 0, 60.0)
+                        run_group(client.generation, env, tokenizer, env.task(i), i, 2, SAMPLING, 0, 60.0)
                         for i in range(2)
                     )
                 )
@@ -233,9 +245,9 @@ def test_tool_use_runs_the_python_tool_in_bwrap_between_real_model_turns(
     task = Task(task_id="tool_use/short", messages=[{"role": "user", "content": "6*7?"}], answer="42")  # fits
 
     async def go() -> Episode:
-        async with InferenceClient([inference_server.url]) as client:
+        async with make_client([inference_server.url]) as client:
             inner = ClientSampler(
-                client, tokenizer, SAMPLING.temperature, SAMPLING.max_tokens, 0, "tool-bwrap"
+                client.generation, tokenizer, SAMPLING.temperature, SAMPLING.max_tokens, 0, "tool-bwrap"
             )
             return await run_episode(env, task, FirstTurnScripted(inner, call))
 

@@ -8,8 +8,10 @@ import httpx
 import pytest
 import torch
 
+from tests.unit.http_servers import make_client
 from tidal.envs.chat import continue_prompt
-from tidal.inference.client import InferenceClient, RequestRejected
+from tidal.inference.client import InferenceClient
+from tidal.inference.errors import RequestRejected
 from tidal.inference.server import ServerProcess
 from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, Generation, SamplingParams
 from tidal.testing import TINY_MODEL_NAME
@@ -25,7 +27,7 @@ PROMPTS = [[1, 91, 89, 75, 88, 4], [71, 72, 73, 74], [5, 6, 7, 8, 9, 10, 11]]
 
 
 def client_for(server: ServerProcess, token: str) -> InferenceClient:
-    return InferenceClient([server.url], admin_token=token, health_interval=1.0)
+    return make_client([server.url], admin_token=token, health_interval=1.0)
 
 
 def load_model(model_dir: Path) -> torch.nn.Module:
@@ -61,7 +63,7 @@ def test_sampled_logprobs_match_transformers(
 
     async def go() -> Generation:
         async with client_for(inference_server, admin_token) as client:
-            return await client.generate(request)
+            return await client.generation.generate(request)
 
     generation = asyncio.run(go())
     assert generation.prompt_token_ids == request.prompt_token_ids
@@ -91,12 +93,14 @@ def test_chat_and_multi_turn_keep_sampled_tokens(
 
     async def go() -> tuple[Generation, list[int], Generation]:
         async with client_for(inference_server, admin_token) as client:
-            turn1 = await client.chat(ChatRequest(messages=first, sampling=sampling), session_id="conv")
+            turn1 = await client.generation.chat(
+                ChatRequest(messages=first, sampling=sampling), session_id="conv"
+            )
             reply = turn1.completions[0]
             context = [*turn1.prompt_token_ids, *reply.token_ids]
             history = [*first, ChatMessage(role="assistant", content=reply.text)]
             prompt2 = continue_prompt(tokenizer, context, history, [ChatMessage(role="user", content="de")])
-            turn2 = await client.generate(
+            turn2 = await client.generation.generate(
                 GenerateRequest(prompt_token_ids=tuple(prompt2), sampling=sampling), session_id="conv"
             )
             return turn1, context, turn2
@@ -118,7 +122,7 @@ def test_chat_and_multi_turn_keep_sampled_tokens(
 async def greedy(client: InferenceClient, lora: str | None = None) -> list[Generation]:
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     requests = [GenerateRequest(prompt_token_ids=tuple(p), sampling=sampling, lora=lora) for p in PROMPTS]
-    return list(await asyncio.gather(*(client.generate(r) for r in requests)))
+    return list(await asyncio.gather(*(client.generation.generate(r) for r in requests)))
 
 
 def test_weight_update_changes_outputs_and_restore_is_exact(
@@ -127,13 +131,13 @@ def test_weight_update_changes_outputs_and_restore_is_exact(
     async def go() -> None:
         async with client_for(inference_server, admin_token) as client:
             before = await greedy(client)
-            start = (await client.versions())[inference_server.url] or 0
-            report = await client.update_weights(perturbed_weights, start + 1)
+            start = (await client.weights.versions())[inference_server.url] or 0
+            report = await client.weights.load_step(perturbed_weights, start + 1)
             assert report.all_ok, report
             changed = await greedy(client)
             # every weight must be live after the update, the tied lm_head included: score the sampled
             # tokens with transformers on the new weights
-            sampled = await client.generate(
+            sampled = await client.generation.generate(
                 GenerateRequest(
                     prompt_token_ids=tuple(PROMPTS[0]),
                     sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True),
@@ -141,7 +145,7 @@ def test_weight_update_changes_outputs_and_restore_is_exact(
                 )
             )
             assert_logprobs_match(load_model(perturbed_weights), sampled, 1.0, "after update")
-            restored_report = await client.update_weights(tiny_model_dir, start + 2)
+            restored_report = await client.weights.load_step(tiny_model_dir, start + 2)
             assert restored_report.all_ok, restored_report
             restored = await greedy(client)
             print(
@@ -154,7 +158,7 @@ def test_weight_update_changes_outputs_and_restore_is_exact(
             for old, new in zip(before, restored, strict=True):
                 assert new.completions[0].token_ids == old.completions[0].token_ids
                 assert new.completions[0].logprobs == pytest.approx(old.completions[0].logprobs, abs=1e-6)
-            assert (await client.versions())[inference_server.url] == start + 2
+            assert (await client.weights.versions())[inference_server.url] == start + 2
 
     asyncio.run(go())
 
@@ -166,19 +170,19 @@ def test_pause_holds_requests_until_resume(inference_server: ServerProcess, admi
 
     async def go() -> float:
         async with client_for(inference_server, admin_token) as client:
-            server = client.servers[inference_server.url]
-            await client.pause(server, mode="keep")
+            server = client.pool.servers[inference_server.url]
+            await client.weights.admin.post_pause(server, "keep")
             try:
-                pending = asyncio.create_task(client.generate(request))
+                pending = asyncio.create_task(client.generation.generate(request))
                 await asyncio.sleep(2.0)
                 assert not pending.done(), "a request finished while the server was paused"
-                paused = (await client._request("GET", inference_server.url + "/is_paused")).json()[
+                paused = (await client.pool.request("GET", inference_server.url + "/is_paused")).json()[
                     "is_paused"
                 ]
                 assert paused
             finally:
                 resumed_at = time.perf_counter()
-                await client.resume(server)
+                await client.weights.admin.post_resume(server)
             generation = await asyncio.wait_for(pending, timeout=30)
             assert len(generation.completions[0].token_ids) == 4
             return time.perf_counter() - resumed_at
@@ -192,15 +196,19 @@ def test_bad_requests_get_4xx(inference_server: ServerProcess, admin_token: str,
         async with client_for(inference_server, admin_token) as client:
             sampling = SamplingParams(max_tokens=4)
             with pytest.raises(RequestRejected, match="out of vocabulary") as bad_token:
-                await client.generate(GenerateRequest(prompt_token_ids=(5, 10**6), sampling=sampling))
+                await client.generation.generate(
+                    GenerateRequest(prompt_token_ids=(5, 10**6), sampling=sampling)
+                )
             assert bad_token.value.status == 400
             with pytest.raises(RequestRejected) as too_long:
-                await client.generate(GenerateRequest(prompt_token_ids=(5,) * 600, sampling=sampling))
+                await client.generation.generate(
+                    GenerateRequest(prompt_token_ids=(5,) * 600, sampling=sampling)
+                )
             assert too_long.value.status == 400
-            report = await client.update_weights(tmp_path / "missing", 99)
+            report = await client.weights.load_step(tmp_path / "missing", 99)
             assert not report.servers[0].ok and "does not exist" in (report.servers[0].error or "")
             assert "400" in (report.servers[0].error or "")
-            assert (await client.versions())[inference_server.url] != 99
+            assert (await client.weights.versions())[inference_server.url] != 99
         response = httpx.post(inference_server.url + "/v1/completions", json={"model": "nope", "prompt": [5]})
         assert response.status_code == 404
         # issue 34: an empty update list reached vLLM (a 500, IndexError), which closed the update session so
@@ -252,8 +260,8 @@ def test_lora_hot_load_matches_the_merged_weights(
 
     async def go() -> tuple[Generation, list[Generation], list[Generation]]:
         async with client_for(inference_server, admin_token) as client:
-            await client.load_lora("tuned", lora_adapter)
-            sampled = await client.generate(
+            await client.weights.load_lora("tuned", lora_adapter)
+            sampled = await client.generation.generate(
                 GenerateRequest(prompt_token_ids=tuple(PROMPTS[0]), sampling=sampling, lora="tuned", n=2)
             )
             return sampled, await greedy(client), await greedy(client, lora="tuned")
@@ -313,10 +321,10 @@ def test_bad_weight_files_are_refused_and_the_old_weights_keep_serving(
     async def go() -> None:
         async with client_for(inference_server, admin_token) as client:
             before = await greedy(client)
-            start = (await client.versions())[inference_server.url] or 0
+            start = (await client.weights.versions())[inference_server.url] or 0
             for label, (directory, expect) in cases.items():
                 began = time.perf_counter()
-                report = await client.update_weights(directory, start + 50)
+                report = await client.weights.load_step(directory, start + 50)
                 error = report.servers[0].error or ""
                 print(f"{label}: refused in {time.perf_counter() - began:.3f} s: {error}")
                 assert not report.servers[0].ok, label
@@ -325,7 +333,7 @@ def test_bad_weight_files_are_refused_and_the_old_weights_keep_serving(
                 assert [g.completions[0].token_ids for g in after] == [
                     g.completions[0].token_ids for g in before
                 ], label
-                assert (await client.versions())[inference_server.url] == start, label
+                assert (await client.weights.versions())[inference_server.url] == start, label
 
     asyncio.run(go())
 

@@ -20,12 +20,12 @@ import pytest
 from tests.conftest import run_tidal
 from tests.integration.conftest import SERVER_STARTUP_TIMEOUT
 from tests.ranks import free_port
+from tests.unit.http_servers import make_client
 from tidal.config.common import ModelConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.rl import SamplingConfig
 from tidal.envs.chat import continue_prompt
 from tidal.envs.registry import load_env
-from tidal.inference.client import InferenceClient
 from tidal.inference.server import ServerProcess, start_server
 from tidal.inference.tokenizer import load_tokenizer
 from tidal.inference.types import ChatMessage
@@ -173,9 +173,12 @@ def test_multi_turn_rollouts_against_the_real_model_keep_exact_tokens(
     sampling = SamplingConfig(temperature=1.0, max_tokens=24)
 
     async def go() -> list[Any]:
-        async with InferenceClient([server.url]) as client:
+        async with make_client([server.url]) as client:
             return await asyncio.gather(
-                *(run_group(client, env, tokenizer, env.task(i), i, 2, sampling, 0, 600.0) for i in range(1))
+                *(
+                    run_group(client.generation, env, tokenizer, env.task(i), i, 2, sampling, 0, 600.0)
+                    for i in range(1)
+                )
             )
 
     rollouts = [r for group in asyncio.run(go()) for r in group.rollouts]

@@ -2,6 +2,7 @@
 function, and URLs where nothing listens (connection refused)."""
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import socket
@@ -13,7 +14,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tidal.config.rl import ClientConfig
 from tidal.inference.client import InferenceClient
+from tidal.inference.pool import PoolTuning
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,16 @@ async def serving(handler: Handler, names: Sequence[str] = ("a", "b")) -> AsyncI
             await server.close()
 
 
+def make_client(
+    urls: Sequence[str], *, model: str | None = None, require_routes: bool = False, **options: Any
+) -> InferenceClient:
+    """`InferenceClient.from_config` over `urls`; `options` are `ClientConfig` fields or `PoolTuning`'s."""
+    tuning_fields = {f.name for f in dataclasses.fields(PoolTuning)}
+    tuning = PoolTuning(**{k: v for k, v in options.items() if k in tuning_fields})
+    config = ClientConfig(urls=list(urls), **{k: v for k, v in options.items() if k not in tuning_fields})
+    return InferenceClient.from_config(config, model=model, require_routes=require_routes, tuning=tuning)
+
+
 @asynccontextmanager
 async def client_over(
     handler: Handler, names: Sequence[str] = ("a", "b"), refused: Sequence[str] = (), **kwargs: Any
@@ -85,5 +98,5 @@ async def client_over(
     async with serving(handler, names) as served:
         urls = {**{name: refused_url() for name in refused}, **served}
         options = {"model": "m", "backoff": 0.0, **kwargs}
-        async with contextlib.aclosing(InferenceClient(list(urls.values()), **options)) as client:
+        async with contextlib.aclosing(make_client(list(urls.values()), **options)) as client:
             yield client, urls

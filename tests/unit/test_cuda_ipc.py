@@ -190,13 +190,14 @@ class EngineClient:
         self.engine = engine
         self.recovery_timeout = 0.0
         self.servers = {"http://a:8000": SimpleNamespace(url="http://a:8000", healthy=True)}
+        self.pool = self.weights = self  # InferenceClient.pool's servers, InferenceClient.weights's load_step
         self._report = lambda version, path: WeightUpdateReport(
             version=version,
             path=path,
             servers=(ServerVersion(url="http://a:8000", version=version, ok=True),),
         )
 
-    async def update_weights(self, path: str | Path, version: int) -> Any:
+    async def load_step(self, path: str | Path, version: int) -> Any:
         def load() -> None:
             self.engine.start_weight_update()
             self.engine.update_weights({"path": str(path)})

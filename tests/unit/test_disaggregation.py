@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.unit.http_servers import Seen, reply, serving
+from tests.unit.http_servers import Seen, make_client, reply, serving
 from tidal.config.eval import EvalConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.loader import load_config
 from tidal.config.rl import RLConfig
 from tidal.errors import UserError
-from tidal.inference.client import InferenceClient
 from tidal.inference.disagg import Prefill, decode_body, empty_store, prefill_body, with_roles
 from tidal.inference.server import build_launch
 from tidal.inference.types import GenerateRequest, SamplingParams
@@ -179,8 +178,8 @@ class TwoPools:
 @contextlib.asynccontextmanager
 async def pools(handler: TwoPools, store: Path):
     async with serving(handler, ("p", "d")) as urls:
-        client = InferenceClient(
-            [urls["d"]], prefill_urls=[urls["p"]], kv_store=store, model="m", backoff=0.0
+        client = make_client(
+            [urls["d"]], prefill_urls=[urls["p"]], kv_store=str(store), model="m", backoff=0.0
         )
         async with contextlib.aclosing(client):
             yield client, urls
@@ -194,9 +193,9 @@ def test_a_generation_is_prefilled_on_one_pool_and_decoded_on_the_other(tmp_path
 
     async def go() -> None:
         async with pools(handler, tmp_path) as (client, urls):
-            generation = await client.generate(REQUEST, session_id="s")
+            generation = await client.generation.generate(REQUEST, session_id="s")
             assert generation.server == urls["d"] and generation.weight_version == 0
-            assert client.servers[urls["p"]].requests == 1 and client.prefills_redone == 0
+            assert client.pool.servers[urls["p"]].requests == 1 and client.pool.prefills_redone == 0
 
     asyncio.run(go())
     (prefill,), (decode,) = handler.bodies["p"], handler.bodies["d"]
@@ -213,12 +212,12 @@ def test_weight_updates_pause_both_pools_empty_the_store_then_load(tmp_path: Pat
 
     async def go() -> None:
         async with pools(handler, tmp_path) as (client, urls):
-            await client.generate(REQUEST)
+            await client.generation.generate(REQUEST)
             assert any(tmp_path.iterdir())
             handler.calls.clear()
-            report = await client.update_weights("/run/weights/step_1", 1)
+            report = await client.weights.load_step("/run/weights/step_1", 1)
             assert report.all_ok and [s.url for s in report.servers] == [urls["p"], urls["d"]]
-            await client.generate(REQUEST)
+            await client.generation.generate(REQUEST)
             assert handler.bodies["d"][-1]["kv_transfer_params"] == {"computed_by": 1}
 
     asyncio.run(go())
@@ -232,9 +231,11 @@ def test_a_decode_server_on_other_weights_than_the_prefill_prefills_itself(tmp_p
 
     async def go() -> None:
         async with pools(handler, tmp_path) as (client, urls):
-            client.servers[urls["d"]].version = 5  # as after an update between the prefill and the decode
-            generation = await client.generate(REQUEST)
-            assert generation.weight_version == 5 and client.prefills_redone == 1
+            client.pool.servers[
+                urls["d"]
+            ].version = 5  # as after an update between the prefill and the decode
+            generation = await client.generation.generate(REQUEST)
+            assert generation.weight_version == 5 and client.pool.prefills_redone == 1
 
     asyncio.run(go())
     assert "kv_transfer_params" not in handler.bodies["d"][0]
@@ -245,14 +246,14 @@ def test_a_server_that_fails_the_update_leaves_rotation_until_it_catches_up(tmp_
 
     async def go() -> None:
         async with pools(handler, tmp_path) as (client, urls):
-            report = await client.update_weights("/run/weights/step_1", 1)
+            report = await client.weights.load_step("/run/weights/step_1", 1)
             by_url = {s.url: s for s in report.servers}
             assert not by_url[urls["p"]].ok and by_url[urls["d"]].ok and by_url[urls["d"]].version == 1
-            assert not client.servers[urls["p"]].healthy  # it must not prefill with the old weights
+            assert not client.pool.servers[urls["p"]].healthy  # it must not prefill with the old weights
             assert "p/resume" in handler.calls  # nor stay paused
             handler.fail_load_on = ""
-            await client.check_health()  # the watch brings it to the latest weights before it returns
-            assert client.servers[urls["p"]].healthy and client.servers[urls["p"]].version == 1
+            await client.pool.check_health()  # the watch brings it to the latest weights before it returns
+            assert client.pool.servers[urls["p"]].healthy and client.pool.servers[urls["p"]].version == 1
 
     asyncio.run(go())
 

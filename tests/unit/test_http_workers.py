@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.unit.http_servers import Seen, client_over, reply
+from tests.unit.http_servers import Seen, client_over, make_client, reply
 from tidal.inference.http_workers import HttpWorkers, slim_answer
 from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, SamplingParams
 
@@ -72,8 +72,10 @@ def test_through_workers_the_client_reads_the_same_generations_from_slimmer_answ
 
     async def both(http_workers: int) -> tuple:
         async with client_over(handler, ("a",), http_workers=http_workers) as (client, _):
-            generated = await client.generate(GenerateRequest(prompt_token_ids=(1, 2, 3), sampling=SAMPLING))
-            chatted = await client.chat(
+            generated = await client.generation.generate(
+                GenerateRequest(prompt_token_ids=(1, 2, 3), sampling=SAMPLING)
+            )
+            chatted = await client.generation.chat(
                 ChatRequest(messages=(ChatMessage(role="user", content="hey"),), sampling=SAMPLING)
             )
         return generated.model_copy(update={"server": ""}), chatted.model_copy(update={"server": ""})
@@ -121,19 +123,17 @@ def test_a_killed_worker_fails_only_its_requests_which_are_retried_and_the_serve
         server = await slow_server(seen, hung_up, release)
         url = str(server.make_url("")).rstrip("/")
         try:
-            from tidal.inference.client import InferenceClient
-
-            async with InferenceClient([url], model="m", backoff=0.0, http_workers=1) as client:
+            async with make_client([url], model="m", backoff=0.0, http_workers=1) as client:
                 request = GenerateRequest(prompt_token_ids=(1,), sampling=SAMPLING)
-                pending = asyncio.create_task(client.generate(request))
+                pending = asyncio.create_task(client.generation.generate(request))
                 await asyncio.wait_for(seen.wait(), 10)
-                [first] = client._workers.pids()  # type: ignore[union-attr]
+                [first] = client.generation.workers.pids()  # type: ignore[union-attr]
                 os.kill(first, signal.SIGKILL)
                 await asyncio.wait_for(hung_up.wait(), 10)  # its connection died with it
                 release.set()
                 generation = await asyncio.wait_for(pending, 20)  # sent again, from a new worker
                 assert [c.token_ids for c in generation.completions] == [(8,), (5, 6, 7)]
-                assert client.servers[url].healthy and client._workers.pids() != [first]  # type: ignore[union-attr]
+                assert client.pool.servers[url].healthy and client.generation.workers.pids() != [first]  # type: ignore[union-attr]
         finally:
             await server.close()
 

@@ -8,13 +8,10 @@ import pytest
 from aiohttp import web
 
 from tests.unit.http_servers import Seen, client_over, reply
-from tidal.inference.client import (
-    InferenceClient,
-    NoHealthyServer,
-    RequestRejected,
-    ServerFailed,
-    parse_version,
-)
+from tidal.inference.client import InferenceClient
+from tidal.inference.errors import NoHealthyServer, RequestRejected, ServerFailed
+from tidal.inference.fanout import parse_version
+from tidal.inference.pool import ServerPool
 from tidal.inference.types import GenerateRequest, Generation, SamplingParams
 
 WORKERS = pytest.mark.parametrize("http_workers", [0, 2], ids=["on-loop", "http-workers"])
@@ -36,7 +33,7 @@ def completion(seen: Seen | None = None) -> web.Response:
 
 
 async def generate_many(client: InferenceClient, count: int) -> list[Generation]:
-    return list(await asyncio.gather(*(client.generate(REQUEST) for _ in range(count))))
+    return list(await asyncio.gather(*(client.generation.generate(REQUEST) for _ in range(count))))
 
 
 @WORKERS
@@ -49,7 +46,7 @@ def test_generation_is_parsed_into_typed_tokens_and_logprobs(http_workers: int) 
 
     async def go() -> None:
         async with client_over(handler, ("a",), http_workers=http_workers) as (client, urls):
-            generation = await client.generate(REQUEST)
+            generation = await client.generation.generate(REQUEST)
         assert generation.completions[0].token_ids == (7, 8) and generation.completions[0].logprobs == (
             -0.5,
             -1.5,
@@ -64,15 +61,15 @@ def test_generation_is_parsed_into_typed_tokens_and_logprobs(http_workers: int) 
 
 def test_least_loaded_with_ties_to_the_least_recently_used_and_sticky_sessions() -> None:
     A, B = "http://a:1", "http://b:1"  # picking sends nothing
-    client = InferenceClient([A, B], model="m")
-    assert [client.pick().url for _ in range(4)] == [A, B, A, B]
-    client.servers[A].in_flight = 3
-    assert client.pick().url == B and client.pick().url == B
-    client.servers[A].in_flight = 0
-    first = client.pick("s").url
-    assert all(client.pick("s").url == first for _ in range(5))
-    client.servers[first].healthy = False
-    assert client.pick("s").url != first  # the session moves when its server is out
+    pool = ServerPool([A, B])
+    assert [pool.pick().url for _ in range(4)] == [A, B, A, B]
+    pool.servers[A].in_flight = 3
+    assert pool.pick().url == B and pool.pick().url == B
+    pool.servers[A].in_flight = 0
+    first = pool.pick("s").url
+    assert all(pool.pick("s").url == first for _ in range(5))
+    pool.servers[first].healthy = False
+    assert pool.pick("s").url != first  # the session moves when its server is out
 
 
 @WORKERS
@@ -84,7 +81,7 @@ def test_connection_failure_moves_the_request_and_takes_the_server_out(http_work
         ):
             results = await generate_many(client, 4)
             assert Counter(g.server for g in results) == {urls["b"]: 4}
-            assert not client.servers[urls["a"]].healthy
+            assert not client.pool.servers[urls["a"]].healthy
 
     asyncio.run(go())
 
@@ -103,10 +100,10 @@ def test_transient_status_is_retried_and_client_errors_are_not(http_workers: int
 
     async def go() -> None:
         async with client_over(flaky, ("a",), http_workers=http_workers) as (client, _):
-            assert (await client.generate(REQUEST)).completions[0].token_ids == (7, 8)
+            assert (await client.generation.generate(REQUEST)).completions[0].token_ids == (7, 8)
         async with client_over(rejecting, ("a",), http_workers=http_workers) as (client, _):
             with pytest.raises(RequestRejected, match="out of vocabulary") as info:
-                await client.generate(REQUEST)
+                await client.generation.generate(REQUEST)
         assert info.value.status == 400 and calls["bad"] == 1
 
     asyncio.run(go())
@@ -117,17 +114,17 @@ def test_retries_are_bounded_and_end_in_typed_errors(http_workers: int) -> None:
     async def go() -> None:
         async with client_over(lambda r: reply(502), ("a",), http_workers=http_workers) as (client, _):
             with pytest.raises(ServerFailed, match="4 times"):
-                await client.generate(REQUEST)
+                await client.generation.generate(REQUEST)
         async with client_over(  # a healthy server's 500 is the request's: not retried elsewhere
             lambda r: reply(200 if r.path == "/health" else 500, {"error": "boom"}),
             ("a",),
             http_workers=http_workers,
         ) as (client, _):
             with pytest.raises(ServerFailed, match="500"):
-                await client.generate(REQUEST)
+                await client.generation.generate(REQUEST)
         async with client_over(completion, (), refused=("a", "b"), http_workers=http_workers) as (client, _):
             with pytest.raises(NoHealthyServer):
-                await client.generate(REQUEST)
+                await client.generation.generate(REQUEST)
 
     asyncio.run(go())
 
@@ -145,7 +142,7 @@ def test_weight_fan_out_calls_vllm_rl_routes_in_order_and_tracks_versions_withou
 
     async def go() -> None:
         async with client_over(vllm_026) as (client, urls):
-            report = await client.update_weights("/run/weights/step_3", 3)
+            report = await client.weights.load_step("/run/weights/step_3", 3)
             assert report.all_ok and [s.version for s in report.servers] == [3, 3]
             a_calls = [c[1:] for c in calls if c.startswith("a")]
             assert a_calls == [
@@ -156,7 +153,7 @@ def test_weight_fan_out_calls_vllm_rl_routes_in_order_and_tracks_versions_withou
                 "/resume",
                 "/weight_info",
             ]
-            assert await client.versions() == {urls["a"]: 3, urls["b"]: 3}
+            assert await client.weights.versions() == {urls["a"]: 3, urls["b"]: 3}
 
     asyncio.run(go())
 
@@ -172,7 +169,7 @@ def test_failed_load_closes_the_update_and_resumes() -> None:
 
     async def go() -> None:
         async with client_over(refusing, ("a",)) as (client, _):
-            report = await client.update_weights("/x", 1)
+            report = await client.weights.load_step("/x", 1)
         assert not report.all_ok and "safetensors" in (report.servers[0].error or "")
         assert calls == [
             "/pause",
@@ -218,9 +215,9 @@ def test_a_session_and_a_pause_left_by_a_dead_client_do_not_stop_the_next_update
 
     async def go() -> None:
         async with client_over(left, ("a",)) as (client, _):
-            await client.reclaim()
+            await client.weights.reclaim()
             assert not left.paused
-            report = await client.update_weights("/w/step_3", 3)
+            report = await client.weights.load_step("/w/step_3", 3)
             assert report.all_ok and left.version == 3 and not left.active and not left.paused
 
     asyncio.run(go())
@@ -244,7 +241,7 @@ def test_a_500_from_a_server_that_then_fails_its_health_check_moves_the_request(
         async with client_over(handler, ("a", "b"), http_workers=http_workers) as (client, urls):
             results = await generate_many(client, 4)
             assert Counter(g.server for g in results) == {urls["b"]: 4}
-            assert dying["a"] and not client.servers[urls["a"]].healthy
+            assert dying["a"] and not client.pool.servers[urls["a"]].healthy
 
     asyncio.run(go())
 
@@ -260,8 +257,8 @@ def test_admin_calls_carry_the_token_and_generation_calls_do_not() -> None:
 
     async def go() -> None:
         async with client_over(record, ("a",), admin_token="t") as (client, _):
-            await client.generate(REQUEST)
-            assert (await client.update_weights("/w", 2)).all_ok
+            await client.generation.generate(REQUEST)
+            assert (await client.weights.load_step("/w", 2)).all_ok
 
     asyncio.run(go())
     tokens = dict(seen)
@@ -309,8 +306,12 @@ def test_a_timeout_is_retried_elsewhere_without_taking_the_server_out(http_worke
 
     async def go() -> None:
         async with client_over(slow_a, timeout=0.3, http_workers=http_workers) as (client, urls):
-            assert (await client.generate(REQUEST)).server == urls["b"]  # least recently used A went first
-            assert client.servers[urls["a"]].healthy  # slow is not dead: only the health watch decides that
+            assert (await client.generation.generate(REQUEST)).server == urls[
+                "b"
+            ]  # least recently used A went first
+            assert client.pool.servers[
+                urls["a"]
+            ].healthy  # slow is not dead: only the health watch decides that
 
     asyncio.run(go())
 
@@ -331,22 +332,22 @@ def test_a_server_still_starting_is_not_reported_lost_and_one_that_was_up_is(
     async def go() -> None:
         async with client_over(health, ("a",)) as (client, urls):
             url = urls["a"]
-            assert await client.check_health() == {url: False}
+            assert await client.pool.check_health() == {url: False}
             up["a"] = True
-            assert await client.check_health() == {url: True}
+            assert await client.pool.check_health() == {url: True}
             starting = [r.getMessage() for r in caplog.records]
             assert starting == [f"inference server {url} up (version 0)"], starting
             up["a"] = False
-            assert await client.check_health() == {url: False}
+            assert await client.pool.check_health() == {url: False}
             up["a"] = True
-            assert await client.check_health() == {url: True}
+            assert await client.pool.check_health() == {url: True}
             lost = [r.getMessage() for r in caplog.records][1:]
             assert lost == [
                 f"inference server {url} out of rotation: health check failed",
                 f"inference server {url} back in rotation (version 0)",
             ], lost
 
-    with caplog.at_level("INFO", logger="tidal.inference.client"):
+    with caplog.at_level("INFO", logger="tidal.inference.pool"):
         asyncio.run(go())
 
 
@@ -363,13 +364,15 @@ def test_the_watch_probes_only_servers_that_answered_nothing_lately() -> None:
 
     async def go() -> None:
         async with client_over(handler, health_interval=30.0) as (client, urls):
-            client.pick()  # the next request goes to b
-            assert (await client.generate(REQUEST)).server == urls["b"]
-            await client._watch_round()
+            client.pool.pick()  # the next request goes to b
+            assert (await client.generation.generate(REQUEST)).server == urls["b"]
+            await client.pool._watch_round()
             assert probed == {"a": 1}  # b just answered: it is up
-            client.mark_down(client.servers[urls["b"]], "test")
-            await client._watch_round()
-            assert probed == {"a": 2, "b": 1} and client.servers[urls["b"]].healthy  # down ones are asked
+            client.pool.mark_down(client.pool.servers[urls["b"]], "test")
+            await client.pool._watch_round()
+            assert (
+                probed == {"a": 2, "b": 1} and client.pool.servers[urls["b"]].healthy
+            )  # down ones are asked
 
     asyncio.run(go())
 
@@ -392,12 +395,14 @@ def test_while_one_replica_loads_weights_requests_go_to_the_other_and_record_the
     async def go() -> None:
         async with client_over(handler, http_workers=http_workers) as (client, urls):
             a, b = urls["a"], urls["b"]
-            assert client.pick("episode").url == a  # the episode's earlier turns were on A
-            update = asyncio.create_task(client._update_one(client.servers[a], "/run/weights/step_1", 1))
-            while not client.servers[a].updating:
+            assert client.pool.pick("episode").url == a  # the episode's earlier turns were on A
+            update = asyncio.create_task(
+                client.weights._load_one(client.pool.servers[a], "/run/weights/step_1", 1)
+            )
+            while not client.pool.servers[a].updating:
                 await asyncio.sleep(0.01)
             during = await generate_many(client, 4)
-            pinned = asyncio.create_task(client.generate(REQUEST, session_id="episode"))
+            pinned = asyncio.create_task(client.generation.generate(REQUEST, session_id="episode"))
             await asyncio.sleep(0.05)
             assert not pinned.done()  # held for A's new weights rather than sent into its paused queue
             release.set()

@@ -61,17 +61,17 @@ def test_requests_use_the_newest_adapter_and_report_its_version() -> None:
     async def go() -> None:
         fake = FakeServers()
         async with client_for(fake) as (client, _):
-            assert (await client.generate(REQUEST)).weight_version == 0 and fake.models == ["base"]
-            report = await client.update_adapter("policy-step-1", "/run/weights/step_1", 1)
+            assert (await client.generation.generate(REQUEST)).weight_version == 0 and fake.models == ["base"]
+            report = await client.weights.load_adapter_step("policy-step-1", "/run/weights/step_1", 1)
             assert report.all_ok and [s.version for s in report.servers] == [1, 1]
             loads = [(host, body) for host, path, body in fake.calls if path == "/v1/load_lora_adapter"]
             assert sorted(host for host, _ in loads) == ["a", "b"]
             assert loads[0][1]["lora_name"] == "policy-step-1"
             assert loads[0][1]["lora_path"] == "/run/weights/step_1"
             assert not any(path in ("/pause", "/start_weight_update") for _, path, _ in fake.calls)
-            generation = await client.generate(REQUEST)
+            generation = await client.generation.generate(REQUEST)
             assert generation.weight_version == 1 and fake.models[-1] == "policy-step-1"
-            explicit = await client.generate(REQUEST.model_copy(update={"lora": "other"}))
+            explicit = await client.generation.generate(REQUEST.model_copy(update={"lora": "other"}))
             assert fake.models[-1] == "other" and explicit.weight_version == 0  # not a policy adapter
 
     asyncio.run(go())
@@ -81,21 +81,21 @@ def test_an_adapter_is_unloaded_only_once_no_request_uses_it() -> None:
     async def go() -> None:
         fake = FakeServers()
         async with client_for(fake) as (client, _):
-            await client.update_adapter("policy-step-1", "/w/step_1", 1)
+            await client.weights.load_adapter_step("policy-step-1", "/w/step_1", 1)
             fake.hold = "policy-step-1"
-            running = asyncio.create_task(client.generate(REQUEST))
+            running = asyncio.create_task(client.generation.generate(REQUEST))
             while not fake.models or fake.models[-1] != "policy-step-1":  # the request reached a server
                 await asyncio.sleep(0.01)
-            await client.update_adapter("policy-step-2", "/w/step_2", 2)
+            await client.weights.load_adapter_step("policy-step-2", "/w/step_2", 2)
             assert fake.admin("/v1/unload_lora_adapter") == []  # step 1 still generates
-            assert client.loaded_adapters() == ["policy-step-1", "policy-step-2"]
+            assert client.weights.loaded_adapters() == ["policy-step-1", "policy-step-2"]
             fake.release.set()
             assert (await running).weight_version == 1  # the version it was sampled with, not the newest
-            await client.update_adapter("policy-step-3", "/w/step_3", 3)
+            await client.weights.load_adapter_step("policy-step-3", "/w/step_3", 3)
             unloaded = fake.admin("/v1/unload_lora_adapter")
             assert sorted(unloaded) == sorted((h, f"policy-step-{v}") for h in "ab" for v in (1, 2))
-            assert client.loaded_adapters() == ["policy-step-3"]
-            assert (await client.generate(REQUEST)).weight_version == 3
+            assert client.weights.loaded_adapters() == ["policy-step-3"]
+            assert (await client.generation.generate(REQUEST)).weight_version == 3
 
     asyncio.run(go())
 
@@ -104,13 +104,13 @@ def test_a_returning_server_loads_the_current_adapter_before_it_serves() -> None
     async def go() -> None:
         fake = FakeServers()
         async with client_for(fake) as (client, urls):
-            b = client.servers[urls["b"]]
-            client.mark_down(b, "test")
-            report = await client.update_adapter("policy-step-4", "/w/step_4", 4)
+            b = client.pool.servers[urls["b"]]
+            client.pool.mark_down(b, "test")
+            report = await client.weights.load_adapter_step("policy-step-4", "/w/step_4", 4)
             assert [s.ok for s in report.servers] == [True, False] and not report.all_ok
             assert fake.admin("/v1/load_lora_adapter") == [("a", "policy-step-4")]
             fake.calls.clear()
-            await client._probe(b)  # /health answers again
+            await client.pool._probe(b)  # /health answers again
             assert b.healthy
             assert fake.admin("/v1/load_lora_adapter") == [("b", "policy-step-4")]
 
@@ -120,9 +120,9 @@ def test_a_returning_server_loads_the_current_adapter_before_it_serves() -> None
 def test_a_server_without_lora_routes_is_reported_with_the_setting_to_change() -> None:
     async def go() -> None:
         async with client_over(no_lora, ("a",), model="base") as (client, _):
-            report = await client.update_adapter("policy-step-1", "/w/step_1", 1)
+            report = await client.weights.load_adapter_step("policy-step-1", "/w/step_1", 1)
             assert not report.all_ok and "inference.vllm.enable_lora" in (report.servers[0].error or "")
-            assert client.loaded_adapters() == []
+            assert client.weights.loaded_adapters() == []
 
     asyncio.run(go())
 

@@ -26,6 +26,7 @@ class FakeClient:
     def __init__(self, version: int = 0):
         self.version = version
         self.num_requests = 0
+        self.generation = self  # the orchestrator's rollouts use InferenceClient.generation
 
     async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
         self.num_requests += 1

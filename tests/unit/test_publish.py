@@ -239,8 +239,9 @@ class EngineClient:
         self.engine = engine
         self.servers = {"http://a:8000": SimpleNamespace(url="http://a:8000", healthy=True)}
         self.loads: list[str] = []
+        self.pool = self.weights = self  # InferenceClient.pool's servers, InferenceClient.weights's load_step
 
-    async def update_weights(self, path: str | Path, version: int) -> WeightUpdateReport:
+    async def load_step(self, path: str | Path, version: int) -> WeightUpdateReport:
         def load() -> None:
             self.engine.start_weight_update()
             self.engine.update_weights({"path": str(path)})

@@ -14,7 +14,7 @@ from tests.unit.http_servers import Seen, client_over, reply
 from tidal.config.loader import load_config
 from tidal.config.rl import FilesystemTransport, OrchestratorConfig, RLConfig
 from tidal.errors import UserError
-from tidal.inference.client import NoHealthyServer
+from tidal.inference.errors import NoHealthyServer
 from tidal.inference.types import GenerateRequest, SamplingParams
 from tidal.launcher.restarts import Recovery, RestartPolicy, how_it_ended, max_restarts, missing_batches
 from tidal.launcher.split import split_config
@@ -162,8 +162,8 @@ def test_with_every_server_down_a_request_waits_for_one_to_come_back() -> None:
     async def go() -> None:
         watched = client_over(handler, ("a",), recovery_timeout=10.0, health_interval=0.05)
         async with watched as (client, urls), client:  # the health watch runs
-            client.mark_down(client.servers[urls["a"]], "test")
-            request = asyncio.create_task(client.generate(REQUEST))
+            client.pool.mark_down(client.pool.servers[urls["a"]], "test")
+            request = asyncio.create_task(client.generation.generate(REQUEST))
             await asyncio.sleep(0.3)
             assert not request.done()  # waiting, not failed
             up["a"] = True  # the restarted replica answers: the health watch takes it back
@@ -171,9 +171,9 @@ def test_with_every_server_down_a_request_waits_for_one_to_come_back() -> None:
             assert generation.server == urls["a"]
         async with client_over(handler, ("a",), recovery_timeout=0.2, health_interval=30.0) as (client, urls):
             up["a"] = False
-            client.mark_down(client.servers[urls["a"]], "test")
+            client.pool.mark_down(client.pool.servers[urls["a"]], "test")
             with pytest.raises(NoHealthyServer):  # bounded
-                await client.generate(REQUEST)
+                await client.generation.generate(REQUEST)
 
     asyncio.run(go())
 
@@ -201,11 +201,11 @@ def test_a_weight_update_goes_on_without_a_replica_that_is_down_which_catches_up
             assert "a/update_weights" in calls and "b/update_weights" not in calls
             up["b"] = True  # b is back: brought to step 1 before it serves again
             for _ in range(100):
-                if client.servers[urls["b"]].healthy:
+                if client.pool.servers[urls["b"]].healthy:
                     break
                 await asyncio.sleep(0.05)
-            assert client.servers[urls["b"]].healthy and "b/update_weights" in calls
-            assert await client.versions() == {urls["a"]: 1, urls["b"]: 1}
+            assert client.pool.servers[urls["b"]].healthy and "b/update_weights" in calls
+            assert await client.weights.versions() == {urls["a"]: 1, urls["b"]: 1}
             await watcher.stop()
 
     asyncio.run(go())
@@ -218,7 +218,7 @@ def test_with_its_only_replica_down_an_update_waits_for_it(tmp_path: Path) -> No
     async def go() -> None:
         watched = client_over(handler, ("a",), recovery_timeout=10.0, health_interval=0.05)
         async with watched as (client, urls), client:
-            client.mark_down(client.servers[urls["a"]], "test")
+            client.pool.mark_down(client.pool.servers[urls["a"]], "test")
             watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
             await watcher.start()
             publish(tmp_path, 1)
@@ -227,7 +227,7 @@ def test_with_its_only_replica_down_an_update_waits_for_it(tmp_path: Path) -> No
             assert not waiting.done()
             up["a"] = True
             await asyncio.wait_for(waiting, 5)
-            assert await client.versions() == {urls["a"]: 1}
+            assert await client.weights.versions() == {urls["a"]: 1}
             await watcher.stop()
 
     asyncio.run(go())
@@ -242,12 +242,12 @@ def test_an_update_that_skipped_a_server_back_in_rotation_since_is_tried_again(t
     async def go() -> None:
         async with client_over(handler, recovery_timeout=10.0, health_interval=30.0) as (client, urls):
             for url in urls.values():
-                client.mark_down(client.servers[url], "test")
+                client.pool.mark_down(client.pool.servers[url], "test")
             watcher = PolicyWatcher(client, tmp_path, poll_interval=0.01)
             publish(tmp_path, 1)
             await watcher.check_once()
             assert watcher.version == 1 and calls.count("b/update_weights") == 1
-            assert (await client.versions())[urls["b"]] == 1
+            assert (await client.weights.versions())[urls["b"]] == 1
 
     asyncio.run(go())
 
@@ -282,12 +282,12 @@ def test_an_update_while_every_server_is_out_of_rotation_is_what_they_load_on_re
 
     async def go() -> None:
         async with client_over(handler, ("a",), health_interval=30.0) as (client, urls):
-            client.mark_down(client.servers[urls["a"]], "test")
-            report = await client.update_weights("/run/weights/step_9", 9)
+            client.pool.mark_down(client.pool.servers[urls["a"]], "test")
+            report = await client.weights.load_step("/run/weights/step_9", 9)
             assert not report.servers[0].ok
             up["a"] = True
-            assert await client.check_health() == {urls["a"]: True}
-            assert await client.versions() == {urls["a"]: 9}
+            assert await client.pool.check_health() == {urls["a"]: True}
+            assert await client.weights.versions() == {urls["a"]: 9}
 
     asyncio.run(go())
 
@@ -302,11 +302,13 @@ def test_a_lora_policy_update_goes_on_without_a_replica_that_is_down(tmp_path: P
 
     async def go() -> None:
         async with client_over(handler, health_interval=30.0, recovery_timeout=10.0) as (client, urls):
-            client.mark_down(client.servers[urls["b"]], "test")
+            client.pool.mark_down(client.pool.servers[urls["b"]], "test")
             watcher = PolicyWatcher(client, tmp_path)
             await asyncio.wait_for(watcher.check_once(), 5)
             assert watcher.version == 1 and calls.count("a/v1/load_lora_adapter") == 1
-            assert "b/v1/load_lora_adapter" not in calls and client.loaded_adapters() == ["policy-step-1"]
+            assert "b/v1/load_lora_adapter" not in calls and client.weights.loaded_adapters() == [
+                "policy-step-1"
+            ]
 
     asyncio.run(go())
 
@@ -336,11 +338,11 @@ def test_a_replica_that_died_during_the_update_comes_back_to_that_step(tmp_path:
             publish(tmp_path, 2)
             updating = asyncio.create_task(watcher.check_once())
             await asyncio.sleep(0.5)
-            assert not updating.done() and not client.servers[urls["a"]].healthy
+            assert not updating.done() and not client.pool.servers[urls["a"]].healthy
             shutil.rmtree(first)  # the trainer's publisher keeps the newest few
             versions.clear()  # restarted: it serves the base model
             up["a"] = True
             await asyncio.wait_for(updating, 5)
-            assert watcher.version == 2 and await client.versions() == {urls["a"]: 2}
+            assert watcher.version == 2 and await client.weights.versions() == {urls["a"]: 2}
 
     asyncio.run(go())

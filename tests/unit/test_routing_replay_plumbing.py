@@ -26,7 +26,7 @@ from tidal.config.rl import RLConfig, RLTrainerConfig
 from tidal.config.sft import SFTConfig
 from tidal.envs.base import Episode, Turn
 from tidal.errors import UserError
-from tidal.inference.client import RoutesMissing, is_infrastructure_error
+from tidal.inference.errors import RoutesMissing, is_infrastructure_error
 from tidal.inference.routes import decode_routes
 from tidal.inference.server import build_launch, check_route_return
 from tidal.launcher.split import split_config
@@ -67,7 +67,7 @@ def test_the_client_decodes_vllm_routes_of_every_token(http_workers: int) -> Non
             client,
             _,
         ):
-            return (await client.generate(REQUEST)).completions[0].routed_experts
+            return (await client.generation.generate(REQUEST)).completions[0].routed_experts
 
     routes = asyncio.run(go())
     assert routes is not None and (routes.num_layers, routes.top_k, routes.itemsize) == (2, 2, 1)
@@ -89,7 +89,7 @@ def test_an_answer_without_routes_for_every_token_stops_a_replay_run(
             client,
             _,
         ):
-            await client.generate(REQUEST)
+            await client.generation.generate(REQUEST)
 
     asyncio.run(go(require=False))  # without routing replay nobody asks for them
     with pytest.raises(RoutesMissing, match=problem) as caught:

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from tidal.models.tiny import build_tokenizer
+from tidal.trainer.parallel import DistInfo
 from tidal.trainer.publish import FilesystemPublisher
-from tidal.transport.weights import WeightPublisher, check_weights_dir, latest_published, list_published
+from tidal.transport.weights import check_weights_dir, latest_published, list_published
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
 
 def small_model():  # type: ignore[no-untyped-def]
@@ -29,9 +32,9 @@ def small_model():  # type: ignore[no-untyped-def]
 
 def test_publish_keeps_the_last_steps_complete_and_loadable(tmp_path: Path) -> None:
     model, tokenizer = small_model()
-    publisher = WeightPublisher(tmp_path, keep_last=2)
+    publisher = FilesystemPublisher(tmp_path, keep_last=2)
     for step in (1, 2, 3):
-        path = publisher.publish_state_dict(step, model.state_dict(), model.config, tokenizer)
+        path = publisher.publish(step, model, tokenizer, CPU)
         assert path == tmp_path / "weights" / f"step_{step}" and check_weights_dir(path) is None
     assert [step for step, _ in list_published(tmp_path)] == [2, 3]
     assert latest_published(tmp_path) == (3, tmp_path / "weights" / "step_3")
@@ -54,7 +57,7 @@ def test_half_written_directories_are_ignored_and_refused(tmp_path: Path) -> Non
 
 def test_keep_last_below_two_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 2"):
-        WeightPublisher(tmp_path, keep_last=1)
+        FilesystemPublisher(tmp_path, keep_last=1)
 
 
 def test_publish_model_writes_the_served_dtype_and_leaves_the_trainer_config_alone(tmp_path: Path) -> None:
@@ -99,8 +102,8 @@ def test_non_finite_weights_are_refused_naming_the_tensor_and_step(tmp_path: Pat
     publisher = FilesystemPublisher(tmp_path)
     with pytest.raises(UserError, match=r"step_7: tensor model\.layers\.0\.mlp\.up_proj\.weight has NaN/inf"):
         publisher.publish(7, model, tokenizer, info)
-    state = model.state_dict()
-    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("inf"))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("inf"))
     with pytest.raises(UserError, match=r"step_8: tensor model\.\S+ \(and 1 more\) has NaN/inf"):
-        publisher.publish_state_dict(8, state, model.config, tokenizer)
+        publisher.publish(8, model, tokenizer, info)
     assert list_published(tmp_path) == [] and not (tmp_path / "weights").exists()

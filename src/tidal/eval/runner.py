@@ -24,12 +24,15 @@ from typing import TYPE_CHECKING, Any
 from tidal.config.deployment import share_cores
 from tidal.config.eval import EvalConfig, EvalEnvSpec
 from tidal.config.inference import InferenceConfig
+from tidal.config.rl import ClientConfig
 from tidal.envs.base import Environment, Episode, Task, run_episode
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import UserError
 from tidal.eval.metrics import summarize
-from tidal.inference.client import InferenceClient, NoHealthyServer, ServerFailed, is_infrastructure_error
+from tidal.inference.client import InferenceClient
 from tidal.inference.disagg import empty_store, storage_of, with_roles
+from tidal.inference.errors import NoHealthyServer, ServerFailed, is_infrastructure_error
+from tidal.inference.generation import GenerationClient
 from tidal.rollout.guard import run_alone
 from tidal.rollout.sampler import ClientSampler, rollout_seed
 
@@ -73,7 +76,7 @@ async def run_sample(
 
 
 async def evaluate_env(
-    client: InferenceClient, tokenizer: Any, env: Environment, spec: EvalEnvSpec, config: EvalConfig
+    client: GenerationClient, tokenizer: Any, env: Environment, spec: EvalEnvSpec, config: EvalConfig
 ) -> list[RolloutRecord]:
     num_tasks = min(spec.num_tasks or config.num_tasks, env.num_tasks())
     gate = asyncio.Semaphore(config.max_concurrency)
@@ -106,7 +109,7 @@ class EvalResults:
 
 
 async def evaluate_envs(
-    client: InferenceClient,
+    client: GenerationClient,
     tokenizer: Any,
     envs: list[tuple[EvalEnvSpec, Environment]],
     config: EvalConfig,
@@ -211,12 +214,14 @@ async def evaluate(
 
     tokenizer = load_tokenizer(config.model)
     async with (
-        InferenceClient(urls, timeout=config.timeout, prefill_urls=prefill_urls or ()) as client,
+        InferenceClient.from_config(
+            ClientConfig(urls=urls, timeout=config.timeout, prefill_urls=prefill_urls or [])
+        ) as client,
         reward_workers(config.reward_workers),
     ):
-        await client.wait_healthy(timeout=60)
+        await client.pool.wait_healthy(timeout=60)
         try:
-            await evaluate_envs(client, tokenizer, envs, config, results)
+            await evaluate_envs(client.generation, tokenizer, envs, config, results)
         finally:
             for _, env in envs:
                 close = getattr(env, "aclose", None)  # adapters holding servers (verifiers) release them

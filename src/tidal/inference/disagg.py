@@ -12,7 +12,7 @@ RL must never decode with KV that older weights computed. Two rules keep it so:
   weight version the prefill replica had (`decode_body`); otherwise it is an ordinary request and the decode
   replica prefills by itself;
 - a store that every replica reads by prompt content (ExampleConnector's directory) is emptied while every
-  replica is paused for a weight update (`InferenceClient.update_weights`), so nothing computed before the
+  replica is paused for a weight update (`WeightFanOut.load_step`), so nothing computed before the
   update is found after it.
 """
 

@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Environment, Task
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import RunStop, UserError
-from tidal.inference.client import InferenceClient, InferenceError
+from tidal.inference.client import InferenceClient
+from tidal.inference.errors import InferenceError
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
@@ -103,18 +103,7 @@ class Orchestrator:
     async def run(self) -> int:
         cfg = self.config
         sender = setup_sender(cfg.transport, self.out, lambda: run_layout.trainer_checkpoint_step(self.out))
-        client = InferenceClient(
-            cfg.client.urls,
-            model=None,
-            admin_token=cfg.client.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"),
-            timeout=cfg.client.timeout,
-            pause_mode=cfg.client.weight_update_pause,
-            http_workers=cfg.client.http_workers,
-            recovery_timeout=cfg.client.recovery_timeout,
-            require_routes=cfg.routing_replay,
-            prefill_urls=cfg.client.prefill_urls,
-            kv_store=cfg.client.kv_store,
-        )
+        client = InferenceClient.from_config(cfg.client, require_routes=cfg.routing_replay)
         events = EventLog(self.out)
 
         def worker_event(event: str, **fields: Any) -> None:
@@ -126,12 +115,12 @@ class Orchestrator:
             # rl` restarts what dies), it starts with the others and takes that one back once it answers (the
             # client's health watch, which brings it to the latest weights first).
             needed = 1 if cfg.client.recovery_timeout > 0 and cfg.resume else None
-            await client.wait_healthy(timeout=cfg.client.startup_timeout, count=needed)
+            await client.pool.wait_healthy(timeout=cfg.client.startup_timeout, count=needed)
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
                 self._restore(sender)
             if cfg.resume and cfg.resume_from == "latest":
-                await client.reclaim()  # the orchestrator before this one may have died mid-update
+                await client.weights.reclaim()  # the orchestrator before this one may have died mid-update
             await policy.start()
             self.lag.start()
             try:
@@ -227,7 +216,7 @@ class Orchestrator:
             ReplicaCounts(
                 s.requests, s.completion_tokens, s.in_flight, s.version, s.healthy, s.weight_updates
             )
-            for s in client.servers.values()
+            for s in client.pool.servers.values()
         ]
         metrics = replica_metrics(now, self._replicas_before, seconds)
         self._replicas_before = now
@@ -271,7 +260,7 @@ class Orchestrator:
                 self.eval_envs[env_spec.display_name] = build_one(env_spec)
         envs = [(s, self.eval_envs[s.display_name]) for s in eval_config.env]
         results = EvalResults()
-        await evaluate_envs(client, self.tokenizer, envs, eval_config, results)
+        await evaluate_envs(client.generation, self.tokenizer, envs, eval_config, results)
         self._keep_eval(step, version, final, results.reports)
         metrics: dict[str, float] = {"eval/policy_version": version}
         for name, report in results.reports.items():
@@ -323,7 +312,7 @@ class Orchestrator:
         cfg = self.config
         try:
             return await run_group(
-                client,
+                client.generation,
                 self.env,
                 self.tokenizer,
                 task,

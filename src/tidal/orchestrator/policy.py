@@ -7,7 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from tidal.inference.client import InferenceClient, NoHealthyServer
+from tidal.inference.client import InferenceClient
+from tidal.inference.errors import NoHealthyServer
 from tidal.inference.types import ServerVersion, WeightUpdateReport
 from tidal.transport.nccl import is_announcement
 from tidal.transport.weights import adapter_name, is_adapter_dir, latest_published
@@ -78,7 +79,7 @@ class PolicyWatcher:
         if is_announcement(path):
             what = f"weights of step {step} (NCCL broadcast)"
             check_all_receive(self.client, step)
-            report = await self.client.update_weights(path, step)
+            report = await self.client.weights.load_step(path, step)
             if not report.all_ok:  # a broadcast that missed a receiver: no server may catch up alone
                 raise RuntimeError(f"weight update to step {step} failed on {_failed(report)}")
         else:
@@ -98,13 +99,13 @@ class PolicyWatcher:
         up to the client's `recovery_timeout` for one to return. A server in rotation that failed the
         update is asked once more (it may have been out of rotation and back since); failing again, it
         stops the run."""
-        deadline = time.monotonic() + self.client.recovery_timeout
+        deadline = time.monotonic() + self.client.pool.recovery_timeout
         failures: Counter[str] = Counter()
         while True:
             report = await self._fan_out(step, path)
             if report.all_ok:
                 return
-            await self.client.check_health()  # a server that died during the update leaves rotation now
+            await self.client.pool.check_health()  # a server that died during the update leaves rotation now
             # failed, in rotation now and not caught up to this step on its return: ask it (again)
             in_rotation = [s for s in report.servers if not s.ok and self._behind(s.url, step)]
             failures.update(s.url for s in in_rotation)
@@ -113,10 +114,10 @@ class PolicyWatcher:
                 raise RuntimeError(f"weight update to step {step} failed on {_failed(report, refused)}")
             if in_rotation:
                 continue
-            serving = [s for s in self.client.servers.values() if s.healthy and s.version == step]
+            serving = [s for s in self.client.pool.servers.values() if s.healthy and s.version == step]
             if serving or any(s.ok for s in report.servers):
                 return  # this step is served; the others load it when they come back
-            if not any(s.healthy for s in self.client.servers.values()):
+            if not any(s.healthy for s in self.client.pool.servers.values()):
                 # once more with none to ask: a returning server then loads this step, not the one before
                 # (which may be pruned from disk by the time it is back)
                 await self._fan_out(step, path)
@@ -127,17 +128,17 @@ class PolicyWatcher:
                 )
             logger.warning("weights of step %d wait for an inference server to come back", step)
             try:
-                await self.client.wait_healthy(left, count=1)
+                await self.client.pool.wait_healthy(left, count=1)
             except NoHealthyServer as exc:
                 raise RuntimeError(f"weight update to step {step}: {exc}") from None
 
     async def _fan_out(self, step: int, path: Path) -> WeightUpdateReport:
         if is_adapter_dir(path):
-            return await self.client.update_adapter(adapter_name(step), path, step)
-        return await self.client.update_weights(path, step)
+            return await self.client.weights.load_adapter_step(adapter_name(step), path, step)
+        return await self.client.weights.load_step(path, step)
 
     def _behind(self, url: str, step: int) -> bool:
-        server = self.client.servers[url]
+        server = self.client.pool.servers[url]
         return server.healthy and server.version != step
 
     async def _loop(self) -> None:
@@ -158,7 +159,7 @@ def _failed(report: WeightUpdateReport, servers: Sequence[ServerVersion] | None 
 
 def check_all_receive(client: InferenceClient, step: int) -> None:
     """An NCCL step reaches only servers that receive it together: refuse before any of them starts."""
-    down = [s.url for s in client.servers.values() if not s.healthy]
+    down = [s.url for s in client.pool.servers.values() if not s.healthy]
     if down:
         raise RuntimeError(
             f"NCCL weight update to step {step} needs every inference server, but {', '.join(down)} "

@@ -15,7 +15,8 @@ from typing import Any
 from tidal.config.rl import SamplingConfig
 from tidal.envs.base import Environment, Episode, EpisodeWork, Task, score_episode
 from tidal.envs.mix import env_name
-from tidal.inference.client import InferenceClient, is_infrastructure_error
+from tidal.inference.errors import is_infrastructure_error
+from tidal.inference.generation import GenerationClient
 from tidal.rollout.guard import run_alone, scores_inline
 from tidal.rollout.sampler import ClientSampler, rollout_id, rollout_seed
 from tidal.types import Group, Rollout
@@ -27,7 +28,7 @@ REPLICAS_METRIC = "inference/replicas"
 
 
 async def run_group(
-    client: InferenceClient,
+    client: GenerationClient,
     env: Environment,
     tokenizer: Any,
     task: Task,

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from tidal.envs.base import Environment, Episode, is_async_reward, reward_runner
-from tidal.inference.client import is_infrastructure_error
+from tidal.inference.errors import is_infrastructure_error
 
 
 async def run_alone(work: Callable[[], Awaitable[Episode]], timeout: float | None) -> Episode | Exception:

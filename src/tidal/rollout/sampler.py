@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.envs.base import ContextFull, Turn
-from tidal.inference.client import InferenceClient
+from tidal.inference.generation import GenerationClient
 from tidal.inference.types import GenerateRequest, SamplingParams
 
 
@@ -21,7 +21,7 @@ class ClientSampler:
     replica that answered it (one, unless a replica left rotation mid-episode).
     """
 
-    client: InferenceClient
+    client: GenerationClient
     tokenizer: Any
     temperature: float
     max_tokens: int

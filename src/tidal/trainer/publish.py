@@ -45,7 +45,6 @@ from tidal.transport.cuda_ipc import (
 from tidal.transport.nccl import BroadcastHeader, NcclBroadcaster, TensorMeta, announce
 from tidal.transport.weight_checks import non_finite_tensors
 from tidal.transport.weights import (
-    WeightPublisher,
     check_keep_last,
     prune_published,
     refuse_non_finite,
@@ -108,7 +107,7 @@ def setup_publisher(
     return FilesystemPublisher(output_dir, config.keep_last, dtype, adapter_config)
 
 
-class FilesystemPublisher(WeightPublisher):
+class FilesystemPublisher:
     """Writes one HF checkpoint (or LoRA adapter) per step on rank 0 and prunes old ones (all ranks gather)."""
 
     def __init__(
@@ -118,7 +117,9 @@ class FilesystemPublisher(WeightPublisher):
         dtype: torch.dtype | None = None,
         adapter_config: dict[str, Any] | None = None,
     ):
-        super().__init__(output_dir, keep_last)
+        check_keep_last(keep_last)
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
         # floating tensors are written in this dtype (None: as the model holds them)
         self.dtype = dtype
         # LoRA runs: publish only the adapter, with this adapter_config.json (see tidal.trainer.lora)

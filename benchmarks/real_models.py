@@ -114,10 +114,17 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
         lines.append(f"kwargs = {{{kwargs}}}")
     eval_config.write_text("\n".join(lines) + "\n")
     settings = tomllib.loads(rl_config.read_text())
+    vllm = settings.get("inference", {}).get("vllm", {})
     args = ["eval", "@", str(eval_config), "--model.name", model, "--output-dir", str(out),
-            "--inference.server.port", str(port), *EXTRA]  # fmt: skip
-    if "max_model_len" in settings.get("inference", {}).get("vllm", {}):
-        args += ["--inference.vllm.max-model-len", str(settings["inference"]["vllm"]["max_model_len"])]
+            "--inference.server.port", str(port)]  # fmt: skip
+    # the RL run's own share of a GPU it may share (tidal eval's default would take 0.92 of it), then EXTRA
+    if "gpu_memory_utilization" in vllm:
+        args += ["--inference.vllm.gpu-memory-utilization", str(vllm["gpu_memory_utilization"])]
+    if vllm.get("extra_args"):
+        args += ["--inference.vllm.extra-args", json.dumps(vllm["extra_args"])]
+    args += EXTRA
+    if "max_model_len" in vllm:
+        args += ["--inference.vllm.max-model-len", str(vllm["max_model_len"])]
     if "dtype" in settings.get("model", {}):
         args += ["--model.dtype", settings["model"]["dtype"]]
     return args
@@ -151,7 +158,7 @@ class Recipe:
 
     `spec` is `env`, `env:variant` for the recipe variant `rl_<suffix>_<variant>.toml` (its own port), and
     either with `@lr` for the same recipe at another RL learning rate (its own directory, and ports 2 above
-    the config's, so it runs beside the recipe itself)."""
+    those of the same config's recipe before it, so it runs beside it)."""
 
     def __init__(self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None):
         recipe, _, self.lr = spec.partition("@")
@@ -161,7 +168,7 @@ class Recipe:
         self.sft_config, self.rl_config = recipe_files(self.env, suffix, variant)
         name = f"{self.env}_{variant}" if variant else self.env
         self.dir = workdir / (name if not self.lr else f"{name}_lr{self.lr}")
-        self.port = port_of(self.rl_config) + (2 if self.lr else 0)
+        self.port = port_of(self.rl_config)  # run() moves it 2 up per earlier recipe of the same config
         self.commands: list[str] = []
         self.notes: dict[str, Any] = {}
         self.base_eval: dict[str, Any] | None = None
@@ -264,6 +271,8 @@ def machine() -> str:
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
     recipes = [Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps) for env in args.envs]
+    for index, recipe in enumerate(recipes):  # its own server and eval ports beside the same config's others
+        recipe.port += 2 * sum(other.rl_config == recipe.rl_config for other in recipes[:index])
     meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
     runs: list[dict[str, Any]] = []
     # warm-ups first, side by side; RL runs without one start at once

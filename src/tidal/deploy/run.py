@@ -13,12 +13,9 @@ from tidal.config.rl import RLConfig
 from tidal.config.sft import SFTConfig
 
 
-def rl_main(config: RLConfig) -> int:
-    from tidal.launcher import rl
-
+def _submit_to_cluster(config: RLConfig | SFTConfig) -> int | None:
+    """Submit to the cluster `deployment.type` names; None for a local run."""
     if config.deployment.type == "slurm":
-        if rl.say_if_complete(config):
-            return 0
         from tidal.deploy import slurm
 
         return slurm.submit(config)
@@ -26,13 +23,12 @@ def rl_main(config: RLConfig) -> int:
         from tidal.deploy import kubernetes
 
         return kubernetes.launch(config)
-    return rl.main(config)
+    return None
 
 
-def rl_dry_run(config: RLConfig) -> str:
-    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
-    on Slurm, the batch script and the run config it would submit; on Kubernetes, the manifests it writes
-    (tidal.deploy.kubernetes), listed."""
+def _cluster_dry_run(config: RLConfig | SFTConfig) -> str | None:
+    """What the cluster's dry run shows (Slurm: the batch script and the config it submits; Kubernetes: the
+    manifests, written and listed); None for a local run."""
     if config.deployment.type == "slurm":
         from tidal.deploy import slurm
 
@@ -41,6 +37,24 @@ def rl_dry_run(config: RLConfig) -> str:
         from tidal.deploy import kubernetes
 
         return kubernetes.dry_run(config)
+    return None
+
+
+def rl_main(config: RLConfig) -> int:
+    from tidal.launcher import rl
+
+    if config.deployment.type == "slurm" and rl.say_if_complete(config):
+        return 0
+    submitted = _submit_to_cluster(config)
+    return rl.main(config) if submitted is None else submitted
+
+
+def rl_dry_run(config: RLConfig) -> str:
+    """The resolved config of every process `tidal rl` would start, as the TOML files it would write;
+    on a cluster, what its dry run shows."""
+    shown = _cluster_dry_run(config)
+    if shown is not None:
+        return shown
     from tidal.launcher import rl
 
     return rl.dry_run(config)
@@ -49,29 +63,16 @@ def rl_dry_run(config: RLConfig) -> str:
 def sft_main(config: SFTConfig) -> int:
     from tidal.launcher import sft
 
-    if not sft.in_torchrun(os.environ):
-        if config.deployment.type == "slurm":
-            from tidal.deploy import slurm
-
-            return slurm.submit(config)
-        if config.deployment.type == "kubernetes":
-            from tidal.deploy import kubernetes
-
-            return kubernetes.launch(config)
-    return sft.main(config)
+    submitted = None if sft.in_torchrun(os.environ) else _submit_to_cluster(config)
+    return sft.main(config) if submitted is None else submitted
 
 
 def sft_dry_run(config: SFTConfig) -> str:
-    """The resolved config (and the torchrun a local run with several ranks starts); on Slurm the batch
-    script and the config it submits; on Kubernetes the manifests, written and listed."""
-    if config.deployment.type == "slurm":
-        from tidal.deploy import slurm
-
-        return slurm.dry_run(config)
-    if config.deployment.type == "kubernetes":
-        from tidal.deploy import kubernetes
-
-        return kubernetes.dry_run(config)
+    """The resolved config (and the torchrun a local run with several ranks starts); on a cluster, what its
+    dry run shows."""
+    shown = _cluster_dry_run(config)
+    if shown is not None:
+        return shown
     from tidal.launcher import sft
 
     return sft.dry_run(config)

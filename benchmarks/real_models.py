@@ -231,6 +231,15 @@ class Recipe:
         }
 
 
+def assign_ports(recipes: list["Recipe"]) -> None:
+    """Each recipe its own server port (and eval port, 5 above): 2 above the last recipe of the same config, so
+    lr variants of one recipe run side by side (two of them on one port cost a GPU round, 2026-12-05)."""
+    for index, recipe in enumerate(recipes):
+        recipe.port = port_of(recipe.rl_config) + 2 * sum(
+            other.rl_config == recipe.rl_config for other in recipes[:index]
+        )
+
+
 def goal_met(run: dict[str, Any]) -> bool:
     """A rise of ≥ 0.10 in the held-out greedy reward over RL's starting point, intervals apart."""
     before = run["heldout_warmup"] or run["heldout_base"]
@@ -271,8 +280,7 @@ def machine() -> str:
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
     recipes = [Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps) for env in args.envs]
-    for index, recipe in enumerate(recipes):  # its own server and eval ports beside the same config's others
-        recipe.port += 2 * sum(other.rl_config == recipe.rl_config for other in recipes[:index])
+    assign_ports(recipes)
     meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
     runs: list[dict[str, Any]] = []
     # warm-ups first, side by side; RL runs without one start at once

@@ -1,0 +1,47 @@
+"""benchmarks/real_models.py's pure parts: which port each recipe gets and what its held-out eval is told.
+
+Both cost a GPU round when wrong: two lr variants of one recipe on one port (the second never started), and a
+held-out `tidal eval` that asked for vLLM's default share of a GPU other runs were using (refused at start).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import real_models
+from benchmarks.real_models import Recipe, assign_ports, heldout_eval_args, port_of
+
+
+def _recipes(specs: list[str], tmp_path: Path) -> list[Recipe]:
+    return [Recipe(spec, "smollm2", "model.gguf", tmp_path) for spec in specs]
+
+
+def test_every_recipe_gets_its_own_ports_and_directory(tmp_path: Path) -> None:
+    recipes = _recipes(["tool_use@1e-4", "tool_use@3e-5", "alphabet_sort:short", "alphabet_sort"], tmp_path)
+    assign_ports(recipes)
+    tool_use = port_of(recipes[0].rl_config)
+    assert [r.port for r in recipes[:2]] == [tool_use, tool_use + 2]
+    assert recipes[2].rl_config.name == "rl_smollm2_short.toml"
+    assert recipes[2].port == port_of(recipes[2].rl_config)
+    assert recipes[3].port == port_of(recipes[3].rl_config)
+    ports = {r.port for r in recipes} | {r.port + 5 for r in recipes}  # servers and their base evals
+    assert len(ports) == 2 * len(recipes)
+    assert len({r.dir for r in recipes}) == len(recipes)
+    assert [r.dir.name for r in recipes[:3]] == ["tool_use_lr1e-4", "tool_use_lr3e-5", "alphabet_sort_short"]
+
+
+def test_the_held_out_eval_takes_the_runs_gpu_share_before_the_shared_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = real_models.EXAMPLES / "alphabet_sort" / "rl_smollm2_short.toml"
+    monkeypatch.setattr(real_models, "EXTRA", list(real_models.SHARED_GPU_FLAGS))
+    args = heldout_eval_args(config, "model.gguf", tmp_path / "eval", 18785)
+    share = args.index("--inference.vllm.gpu-memory-utilization")
+    assert args[share + 1] == "0.2"  # the recipe's own
+    assert args.index("--inference.vllm.extra-args") > share  # the shared flags come after, so they win
+    assert args[args.index("--inference.server.port") + 1] == "18785"
+    written = (tmp_path / "heldout_eval.toml").read_text()
+    assert 'split = "heldout"' in written
+    assert "min_turns = 2" in written and "max_names = 2" in written
+    assert json.loads(args[args.index("--inference.vllm.extra-args") + 1])[0] == "--kv-cache-memory-bytes"

@@ -24,6 +24,13 @@ class ModelConfig(Config):
     trust_remote_code: bool = False
     """Allow model code from the hub (only for models that need it)."""
 
+    def served_dtype(self, publish_dtype: str = "auto") -> str:
+        """The one rule for the dtype weights are served and published in: an explicit publish dtype, else
+        model.dtype; `auto` is the checkpoint's stored dtype (what vLLM serves under `--dtype auto`), which only
+        the trainer, holding the checkpoint, resolves (tidal.trainer.model.served_dtype). Inference's `--dtype`
+        is `served_dtype()`, `tidal rl` spells the trainer's publish dtype out with it (tidal.launcher.split)."""
+        return publish_dtype if publish_dtype != "auto" else self.dtype
+
 
 class FileDataset(Config):
     """A local JSONL or parquet file whose rows hold a `messages` list."""

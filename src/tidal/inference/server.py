@@ -212,7 +212,7 @@ def _vllm_flags(config: InferenceConfig) -> list[str]:
         "--max-model-len": v.max_model_len,
         "--gpu-memory-utilization": v.gpu_memory_utilization,
         "--max-num-seqs": v.max_num_seqs,
-        "--dtype": None if model.dtype == "auto" else model.dtype,
+        "--dtype": None if model.served_dtype() == "auto" else model.served_dtype(),
     }
     flags += [item for key, value in optional.items() if value is not None for item in (key, str(value))]
     if v.enforce_eager:

@@ -212,8 +212,7 @@ def _publish_for(rl: RLConfig, on_gpu: bool, trainer_host: str, num_replicas: in
     mean it too: the trainer's config then shows it beside its fp32 master weights), and for `nccl` where
     the workers reach trainer rank 0 and how many of them there are."""
     publish = rl.trainer.publish
-    if publish.dtype == "auto" and rl.model.dtype != "auto":
-        publish = publish.model_copy(update={"dtype": rl.model.dtype})
+    publish = publish.model_copy(update={"dtype": rl.model.served_dtype(publish.dtype)})
     if isinstance(publish, CudaIpcPublish) and not on_gpu:
         raise UserError("trainer.publish.type = 'cuda_ipc' shares GPU memory; use 'filesystem' on CPU")
     if not isinstance(publish, NcclPublish):

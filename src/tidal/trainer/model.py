@@ -55,10 +55,9 @@ def served_dtype(config: ModelConfig, publish_dtype: str = "auto") -> torch.dtyp
     An explicit publish dtype wins; then model.dtype (inference gets the same `--dtype`); under `auto`
     vLLM serves the checkpoint's stored dtype, read from its config.json.
     """
-    if publish_dtype != "auto":
-        return _DTYPES[publish_dtype]
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
+    named = config.served_dtype(publish_dtype)
+    if named != "auto":
+        return _DTYPES[named]
     from transformers import AutoConfig
 
     try:

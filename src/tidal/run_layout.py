@@ -175,7 +175,7 @@ def discard_after_checkpoint(output_dir: Path) -> int:
 
 
 def node_marker(output_dir: Path, node: int, what: str) -> Path:
-    """`nodes/node_<K>.started` / `.done`: a cluster node's start and end of the run (tidal.launcher.rl)."""
+    """`nodes/node_<K>.started` / `.done`: a cluster node's start and end of the run (tidal.launcher.node)."""
     return Path(output_dir) / "nodes" / f"node_{node}.{what}"
 
 

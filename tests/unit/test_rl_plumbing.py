@@ -328,7 +328,7 @@ def test_trainer_command_joins_a_rendezvous_on_several_nodes():
 
 
 def test_the_orchestrator_and_a_trainer_on_other_gpus_start_while_vllm_loads():
-    from tidal.launcher.rl import roles_while_loading, started_roles
+    from tidal.launcher.supervisor import roles_while_loading, started_roles
 
     both = ("inference", "trainer", "orchestrator")
     # a machine without GPUs: nothing shared, both start beside vLLM
@@ -377,25 +377,25 @@ def test_tidal_rl_gives_replicas_and_orchestrator_a_run_token_in_their_environme
     not in the trainer's, not in any file of the output dir, and a restarted child gets the same one."""
     import sys
 
-    from tidal.launcher.rl import Launcher
+    from tidal.launcher.rl import LocalLauncher
 
     monkeypatch.delenv("TIDAL_ADMIN_TOKEN", raising=False)
     rl = RLConfig.model_validate({"output_dir": str(tmp_path), "deployment": {"num_replicas": 2}})
     roles = split_config(rl, on_gpu=False, num_cpus=4)
-    launcher = Launcher(rl)
+    launcher = LocalLauncher(rl)
     env = launcher._child_env(roles, False, [0, 1])
     token = env["inference_0"]["TIDAL_ADMIN_TOKEN"]
     assert env["inference_1"]["TIDAL_ADMIN_TOKEN"] == env["orchestrator"]["TIDAL_ADMIN_TOKEN"] == token
     assert "TIDAL_ADMIN_TOKEN" not in env["trainer"] and env["trainer"]["CUDA_VISIBLE_DEVICES"] == ""
-    assert Launcher(rl)._child_env(roles, False, [0, 1])["orchestrator"]["TIDAL_ADMIN_TOKEN"] != token
+    assert LocalLauncher(rl)._child_env(roles, False, [0, 1])["orchestrator"]["TIDAL_ADMIN_TOKEN"] != token
     show = [sys.executable, "-c", "import os; print(os.environ['TIDAL_ADMIN_TOKEN'])"]
     try:
-        first = launcher._start("inference_0", show, env["inference_0"])
+        first = launcher.children.start("inference_0", show, env["inference_0"])
         first.process.wait(timeout=60)
-        launcher._restart("inference_0").process.wait(timeout=60)
+        launcher.children.restart("inference_0").process.wait(timeout=60)
     finally:
-        launcher._stop_all()
-        launcher.deaths.close()
+        launcher.children.stop_all()
+        launcher.children.close()
     assert (tmp_path / "logs" / "inference_0.log").read_text().split() == [token, token]
     (tmp_path / "logs" / "inference_0.log").unlink()
     launcher._write_configs(roles, [0, 1])

@@ -21,7 +21,7 @@ from tidal.config.sft import SFTConfig
 from tidal.deploy.node import resolve_node
 from tidal.errors import UserError
 from tidal.launcher import sft as launcher
-from tidal.launcher.rl import ClusterNode
+from tidal.launcher.plan import ClusterNode
 
 SFT = str(REPO / "configs/ci/sft_tiny.toml")
 EXAMPLE_SFT = str(REPO / "examples/reverse_text/sft_one_gpu.toml")

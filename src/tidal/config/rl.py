@@ -553,54 +553,60 @@ class RLConfig(RunConfig):
                 f"warmup is longer than max_steps ({self.max_steps})",
                 also=("max_steps",),
             )
-        publish_type = self.trainer.publish.type
-        if self.trainer.lora.enabled and publish_type != "filesystem":
-            raise ConfigProblem(
-                "trainer.publish.type",
-                f"LoRA runs publish adapters through the filesystem; {publish_type} carries full weights only",
-                also=("trainer.lora.rank",),
-            )
-        restarts = self.restarts
-        if (
-            publish_type != "filesystem"
-            and restarts.max_restarts
-            and "max_restarts" in restarts.model_fields_set
-        ):
-            why = {
-                "nccl": "cannot take a restarted process back into its broadcast group",
-                "cuda_ipc": "cannot hand a restarted trainer's new GPU buffer to the running servers",
-            }[publish_type]
-            raise ConfigProblem(
-                "restarts.max_restarts",
-                f"a run that publishes weights by {publish_type} {why}; set 0 "
-                "(or trainer.publish.type = 'filesystem')",
-            )
-        if publish_type != "filesystem" and self.inference.weights.check_finite is True:
-            raise ConfigProblem(
-                "inference.weights.check_finite",
-                f"checks weight files; {publish_type} updates have none "
-                "(the trainer refuses NaN/inf before it publishes)",
-            )
-        if publish_type == "cuda_ipc":
-            check_one_gpu(self)
-        elif self.inference.weights.load != "layerwise":
-            raise ConfigProblem(
-                "inference.weights.load",
-                "chooses how cuda_ipc updates load; set trainer.publish.type = 'cuda_ipc'",
-                also=("trainer.publish.type",),
-            )
+        check_publish_combinations(self)
         if self.inference.disaggregation is not None:
             check_disaggregated_rl(self)
-        if self.inference.vllm.max_model_len is not None:
-            longest = self.orchestrator.batch.seq_len
-            if self.inference.vllm.max_model_len > longest:
-                raise ConfigProblem(
-                    "orchestrator.batch.seq_len",
-                    f"packed rows ({longest} tokens) are shorter than inference.vllm.max_model_len "
-                    f"({self.inference.vllm.max_model_len}): a long rollout could not be trained on",
-                    also=("inference.vllm.max_model_len",),
-                )
+        check_max_model_len(self)
         return self
+
+
+def check_publish_combinations(rl: RLConfig) -> None:
+    """What the weight publish method (`trainer.publish.type`) rules out: LoRA adapters, restarts and
+    weight-file checks outside the filesystem, and the layerwise load setting outside cuda_ipc."""
+    publish_type = rl.trainer.publish.type
+    if rl.trainer.lora.enabled and publish_type != "filesystem":
+        raise ConfigProblem(
+            "trainer.publish.type",
+            f"LoRA runs publish adapters through the filesystem; {publish_type} carries full weights only",
+            also=("trainer.lora.rank",),
+        )
+    restarts = rl.restarts
+    if publish_type != "filesystem" and restarts.max_restarts and "max_restarts" in restarts.model_fields_set:
+        why = {
+            "nccl": "cannot take a restarted process back into its broadcast group",
+            "cuda_ipc": "cannot hand a restarted trainer's new GPU buffer to the running servers",
+        }[publish_type]
+        raise ConfigProblem(
+            "restarts.max_restarts",
+            f"a run that publishes weights by {publish_type} {why}; set 0 "
+            "(or trainer.publish.type = 'filesystem')",
+        )
+    if publish_type != "filesystem" and rl.inference.weights.check_finite is True:
+        raise ConfigProblem(
+            "inference.weights.check_finite",
+            f"checks weight files; {publish_type} updates have none "
+            "(the trainer refuses NaN/inf before it publishes)",
+        )
+    if publish_type == "cuda_ipc":
+        check_one_gpu(rl)
+    elif rl.inference.weights.load != "layerwise":
+        raise ConfigProblem(
+            "inference.weights.load",
+            "chooses how cuda_ipc updates load; set trainer.publish.type = 'cuda_ipc'",
+            also=("trainer.publish.type",),
+        )
+
+
+def check_max_model_len(rl: RLConfig) -> None:
+    """A rollout as long as inference allows must fit a packed training row."""
+    longest = rl.orchestrator.batch.seq_len
+    if rl.inference.vllm.max_model_len is not None and rl.inference.vllm.max_model_len > longest:
+        raise ConfigProblem(
+            "orchestrator.batch.seq_len",
+            f"packed rows ({longest} tokens) are shorter than inference.vllm.max_model_len "
+            f"({rl.inference.vllm.max_model_len}): a long rollout could not be trained on",
+            also=("inference.vllm.max_model_len",),
+        )
 
 
 def check_disaggregated_rl(rl: RLConfig) -> None:

@@ -4,8 +4,8 @@ every node by the Slurm job (or in every pod).
 The node learns which it is and where the others are — from its flags, else from Slurm: its index is
 SLURM_NODEID, the addresses are the NodeAddr of each node of SLURM_JOB_NODELIST as `scontrol` reports them
 (node names need not resolve as host names) — and runs its roles with the launcher's own supervision
-(tidal.launcher.rl.Launcher; for SFT, torchrun joined at the first node: tidal.launcher.sft.run_node). The
-parsing of scontrol's output is pure and tested without Slurm.
+(tidal.launcher.node.NodeLauncher; for SFT, torchrun joined at the first node: tidal.launcher.sft.run_node).
+The parsing of scontrol's output is pure and tested without Slurm.
 """
 
 import ipaddress
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from tidal.config.deployment import DeploymentConfig
 from tidal.config.node import NodeConfig, SFTNodeConfig
 from tidal.errors import UserError
-from tidal.launcher.plan import place
-from tidal.launcher.rl import ClusterNode, Launcher
+from tidal.launcher.node import NodeLauncher
+from tidal.launcher.plan import ClusterNode, place
 from tidal.launcher.sft import run_node
 
 Scontrol = Callable[[Sequence[str]], str]
@@ -124,7 +124,7 @@ def main(config: NodeConfig) -> int:
         + ("; resuming" if config.resume else ""),
         flush=True,
     )
-    return Launcher(config, node).run()
+    return NodeLauncher(config, node).run()
 
 
 def sft_main(config: SFTNodeConfig) -> int:

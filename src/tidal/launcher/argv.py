@@ -38,3 +38,21 @@ def torchrun_argv(
         sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(num_ranks),
         "-m", "tidal", command, "@", str(config_path),
     ]  # fmt: skip
+
+
+def trainer_argv(
+    config_path: Path,
+    num_ranks: int,
+    num_nodes: int = 1,
+    rendezvous: str | None = None,
+    run_id: str = "tidal",
+    local_addr: str | None = None,
+    is_host: bool | None = None,
+) -> list[str]:
+    """`tidal rl`'s trainer: `tidal trainer` itself for one rank, else torchrun with `num_ranks` per node
+    (`torchrun_argv`: on several nodes joined by a c10d rendezvous)."""
+    if num_ranks == 1 and num_nodes == 1:
+        return tidal_argv("trainer", config_path)
+    return torchrun_argv(
+        "trainer", config_path, num_ranks, num_nodes, rendezvous, run_id, local_addr, is_host
+    )

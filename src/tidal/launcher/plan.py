@@ -2,7 +2,8 @@
 
 Nodes are numbered inference nodes first, then trainer nodes; with `type = "local"` there is one node and
 it runs everything. The orchestrator joins the first node of `deployment.orchestrator_node`'s role.
-`tidal sft` has trainer nodes only, numbered from 0.
+`tidal sft` has trainer nodes only, numbered from 0. `ClusterNode` is which node of a cluster run this
+process runs, and where the others are.
 """
 
 from dataclasses import dataclass
@@ -77,6 +78,22 @@ class Placement:
     def trainer_node_rank(self, node: int) -> int:
         """torchrun's node rank of a trainer node (0 on the one that hosts the rendezvous)."""
         return self.trainer_nodes.index(node)
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """The node a launcher runs in a cluster run (`tidal node`, `tidal sft-node`): its index, every node's
+    address by index, its name for messages, and the run's id (torchrun's rendezvous id; the done markers of
+    one run are told from an earlier one's by it)."""
+
+    index: int
+    addresses: tuple[str, ...]
+    name: str
+    run_id: str
+
+    @property
+    def label(self) -> str:
+        return f"node {self.index} ({self.name})"
 
 
 def place(deployment: DeploymentConfig) -> Placement:

@@ -30,7 +30,7 @@ from tidal.launcher.argv import torchrun_argv
 from tidal.process import ManagedProcess
 
 if TYPE_CHECKING:
-    from tidal.launcher.rl import ClusterNode
+    from tidal.launcher.plan import ClusterNode
 
 RANKS_STOP_GRACE = 45.0
 """Seconds the ranks get after SIGTERM (to finish the step and checkpoint) before SIGKILL: longer than the

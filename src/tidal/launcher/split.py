@@ -25,12 +25,13 @@ from tidal.config.rl import (
     PublishConfig,
     RLConfig,
     RLTrainerConfig,
+    RolloutTransport,
     ZMQTransport,
 )
 from tidal.errors import UserError
 from tidal.inference.disagg import storage_of, with_roles
 from tidal.inference.server import client_url
-from tidal.launcher.plan import place
+from tidal.launcher.plan import Placement, place
 from tidal.launcher.restarts import max_restarts
 
 
@@ -73,30 +74,58 @@ def split_config(
     placement = place(rl.deployment)
     if addresses is not None and len(addresses) != placement.num_nodes:
         raise UserError(f"deployment: {placement.num_nodes} nodes are needed, {len(addresses)} given")
-    shared = {
+    inference = _inference_for(rl, addresses)
+    per_node = rl.deployment.num_replicas
+    cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
+    trainer_host = "127.0.0.1" if addresses is None else addresses[placement.trainer_nodes[0]]
+    publish = _publish_for(rl, on_gpu, trainer_host, per_node * len(placement.inference_nodes))
+    replicas, urls, replica_nodes = _place_replicas(inference, cores, publish, placement, addresses)
+    replicas = with_roles(replicas, run_layout.kv_store_dir(rl.output_dir))
+    transport = rl.transport
+    if addresses is not None and isinstance(transport, ZMQTransport):
+        transport = transport.model_copy(update={"host": addresses[placement.orchestrator_node]})
+    orchestrator = _orchestrator_for(rl, transport, replicas, urls)
+    trainer = _trainer_for(rl, transport, publish, on_gpu, num_cpus)
+    gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
+    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls))
+
+
+def _shared(rl: RLConfig) -> dict[str, object]:
+    """The keys orchestrator and trainer take from the top of the run config."""
+    return {
         "output_dir": rl.output_dir,
         "max_steps": rl.max_steps,
         "seed": rl.seed,
         "resume": rl.resume,
         "model": rl.model,
     }
+
+
+def _inference_for(rl: RLConfig, addresses: Sequence[str] | None) -> InferenceConfig:
+    """`[inference]` as every replica starts from, before its port, cores and weight backend."""
     # the admin token reaches the processes in their environment (`run_admin_token`), never in the config
     # files `tidal rl` writes to the output dir (or prints with --dry-run)
     server = rl.inference.server.model_copy(update={"admin_token": None})
     if addresses is not None and is_loopback(server.host):
         server = server.model_copy(update={"host": "0.0.0.0"})
-    inference = rl.inference.model_copy(
+    return rl.inference.model_copy(
         update={"model": rl.model, "server": server, "vllm": _vllm_for(rl), "weights": _weights_for(rl)}
     )
-    per_node = rl.deployment.num_replicas
-    cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
-    trainer_host = "127.0.0.1" if addresses is None else addresses[placement.trainer_nodes[0]]
-    publish = _publish_for(rl, on_gpu, trainer_host, per_node * len(placement.inference_nodes))
+
+
+def _place_replicas(
+    inference: InferenceConfig,
+    cores: Sequence[str | None],
+    publish: PublishConfig,
+    placement: Placement,
+    addresses: Sequence[str] | None,
+) -> tuple[list[InferenceConfig], list[str], list[int]]:
+    """Every replica of the run, node by node, with where the orchestrator reaches it and its node."""
     replicas: list[InferenceConfig] = []
     urls, replica_nodes = [], []
     for node in placement.inference_nodes:
         for index, core in enumerate(cores):
-            replica = _replica(inference, index, per_node, core)
+            replica = _replica(inference, index, len(cores), core)
             if isinstance(publish, NcclPublish):
                 replica = _join_broadcast(replica, publish, len(replicas))
             elif isinstance(publish, CudaIpcPublish):
@@ -106,16 +135,18 @@ def split_config(
             replicas.append(replica)
             urls.append(client_url(host, replica.server.port))
             replica_nodes.append(node)
-    replicas = with_roles(replicas, run_layout.kv_store_dir(rl.output_dir))
+    return replicas, urls, replica_nodes
+
+
+def _orchestrator_for(
+    rl: RLConfig, transport: RolloutTransport, replicas: list[InferenceConfig], urls: list[str]
+) -> OrchestratorConfig:
     # disaggregated: the first replicas prefill (`with_roles`), the client decodes on the others
     num_prefill = rl.inference.disaggregation.num_prefill_replicas if rl.inference.disaggregation else 0
     kv_store = storage_of(replicas)
-    transport = rl.transport
-    if addresses is not None and isinstance(transport, ZMQTransport):
-        transport = transport.model_copy(update={"host": addresses[placement.orchestrator_node]})
-    orchestrator = rl.orchestrator.model_copy(
+    return rl.orchestrator.model_copy(
         update={
-            **shared,
+            **_shared(rl),
             "max_async_level": rl.max_async_level,
             "routing_replay": rl.trainer.moe.routing_replay,
             "transport": transport,
@@ -127,7 +158,7 @@ def split_config(
                     "admin_token": None,
                     # a lost replica is restarted: requests and updates wait for it while no other serves
                     "recovery_timeout": rl.startup_timeout if max_restarts(rl) > 0 else 0.0,
-                    # it starts while vLLM loads (launcher/rl.py): as long a wait as the launcher's own
+                    # it starts while vLLM loads (launcher/supervisor.py): as long a wait as the launcher's own
                     "startup_timeout": rl.startup_timeout,
                 }
             ),
@@ -136,18 +167,21 @@ def split_config(
             ),
         }
     )
+
+
+def _trainer_for(
+    rl: RLConfig, transport: RolloutTransport, publish: PublishConfig, on_gpu: bool, num_cpus: int
+) -> RLTrainerConfig:
     trainer_threads = None if on_gpu else _trainer_threads(rl, num_cpus)
-    trainer = rl.trainer.model_copy(
+    return rl.trainer.model_copy(
         update={
-            **shared,
+            **_shared(rl),
             "transport": transport,
             "temperature": rl.orchestrator.sampling.temperature,
             "num_threads": rl.trainer.num_threads or trainer_threads,
             "publish": publish,
         }
     )
-    gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
-    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls))
 
 
 def run_admin_token(rl: RLConfig, environ: Mapping[str, str], shared: bool) -> str | None:

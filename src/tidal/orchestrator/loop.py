@@ -360,50 +360,15 @@ class Orchestrator:
         waited: float,
         extra: dict[str, float],
     ) -> None:
-        rollouts = [r for g in groups for r in g.rollouts]  # the batch: failed rollouts are removed already
-        # The headline reward is every finished rollout's this step: the batch alone leaves out the zero-signal
-        # groups it dropped, so its mean moves with how many groups qualify, not with the policy.
-        sampled = [reward for rewards in stats.env_rewards.values() for reward in rewards]
-        reward_mean, reward_std = mean_std(sampled)
-        lags = [step - r.policy_version for r in rollouts]
-        num_tokens = sum(len(r.completion_ids) for r in rollouts)
-        metrics = {
-            "reward/mean": reward_mean,
-            "reward/std": reward_std,
-            "reward/batch_mean": mean_std([r.reward for r in rollouts])[0],
-            "off_policy/max": max(lags, default=0),
-            "off_policy/mean": mean_std(lags)[0],
-            "policy_version": policy.version,
-            "rollouts/dropped_stale": stats.num_stale_rollouts,
-            "rollouts/dropped_stale_total": self.tracker.num_dropped_rollouts,
-            "rollouts/zero_signal_groups": stats.num_zero_signal,
-            "rollouts/failed": stats.num_failed_rollouts,
-            "rollouts/failed_frac": stats.failed_frac,
-            "rollouts/groups_kept": len(groups),
-            "rollouts/failed_groups": stats.num_failed_groups,
-            "rollouts/groups_run": stats.num_groups_run,
-            "rollouts/groups_carried_in": stats.num_carried_in,
-            "completion_len/mean": num_tokens / max(1, len(rollouts)),
-            "tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            "time/step": elapsed,
-            "time/wait_for_policy": waited,
-            "time/weight_updates_total": policy.update_seconds,
-            "weights/updates_total": policy.num_updates,
-            "rollouts/replica_switches": stats.num_replica_switches,
-        }
+        metrics = step_metrics(
+            step, groups, stats, policy, elapsed, waited, self.tracker.num_dropped_rollouts
+        )
         metrics.update(per_env_metrics(stats, groups))
         metrics.update(extra)  # online eval, per-replica counts
         metrics.update(lag_metrics(self.lag.take()))
         metrics.update(self.lag.take_gc())
         self.metrics.log(step, metrics)
-        worst = metrics.get("event_loop/lag_max_s", 0.0)
-        if worst > self.config.loop_lag_warn:
-            print(
-                f"orchestrator: warning: step {step}: the event loop was held {worst:.2f} s at once "
-                f"(p99 {metrics['event_loop/lag_p99_s']:.3f} s, longest GC pause "
-                f"{metrics['event_loop/gc_max_s']:.2f} s); every request in flight waited",
-                flush=True,
-            )
+        warn_if_loop_held(step, metrics, self.config.loop_lag_warn)
         if not self.config.log.prints(step, self.config.max_steps):
             return
         print(
@@ -484,6 +449,62 @@ class Orchestrator:
         self.samples.truncate_after(step - 1)
         self.online_evals.truncate_after(step - 1)
         print(f"orchestrator: restarted at step {step} from its own state", flush=True)
+
+
+def step_metrics(
+    step: int,
+    groups: list[Group],
+    stats: StepStats,
+    policy: PolicyWatcher,
+    elapsed: float,
+    waited: float,
+    dropped_stale_total: int,
+) -> dict[str, Any]:
+    """A step's own metrics: rewards, off-policy lag, what happened to its rollouts, its times and weight
+    updates (per-environment, online-eval and event-loop metrics are added by the caller)."""
+    rollouts = [r for g in groups for r in g.rollouts]  # the batch: failed rollouts are removed already
+    # The headline reward is every finished rollout's this step: the batch alone leaves out the zero-signal
+    # groups it dropped, so its mean moves with how many groups qualify, not with the policy.
+    sampled = [reward for rewards in stats.env_rewards.values() for reward in rewards]
+    reward_mean, reward_std = mean_std(sampled)
+    lags = [step - r.policy_version for r in rollouts]
+    num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    return {
+        "reward/mean": reward_mean,
+        "reward/std": reward_std,
+        "reward/batch_mean": mean_std([r.reward for r in rollouts])[0],
+        "off_policy/max": max(lags, default=0),
+        "off_policy/mean": mean_std(lags)[0],
+        "policy_version": policy.version,
+        "rollouts/dropped_stale": stats.num_stale_rollouts,
+        "rollouts/dropped_stale_total": dropped_stale_total,
+        "rollouts/zero_signal_groups": stats.num_zero_signal,
+        "rollouts/failed": stats.num_failed_rollouts,
+        "rollouts/failed_frac": stats.failed_frac,
+        "rollouts/groups_kept": len(groups),
+        "rollouts/failed_groups": stats.num_failed_groups,
+        "rollouts/groups_run": stats.num_groups_run,
+        "rollouts/groups_carried_in": stats.num_carried_in,
+        "completion_len/mean": num_tokens / max(1, len(rollouts)),
+        "tokens_per_s": num_tokens / max(elapsed, 1e-9),
+        "time/step": elapsed,
+        "time/wait_for_policy": waited,
+        "time/weight_updates_total": policy.update_seconds,
+        "weights/updates_total": policy.num_updates,
+        "rollouts/replica_switches": stats.num_replica_switches,
+    }
+
+
+def warn_if_loop_held(step: int, metrics: dict[str, Any], limit: float) -> None:
+    """One line when the event loop was held longer than `orchestrator.loop_lag_warn` at once in the step."""
+    worst = metrics.get("event_loop/lag_max_s", 0.0)
+    if worst > limit:
+        print(
+            f"orchestrator: warning: step {step}: the event loop was held {worst:.2f} s at once "
+            f"(p99 {metrics['event_loop/lag_p99_s']:.3f} s, longest GC pause "
+            f"{metrics['event_loop/gc_max_s']:.2f} s); every request in flight waited",
+            flush=True,
+        )
 
 
 def own_resume_step(saved: list[int], sent: set[int]) -> int:

@@ -138,7 +138,6 @@ def rl_step(
     """One optimizer step on this rank's micro-batches; the loss is normalised by global counts."""
     start = time.perf_counter()
     scorer.train()
-    losses, parts = [], []
     # real (non-padding) tokens per micro-batch, from host data: no device sync
     num_tokens = [sum(i >= 0 for row in micro.sample_ids for i in row) for micro in batch.micro_batches]
     if scorer.moe is not None:  # the load-balancing loss weighs each micro-batch by its share of all tokens
@@ -147,7 +146,35 @@ def rl_step(
         scorer.moe.start_step(num_tokens_global, gradient_scale=info.world_size)
     routes_of = replay_routes(config, scorer)
     compare = compares_replay(config, batch.step)
-    own_kl: list[tuple[float, float]] = []  # (KL sum, tokens) per micro-batch, with the trainer's own routing
+    losses, parts, own_kl = forward_backward(scorer, batch, info, config, routes_of, compare)
+    grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
+    moe_metrics = {}
+    if scorer.moe is not None:
+        moe_metrics = scorer.moe.step_metrics(lambda t: all_reduce_tensor(t, info))
+    # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
+    loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
+    local = {
+        **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(sum(num_tokens)),
+        "elapsed": time.perf_counter() - start,
+    }  # fmt: skip
+    m = across_ranks(local, lambda values: all_gather_floats(values, info)[:: info.cp])
+    if compare:
+        moe_metrics |= without_replay_metrics(own_kl, info)
+    return step_record(m, grad_norm, lr, info, moe_metrics)
+
+
+def forward_backward(
+    scorer: TokenScorer,
+    batch: TrainBatch,
+    info: DistInfo,
+    config: RLTrainerConfig,
+    routes_of: Callable[[MicroBatch, torch.device], Routes | None],
+    compare: bool,
+) -> tuple[list[torch.Tensor], list[dict[str, Any]], list[tuple[float, float]]]:
+    """Forward and backward of every micro-batch, gradients accumulating: each one's loss (on the device,
+    not read here), its loss metrics, and with `compare` its (KL sum, tokens) under the trainer's own routing."""
+    losses, parts = [], []
+    own_kl: list[tuple[float, float]] = []
     for micro in micro_batches(scorer, batch.micro_batches):
         t = micro.to_tensors(info.device)
         routes = routes_of(micro, info.device)
@@ -173,19 +200,13 @@ def rl_step(
         backward.backward()
         losses.append(loss.detach())
         parts.append(metrics)
-    grad_norm, lr = optimizer_step(scorer, optimizer, scheduler, config.optim.max_grad_norm)
-    moe_metrics = {}
-    if scorer.moe is not None:
-        moe_metrics = scorer.moe.step_metrics(lambda t: all_reduce_tensor(t, info))
-    # read the loss only after the optimizer step is queued: a read before it would idle the GPU meanwhile
-    loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
-    local = {
-        **merge_loss_metrics(parts), "loss": loss_sum, "tokens": float(sum(num_tokens)),
-        "elapsed": time.perf_counter() - start,
-    }  # fmt: skip
-    m = across_ranks(local, lambda values: all_gather_floats(values, info)[:: info.cp])
-    if compare:
-        moe_metrics |= without_replay_metrics(own_kl, info)
+    return losses, parts, own_kl
+
+
+def step_record(
+    m: dict[str, float], grad_norm: float, lr: float, info: DistInfo, moe_metrics: dict[str, float]
+) -> dict[str, Any]:
+    """The step's record from the metrics reduced over ranks (`m`), the optimizer's, memory and MoE ones."""
     return {
         "loss": m["loss"],
         "mismatch_kl/mean": m["mismatch_kl"],

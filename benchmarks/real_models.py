@@ -156,18 +156,40 @@ def env_report(record: dict[str, Any], env: str) -> dict[str, Any] | None:
 class Recipe:
     """One environment's runs: the optional warm-up and base eval, then RL; `result()` is its entry.
 
-    `spec` is `env`, `env:variant` for the recipe variant `rl_<suffix>_<variant>.toml` (its own port), and
-    either with `@lr` for the same recipe at another RL learning rate (its own directory, and ports 2 above
-    those of the same config's recipe before it, so it runs beside it)."""
+    `spec` is `env`, `env:variant` for the recipe variant `rl_<suffix>_<variant>.toml` (its own port), then
+    optionally `+steps` for a warm-up of that many SFT steps, and `@lr` for another RL learning rate (each its
+    own directory, and ports 2 above those of the same config's recipe before it, so it runs beside it)."""
 
     def __init__(self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None):
         recipe, _, self.lr = spec.partition("@")
+        recipe, _, self.warmup_steps = recipe.partition("+")
         self.env, _, variant = recipe.partition(":")
         self.model = model
         self.max_steps = max_steps
         self.sft_config, self.rl_config = recipe_files(self.env, suffix, variant)
-        name = f"{self.env}_{variant}" if variant else self.env
-        self.dir = workdir / (name if not self.lr else f"{name}_lr{self.lr}")
+        if self.warmup_steps and self.sft_config is None:
+            raise SystemExit(f"real_models: {spec}: +{self.warmup_steps} names a warm-up this recipe has not")
+        name = "_".join(
+            [self.env]
+            + ([variant] if variant else [])
+            + ([f"w{self.warmup_steps}"] if self.warmup_steps else [])
+            + ([f"lr{self.lr}"] if self.lr else [])
+        )
+        self.dir = workdir / name
+
+    def sft_args(self) -> list[str]:
+        """The warm-up's `tidal sft` arguments (its config's steps, or the spec's `+STEPS`)."""
+        assert self.sft_config is not None
+        args = [
+            "sft",
+            "@",
+            str(self.sft_config),
+            "--model.name",
+            self.model,
+            "--output-dir",
+            str(self.dir / "sft"),
+        ]
+        return args + (["--max-steps", self.warmup_steps] if self.warmup_steps else [])
         self.port = port_of(self.rl_config)  # run() moves it 2 up per earlier recipe of the same config
         self.commands: list[str] = []
         self.notes: dict[str, Any] = {}
@@ -178,8 +200,7 @@ class Recipe:
         """The warm-up's final/ (None without one, or when it failed), with the base eval beside it."""
         if self.sft_config is None:
             return self.model
-        sft_args = ["sft", "@", str(self.sft_config), "--model.name", self.model,
-                    "--output-dir", str(self.dir / "sft")]  # fmt: skip
+        sft_args = self.sft_args()
         eval_args = heldout_eval_args(self.rl_config, self.model, self.dir / "base_eval", self.port + 5)
         self.commands += ["tidal " + " ".join(sft_args), "tidal " + " ".join(eval_args)]
         sft, base = tidal(sft_args, self.dir / "sft.log"), tidal(eval_args, self.dir / "base_eval.log")
@@ -323,7 +344,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--envs", nargs="+", required=True,
-        help="ENV, ENV:VARIANT (rl_<suffix>_<variant>.toml), either with @LR: the recipe at another RL lr",
+        help="ENV or ENV:VARIANT (rl_<suffix>_<variant>.toml), then +STEPS (warm-up steps) and/or @LR (RL lr)",
     )  # fmt: skip
     parser.add_argument(
         "--max-steps", type=int, default=None,

@@ -15,7 +15,8 @@
 #      so that they outlive the call, and follows them)
 #   5. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
-# BENCH picks what `start` runs: real_models (default; ENV... are its --envs, MAX_STEPS its --max-steps), loop
+# BENCH picks what `start` runs: real_models (default; ENV... are its --envs, e.g. alphabet_sort:short@1e-4 or
+# tool_use+12@3e-5, MAX_STEPS its --max-steps), loop
 # (benchmarks/loop_throughput.py, issue 34: tidal rl against vLLM alone and TRL; its parts in PARTS, default
 # "offline tidal trl", LOOP_ARGS added to its command; no ENV arguments), or both side by side on the one GPU
 # (each then measures under the other's load: say so with their numbers). Every call names the same BENCH.

@@ -45,3 +45,15 @@ def test_the_held_out_eval_takes_the_runs_gpu_share_before_the_shared_flags(
     assert 'split = "heldout"' in written
     assert "min_turns = 2" in written and "max_names = 2" in written
     assert json.loads(args[args.index("--inference.vllm.extra-args") + 1])[0] == "--kv-cache-memory-bytes"
+
+
+def test_a_warm_up_length_per_recipe(tmp_path: Path) -> None:
+    recipes = _recipes(["tool_use+12@3e-5", "tool_use+20", "tool_use"], tmp_path)
+    assign_ports(recipes)
+    assert [r.dir.name for r in recipes] == ["tool_use_w12_lr3e-5", "tool_use_w20", "tool_use"]
+    assert recipes[0].sft_args()[-2:] == ["--max-steps", "12"]
+    assert recipes[0].lr == "3e-5"
+    assert "--max-steps" not in recipes[2].sft_args()  # the config's own steps
+    assert len({r.port for r in recipes}) == 3
+    with pytest.raises(SystemExit, match=r"\+4 names a warm-up"):
+        Recipe("alphabet_sort+4", "smollm2", "model.gguf", tmp_path)

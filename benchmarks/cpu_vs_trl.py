@@ -213,6 +213,25 @@ def lr_factor(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps if step < warmup_steps else 1.0
 
 
+def env_rewards(
+    env: Any, tasks: Sequence[Any], prompts: Sequence[Any], completions: Sequence[Any]
+) -> list[float]:
+    """What tidal scores each TRL completion: `score_episode` (the environment's reward functions and weights,
+    each value checked) on the conversation of the task's prompt and the completion."""
+    import asyncio
+
+    from tidal.envs.base import Episode, score_episode
+
+    async def score_all() -> list[float]:
+        episodes = [
+            await score_episode(env, task, Episode(prompt_ids=[], messages=[*prompt, *completion]))
+            for task, prompt, completion in zip(tasks, prompts, completions, strict=True)
+        ]
+        return [episode.reward for episode in episodes]
+
+    return asyncio.run(score_all())
+
+
 # ---- pure logic: rewards and times ------------------------------------------------------------------------
 
 
@@ -706,7 +725,6 @@ def trl_worker(argv: Sequence[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tidal.envs.base import Episode
     from tidal.envs.base import Task as EnvTask
     from tidal.envs.reverse_text import ReverseTextEnv
 
@@ -723,16 +741,11 @@ def trl_worker(argv: Sequence[str]) -> None:
         prompts: list[Any], completions: list[Any], answer: list[str], task_id: list[str], **_: Any
     ) -> list[float]:
         """The environment's own reward functions and weights on each completion (as tidal scores it)."""
-        rewards: list[float] = []
-        for prompt, completion, ans, tid in zip(prompts, completions, answer, task_id, strict=True):
-            env_task = EnvTask(task_id=tid, messages=prompt, answer=ans)
-            episode = Episode(prompt_ids=[], messages=[*prompt, *completion])
-            total = 0.0
-            for fn, weight in env.rewards:
-                value = fn(env_task, episode)
-                assert isinstance(value, int | float), "reverse_text's rewards are plain functions"
-                total += weight * value
-            rewards.append(total)
+        scored = [
+            EnvTask(task_id=tid, messages=p, answer=a)
+            for p, a, tid in zip(prompts, answer, task_id, strict=True)
+        ]
+        rewards = env_rewards(env, scored, prompts, completions)
         task_ids.extend(tid for i, tid in enumerate(task_id) if i % task.group_size == 0)
         steps.append({"scored": time.time(), "reward": statistics.fmean(rewards)})
         return rewards

@@ -104,7 +104,7 @@ from async_overlap import (  # sibling benchmarks: the /metrics sampler, the ste
     steady_window,
     trainer_idle,
 )
-from cpu_vs_trl import Stamped, Tail, commit, lr_factor
+from cpu_vs_trl import Stamped, Tail, commit, env_rewards, lr_factor
 from one_gpu_weight_update import load_seconds
 from real_models import env_report, heldout_eval_args, online_evals, score
 
@@ -713,8 +713,6 @@ def trl_worker(model: str, task: Mapping[str, Any], record: Path, final: Path) -
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tidal.envs.base import Episode
-    from tidal.envs.base import Task as EnvTask
     from tidal.envs.registry import load_env
 
     env = load_env(task["env"]["name"], **task["env"].get("kwargs", {}))
@@ -728,16 +726,7 @@ def trl_worker(model: str, task: Mapping[str, Any], record: Path, final: Path) -
         prompts: list[Any], completions: list[Any], task_index: list[int], **_: Any
     ) -> list[float]:
         """The environment's own reward functions and weights (tidal scores a rollout the same way)."""
-        rewards: list[float] = []
-        for prompt, completion, index in zip(prompts, completions, task_index, strict=True):
-            env_task: EnvTask = tasks[index]
-            episode = Episode(prompt_ids=[], messages=[*prompt, *completion])
-            total = 0.0
-            for fn, weight in env.rewards:
-                value = fn(env_task, episode)
-                assert isinstance(value, int | float), f"{env.name}'s rewards are plain functions"
-                total += weight * float(value)
-            rewards.append(total)
+        rewards = env_rewards(env, [tasks[index] for index in task_index], prompts, completions)
         steps.append({"scored": time.time(), "reward": statistics.fmean(rewards)})
         return rewards
 

@@ -15,6 +15,7 @@ from benchmarks.cpu_vs_trl import (  # noqa: E402
     RL_CONFIG,
     check_loss_matches,
     compare,
+    env_rewards,
     lr_factor,
     parse_settings,
     running_means,
@@ -107,3 +108,24 @@ def test_tidal_set_changes_tidal_s_side_last(rl: dict) -> None:
     config, changes = tidal_rl_config(rl, task, "/w/final", "/w/out", 18650, online_eval=True, extra=extra)
     assert config["max_async_level"] == 0 and config["orchestrator"]["batch"]["zero_signal"] == "drop"
     assert changes["max_async_level"] == 0 and "online_eval" in config["orchestrator"]
+
+
+def test_trl_completions_score_as_tidal_scores_its_rollouts() -> None:
+    """The TRL workers' reward is the environment's weighted rewards on prompt + completion, per sample."""
+    from tidal.envs.base import Episode
+    from tidal.envs.reverse_text import ReverseTextEnv
+
+    env = ReverseTextEnv(num_examples=4, seed=0)
+    tasks = [env.task(0), env.task(1)]
+    prompts = [t.messages for t in tasks]
+    completions = [
+        [{"role": "assistant", "content": tasks[0].answer}],
+        [{"role": "assistant", "content": "something else"}],
+    ]
+    got = env_rewards(env, tasks, prompts, completions)
+    want = [
+        sum(w * fn(t, Episode(prompt_ids=[], messages=[*p, *c])) for fn, w in env.rewards)
+        for t, p, c in zip(tasks, prompts, completions, strict=True)
+    ]
+    assert got == pytest.approx(want)
+    assert got[0] > got[1]

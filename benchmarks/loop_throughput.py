@@ -410,9 +410,6 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
 
 
 def _has_cuda() -> bool:
-    """Whether a CUDA device is there, asked of NVML so that this process does not initialise CUDA (a CUDA
-    runtime initialised before vLLM forks its engine breaks the child)."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import torch
 

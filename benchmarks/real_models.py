@@ -176,6 +176,11 @@ class Recipe:
             + ([f"lr{self.lr}"] if self.lr else [])
         )
         self.dir = workdir / name
+        self.port = port_of(self.rl_config)  # run() moves it 2 up per earlier recipe of the same config
+        self.commands: list[str] = []
+        self.notes: dict[str, Any] = {}
+        self.base_eval: dict[str, Any] | None = None
+        self.rl_started = self.rl_ended = 0.0
 
     def sft_args(self) -> list[str]:
         """The warm-up's `tidal sft` arguments (its config's steps, or the spec's `+STEPS`)."""
@@ -190,11 +195,6 @@ class Recipe:
             str(self.dir / "sft"),
         ]
         return args + (["--max-steps", self.warmup_steps] if self.warmup_steps else [])
-        self.port = port_of(self.rl_config)  # run() moves it 2 up per earlier recipe of the same config
-        self.commands: list[str] = []
-        self.notes: dict[str, Any] = {}
-        self.base_eval: dict[str, Any] | None = None
-        self.rl_started = self.rl_ended = 0.0
 
     def warm_up(self, deadline: float) -> str | None:
         """The warm-up's final/ (None without one, or when it failed), with the base eval beside it."""

@@ -313,7 +313,7 @@ def tidal_setup(
         "num_params": num_params,
         "attention": model.config._attn_implementation,
         "activation_checkpointing": resolve_checkpointing(perf, info),
-        "compile": resolve_compile(perf, info),
+        "compile": resolve_compile(perf, info, num_params),
         "optimizer_state": str(state_dtype).removeprefix("torch."),
     }
     if scorer.moe is not None:  # the model's own load-balancing loss weight, as transformers' step has it

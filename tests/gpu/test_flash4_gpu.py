@@ -74,7 +74,7 @@ def test_compiled_training_step_through_flash4_matches_torch_kernels():
     for kernel in ("torch", "flash4"):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config).float().cuda()
-        scorer = parallelize(model, info, PerfConfig(attention_kernel=kernel))
+        scorer = parallelize(model, info, PerfConfig(attention_kernel=kernel, compile=True))
         assert model.config._attn_implementation == "tidal_varlen"
         logprobs, _ = scorer(ids, positions, targets)
         logprobs.sum().backward()

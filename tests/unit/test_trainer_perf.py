@@ -397,11 +397,15 @@ def test_bf16_moment_adamw_clips_and_steps_fsdp_parameters():
 
 def test_defaults_keep_cpu_runs_eager_in_fp32_without_checkpointing():
     assert resolve_checkpointing(PerfConfig(), CPU) == "none"
-    assert not resolve_compile(PerfConfig(), CPU)
+    assert not resolve_compile(PerfConfig(), CPU, 8_000_000_000)
     assert resolve_state_dtype(PerfConfig().optimizer_state, CPU.device) == torch.float32
     gpu = DistInfo(0, 1, 0, 1, torch.device("cuda", 0))
     assert resolve_checkpointing(PerfConfig(), gpu) == "projections"
-    assert resolve_compile(PerfConfig(), gpu)
+    assert resolve_compile(PerfConfig(), gpu, 4_000_000_000)
+    # a small model starts eager: its first step would spend over a minute compiling sub-second steps
+    assert not resolve_compile(PerfConfig(), gpu, 135_000_000)
+    assert resolve_compile(PerfConfig(compile=True), gpu, 135_000_000)
+    assert not resolve_compile(PerfConfig(compile=False), gpu, 4_000_000_000)
     assert resolve_state_dtype(PerfConfig().optimizer_state, gpu.device) == torch.bfloat16
 
 

@@ -13,7 +13,7 @@ class PerfConfig(Config):
     The defaults suit most runs. On GPU: bf16 compute over fp32 master weights and reductions (FSDP2 with
     several ranks, autocast on one), bf16 AdamW
     moments, variable-length attention over packed rows, activation checkpointing that keeps attention and
-    projection outputs, compiled decoder layers and head. On CPU: fp32, eager, no recomputation.
+    projection outputs, compiled decoder layers and head (models of 1B parameters and more). On CPU: fp32, eager, no recomputation.
     Measured speeds: benchmarks/results/trainer_mfu_one_gpu_h200.json (earlier: trainer_mfu_h200.json).
     """
 
@@ -49,9 +49,10 @@ class PerfConfig(Config):
     tokens/s on an H200 at an unchanged peak, which activations no longer set)."""
     compile: Literal["auto"] | bool = "auto"
     """`torch.compile` each decoder layer and the head's softmax work: fuses norms, RoPE, activations and
-    the logsumexp (Qwen3-4B, 16k tokens, H200: +30% tokens/s); the first step compiles (tens of seconds),
-    new shapes recompile once. `auto`: on with a GPU, off on CPU (where compiling costs more than it saves
-    on small models)."""
+    the logsumexp (Qwen3-4B, 16k tokens, H200: +30% tokens/s); the first step compiles, new shapes
+    recompile once. `auto`: on with a GPU for models of 1B parameters or more; off below (SmolLM2-135M on an
+    H100: the first step took 76 s compiling and the next shape 6.5 s, for steps of 0.3 s; README,
+    Performance) and on CPU (where compiling costs more than it saves on small models)."""
     attention: Literal["auto", "varlen", "hf"] = "auto"
     """Attention over packed rows. `varlen`: variable-length flash attention on the documents of a row (no
     padding, no attention across documents; on CPU a per-document SDPA loop; rows holding a single document

@@ -128,7 +128,7 @@ def parallelize(
     apply_activation_checkpointing(
         layers, resolve_checkpointing(perf, info), perf.checkpoint_every, perf.save_mlp_layers
     )
-    compiled = resolve_compile(perf, info)
+    compiled = resolve_compile(perf, info, sum(p.numel() for p in model.parameters()))
     if compiled:
         apply_compile(layers)
     scorer = TokenScorer(
@@ -255,8 +255,15 @@ def resolve_checkpointing(perf: PerfConfig, info: DistInfo) -> str:
     return perf.activation_checkpointing
 
 
-def resolve_compile(perf: PerfConfig, info: DistInfo) -> bool:
-    return info.device.type == "cuda" if perf.compile == "auto" else perf.compile
+COMPILE_MIN_PARAMS = 1_000_000_000
+"""`perf.compile = "auto"` compiles on a GPU from this many parameters: below, the first step's compile
+(tens of seconds to over a minute) costs more than it saves on steps that take a fraction of a second."""
+
+
+def resolve_compile(perf: PerfConfig, info: DistInfo, num_params: int) -> bool:
+    if perf.compile == "auto":
+        return info.device.type == "cuda" and num_params >= COMPILE_MIN_PARAMS
+    return perf.compile
 
 
 def setup_attention(model: torch.nn.Module, perf: PerfConfig, device: torch.device) -> str:

@@ -596,7 +596,11 @@ def heldout(
     return {"command": "tidal " + shlex.join(argv), **score(found)} if found else None
 
 
-def run_trl_comparison(args: argparse.Namespace, orchestrator: Mapping[str, Any]) -> dict[str, Any]:
+def run_trl_comparison(
+    args: argparse.Namespace, orchestrator: Mapping[str, Any], save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """TRL's run, the held-out evals of its base and final models, then tidal on the same task; `save` gets
+    what is measured so far after each of them (a deadline that stops a later one keeps the earlier ones)."""
     import tomli_w
 
     from tidal.models.names import resolve_model_name
@@ -644,7 +648,11 @@ def run_trl_comparison(args: argparse.Namespace, orchestrator: Mapping[str, Any]
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     log.join(timeout=10)
-    trl: dict[str, Any] = {"command": shlex.join(["python3", *argv[1:]]), "exit_code": code}
+    trl: dict[str, Any] = {
+        "command": shlex.join(["python3", *argv[1:]]),
+        "exit_code": code,
+        "started": datetime.datetime.fromtimestamp(start, datetime.UTC).strftime("%H:%M:%S UTC"),
+    }
     if code == 0 and record.exists():
         worker = json.loads(record.read_text())
         ends = [s["end"] - start for s in worker["steps"] if "end" in s]
@@ -659,6 +667,7 @@ def run_trl_comparison(args: argparse.Namespace, orchestrator: Mapping[str, Any]
             versions=worker["versions"],
         )
     out["trl"] = trl
+    save(out)
     evals_dir = base / "heldout"
     evals_dir.mkdir(parents=True, exist_ok=True)
     env_name = task["env"]["name"]
@@ -674,6 +683,7 @@ def run_trl_comparison(args: argparse.Namespace, orchestrator: Mapping[str, Any]
     if out["heldout_base"] and out["heldout_trl"]:
         gain = out["heldout_trl"]["mean"] - out["heldout_base"]["mean"]
     out["trl_heldout_gain"] = gain
+    save(out)
     # then tidal, same tasks, same steps
     argv = [sys.executable, "-m", "tidal", "rl", "@", str(config_path)]
     run = launch_rl(argv, base, port, args.timeout)
@@ -902,10 +912,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 
+    def save_trl(so_far: dict[str, Any]) -> None:
+        results["trl"] = so_far
+        write()
+
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "offline": lambda: run_offline(args, orchestrator),
         "tidal": lambda: run_tidal(args),
-        "trl": lambda: run_trl_comparison(args, orchestrator),
+        "trl": lambda: run_trl_comparison(args, orchestrator, save_trl),
     }
     keys = {"offline": "vllm_offline", "tidal": "tidal", "trl": "trl"}
     for part in ("offline", "tidal", "trl"):

@@ -117,10 +117,11 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     vllm = settings.get("inference", {}).get("vllm", {})
     args = ["eval", "@", str(eval_config), "--model.name", model, "--output-dir", str(out),
             "--inference.server.port", str(port)]  # fmt: skip
-    # the RL run's own share of a GPU it may share (tidal eval's default would take 0.92 of it), then EXTRA
-    if "gpu_memory_utilization" in vllm:
+    # the RL run's own share of a GPU it may share (tidal eval's default would take 0.92 of it), unless
+    # EXTRA sets that flag itself (one value per flag in the command that is reported)
+    if "gpu_memory_utilization" in vllm and "--inference.vllm.gpu-memory-utilization" not in EXTRA:
         args += ["--inference.vllm.gpu-memory-utilization", str(vllm["gpu_memory_utilization"])]
-    if vllm.get("extra_args"):
+    if vllm.get("extra_args") and "--inference.vllm.extra-args" not in EXTRA:
         args += ["--inference.vllm.extra-args", json.dumps(vllm["extra_args"])]
     args += EXTRA
     if "max_model_len" in vllm:

@@ -31,15 +31,16 @@ def test_every_recipe_gets_its_own_ports_and_directory(tmp_path: Path) -> None:
     assert [r.dir.name for r in recipes[:3]] == ["tool_use_lr1e-4", "tool_use_lr3e-5", "alphabet_sort_short"]
 
 
-def test_the_held_out_eval_takes_the_runs_gpu_share_before_the_shared_flags(
+def test_the_held_out_eval_takes_the_runs_gpu_share_unless_the_shared_flags_set_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = real_models.EXAMPLES / "alphabet_sort" / "rl_smollm2_short.toml"
+    alone = heldout_eval_args(config, "model.gguf", tmp_path / "eval", 18785)  # EXTRA empty (--cpu)
+    assert alone[alone.index("--inference.vllm.gpu-memory-utilization") + 1] == "0.2"  # the recipe's own
     monkeypatch.setattr(real_models, "EXTRA", list(real_models.SHARED_GPU_FLAGS))
     args = heldout_eval_args(config, "model.gguf", tmp_path / "eval", 18785)
-    share = args.index("--inference.vllm.gpu-memory-utilization")
-    assert args[share + 1] == "0.2"  # the recipe's own
-    assert args.index("--inference.vllm.extra-args") > share  # the shared flags come after, so they win
+    assert args.count("--inference.vllm.gpu-memory-utilization") == 1  # one value, the shared one
+    assert args[args.index("--inference.vllm.gpu-memory-utilization") + 1] == "0.05"
     assert args[args.index("--inference.server.port") + 1] == "18785"
     written = (tmp_path / "heldout_eval.toml").read_text()
     assert 'split = "heldout"' in written
@@ -53,6 +54,7 @@ def test_a_warm_up_length_per_recipe(tmp_path: Path) -> None:
     assert [r.dir.name for r in recipes] == ["tool_use_w12_lr3e-5", "tool_use_w20", "tool_use"]
     assert recipes[0].sft_args()[-2:] == ["--max-steps", "12"]
     assert recipes[0].lr == "3e-5"
+    assert recipes[0].commands == [] and recipes[0].base_eval is None  # __init__ set up what warm_up adds to
     assert "--max-steps" not in recipes[2].sft_args()  # the config's own steps
     assert len({r.port for r in recipes}) == 3
     with pytest.raises(SystemExit, match=r"\+4 names a warm-up"):

@@ -378,7 +378,9 @@ async def run_tidal(
         advantages.clear()
 
     orchestrator._accept = counting_accept  # type: ignore[method-assign]
-    client = InferenceClient.from_config(config.client)  # as Orchestrator.run builds it
+    client = InferenceClient.from_config(  # as Orchestrator.run builds it
+        config.client, max_async_level=config.max_async_level
+    )
     async with client, reward_workers(config.reward_workers) as reward_pool:  # as Orchestrator.run
         await client.pool.wait_healthy(timeout=30)
         heap = frozen_heap()  # as Orchestrator.run does once set up

@@ -72,8 +72,9 @@ def sync_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl") / "async2"
-    # in-flight weight updates: running requests are frozen, not drained, while new weights load
-    result = run_tidal(*rl_args(out, 2, "--orchestrator.client.weight-update-pause", "keep"), timeout=900)
+    # in-flight weight updates (weight_update_pause = "auto" at level 2): running requests are frozen, not
+    # drained, while new weights load
+    result = run_tidal(*rl_args(out, 2), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, result
 
@@ -108,7 +109,7 @@ def test_off_policy_lag_never_exceeds_the_bound(level, sync_run, async_run):
     assert (out / "plots" / "rl.png").stat().st_size > 10_000
     assert f"step {STEPS - 1} [{STEPS}/{STEPS}]" in result.stdout  # steps count from 0, as in metrics.jsonl
     pauses = (out / "logs" / "inference.log").read_text().count
-    if level == 2:  # the keep run: every update froze requests instead of draining them
+    if level == 2:  # `auto` kept requests: every update froze them instead of draining them
         assert pauses("/pause?mode=keep") >= 1 and pauses("/pause?mode=wait") == 0
     else:
         assert pauses("/pause?mode=wait") >= 1

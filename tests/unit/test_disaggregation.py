@@ -14,7 +14,7 @@ from tests.unit.http_servers import Seen, make_client, reply, serving
 from tidal.config.eval import EvalConfig
 from tidal.config.inference import InferenceConfig
 from tidal.config.loader import load_config
-from tidal.config.rl import RLConfig
+from tidal.config.rl import ClientConfig, RLConfig
 from tidal.errors import UserError
 from tidal.inference.disagg import Prefill, decode_body, empty_store, prefill_body, with_roles
 from tidal.inference.server import build_launch
@@ -80,6 +80,12 @@ def test_rl_splits_replicas_into_a_prefill_pool_and_a_decode_pool(tmp_path: Path
     overrides = [*DISAGG, ("deployment.num_replicas", 3), ("output_dir", str(tmp_path))]
     roles = split_config(load_config(RLConfig, [], overrides), on_gpu=False, num_cpus=4)
     client = roles.orchestrator.client
+    # the shared store needs a drained update: `auto` waits here, as it keeps requests without a store
+    assert (
+        client.weight_update_pause == "auto"
+        and client.pause_mode(roles.orchestrator.max_async_level) == "wait"
+    )
+    assert roles.orchestrator.max_async_level > 0
     assert client.prefill_urls == ["http://127.0.0.1:8000"]
     assert client.urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     assert client.kv_store == str((tmp_path / "kv_store").absolute())
@@ -103,6 +109,15 @@ def test_rl_refuses_what_it_cannot_keep_correct_across_weight_updates() -> None:
         [],
         [*two, ("inference.disaggregation.connector", "NixlConnector"), ("trainer.lora.rank", 8)],
     )
+
+
+def test_weight_update_pause_auto_keeps_requests_only_where_an_update_can_meet_them() -> None:
+    auto = ClientConfig()
+    assert auto.pause_mode(0) == "wait"  # nothing runs during a synchronous run's update
+    assert auto.pause_mode(1) == "keep" and auto.pause_mode(2) == "keep"
+    assert ClientConfig(kv_store="/run/kv").pause_mode(2) == "wait"
+    assert ClientConfig(weight_update_pause="wait").pause_mode(2) == "wait"
+    assert ClientConfig(weight_update_pause="keep").pause_mode(0) == "keep"
 
 
 def test_eval_and_inference_refuse_bad_combinations() -> None:

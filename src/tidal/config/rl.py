@@ -104,14 +104,24 @@ class ClientConfig(Config):
     kv_store: str | None = None
     """A KV store every server reads by prompt content (ExampleConnector's directory), emptied while every
     server is paused for a weight update (`tidal rl` sets it from `inference.disaggregation`)."""
-    weight_update_pause: Literal["wait", "keep"] = "wait"
+    weight_update_pause: Literal["auto", "wait", "keep"] = "auto"
     """What a full-weight update does with requests in flight. `wait`: stop admitting requests, let the
     running ones finish, load, resume — every completion comes from one policy, but with max_async_level > 0
-    generation stalls for the drain (2×H200, Qwen3-0.6B shape, 256×256 tokens: 6.5 s per update).
-    `keep`: freeze running requests, load, resume them under the new weights — no drain (same setup: 0.5 s
-    per update; with CUDA graphs level 2 ran 1.79x level 0); a completion may then span two policies.
-    Training stays correct: the loss corrects with each token's own sampling logprob, and a rollout counts
-    as the (older) version it started with for the staleness bound."""
+    generation stalls for the drain at every update (2×H200, Qwen3-0.6B shape, 256×256 tokens: 6.5 s per
+    update; SmolLM2-135M on one H100, multi-turn alphabet_sort: vLLM ran no request in half of the
+    seconds between steps; README, Performance). `keep`: freeze running requests, load, resume them under
+    the new weights — no drain (2×H200: 0.5 s per update; with CUDA graphs level 2 ran 1.79x level 0); a
+    completion may then span two policies, as a multi-turn episode's turns may under either. Training
+    stays correct: the loss corrects with each token's own sampling logprob, and a rollout counts as the
+    (older) version it started with for the staleness bound. `auto`: `keep` when max_async_level > 0,
+    except with a shared KV store (`kv_store`, which needs `wait`); `wait` otherwise (with
+    max_async_level = 0 nothing runs during an update)."""
+
+    def pause_mode(self, max_async_level: int) -> Literal["wait", "keep"]:
+        """The resolved `weight_update_pause` for an orchestrator whose bound is `max_async_level`."""
+        if self.weight_update_pause != "auto":
+            return self.weight_update_pause
+        return "keep" if max_async_level > 0 and self.kv_store is None else "wait"
 
 
 class BatchConfig(Config):
@@ -636,7 +646,7 @@ def check_disaggregated_rl(rl: RLConfig) -> None:
             "without a pause: KV of one step's adapter would serve the next; use NixlConnector",
             also=("trainer.lora.rank",),
         )
-    if rl.orchestrator.client.weight_update_pause != "wait":
+    if rl.orchestrator.client.weight_update_pause == "keep":  # `auto` resolves to wait with the store
         raise ConfigProblem(
             "orchestrator.client.weight_update_pause",
             "'keep' carries requests across a weight update: one on a replica that failed it could write KV of "

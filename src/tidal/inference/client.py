@@ -38,11 +38,13 @@ class InferenceClient:
         model: str | None = None,
         require_routes: bool = False,
         tuning: PoolTuning = DEFAULT_TUNING,
+        max_async_level: int = 0,
     ) -> "InferenceClient":
         """Over the servers of `config` (orchestrator.client); `model` None: the one the servers serve;
-        `require_routes`: routing replay (an answer without the routed experts stops the run)."""
+        `require_routes`: routing replay (an answer without the routed experts stops the run);
+        `max_async_level`: the orchestrator's bound, which `weight_update_pause = "auto"` resolves by."""
         pool = ServerPool.from_config(config, tuning)
-        weights = WeightFanOut.from_config(pool, config)
+        weights = WeightFanOut.from_config(pool, config, max_async_level)
         generation = GenerationClient.from_config(
             pool, weights.adapters, config, model=model, require_routes=require_routes
         )

@@ -150,12 +150,15 @@ class WeightFanOut:
         pool.on_return = self.rejoin  # a returning server loads the latest policy before it serves
 
     @classmethod
-    def from_config(cls, pool: ServerPool, config: "ClientConfig") -> "WeightFanOut":
-        """`admin_token` defaults to TIDAL_ADMIN_TOKEN, as the config says."""
+    def from_config(
+        cls, pool: ServerPool, config: "ClientConfig", max_async_level: int = 0
+    ) -> "WeightFanOut":
+        """`admin_token` defaults to TIDAL_ADMIN_TOKEN, as the config says; the pause mode is the config's,
+        `auto` resolved for an orchestrator whose bound is `max_async_level`."""
         return cls(
             pool,
             admin_token=config.admin_token or os.environ.get("TIDAL_ADMIN_TOKEN"),
-            pause_mode=config.weight_update_pause,
+            pause_mode=config.pause_mode(max_async_level),
             kv_store=config.kv_store,
         )
 

@@ -103,7 +103,9 @@ class Orchestrator:
     async def run(self) -> int:
         cfg = self.config
         sender = setup_sender(cfg.transport, self.out, lambda: run_layout.trainer_checkpoint_step(self.out))
-        client = InferenceClient.from_config(cfg.client, require_routes=cfg.routing_replay)
+        client = InferenceClient.from_config(
+            cfg.client, require_routes=cfg.routing_replay, max_async_level=cfg.max_async_level
+        )
         events = EventLog(self.out)
 
         def worker_event(event: str, **fields: Any) -> None:

@@ -2,7 +2,8 @@
 # benchmarks/real_models.py and/or benchmarks/loop_throughput.py on one H200 through the device tool, which takes
 # at most 64 MiB along per call and gives an idle machine back after 30 s: five calls, back to back. Here, once:
 #   bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm                                   # 3 parts, 44.7 MiB each
-#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 14.5 14.5 14.5  # 4 slices
+#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 13.5 13.5 13.5  # 4 slices
+#   (a call's 64 MiB hold one 44.7 MiB vLLM part, one slice and the working tree, ~4.7 MiB on 2026-12-05)
 #   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime
 #   (BENCH=loop or both: also trl accelerate datasets dill multiprocess xxhash fsspec; pandas, 12 MB, in .gpu/whl2
 #    where the machine lacks it: `copy` prints which of these the machine has)
@@ -100,6 +101,7 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
     if [ -d "$LT_WORK" ]; then  # logs and metrics of every run (driver logs too), no weights
         tar czf "$LT_OUT/loop_throughput_raw.tar.gz" -C /root --exclude='*.safetensors' --exclude='*.pt' \
             --exclude='*.bin' --exclude='weights' --exclude='checkpoints' --exclude='final' \
+            --exclude='rollouts' --exclude='states' \
             $(cd /root && ls -d lt lt[0-9] 2>/dev/null) 2>/dev/null || true
     fi
     [ -f "$RM_WORK/driver.log" ] && cp "$RM_WORK/driver.log" "$OUT/real_models_driver.log"

@@ -145,6 +145,19 @@ def prepare_resume(output_dir: Path, report: Callable[[str], None]) -> int:
     return discard_after_checkpoint(output_dir)
 
 
+TRAINER_GATE_ENV = "TIDAL_TRAINER_GATE"
+"""Set by `tidal rl` for a trainer it starts while vLLM loads on the trainer's GPU: a file whose existence
+lets the trainer touch the GPU (see `trainer_gate`)."""
+
+
+def trainer_gate(output_dir: Path, node_suffix: str = "") -> Path:
+    """The file `tidal rl` creates once every vLLM replica on the trainer's GPU is up: a trainer started
+    while they load waits for it before its first CUDA call, so that it allocates nothing while vLLM sizes
+    its KV cache from the memory free (its imports and start-up overlap vLLM's meanwhile). One per node
+    (`node_suffix`: the node's config-file suffix on a cluster)."""
+    return trainer_dir(output_dir) / f"gpu_gate{node_suffix}"
+
+
 def kv_store_dir(output_dir: Path) -> Path:
     """ExampleConnector's KV files under prefill/decode disaggregation (emptied at every weight update)."""
     return output_dir / "kv_store"

@@ -327,15 +327,16 @@ def test_trainer_command_joins_a_rendezvous_on_several_nodes():
     )
 
 
-def test_the_orchestrator_and_a_trainer_on_other_gpus_start_while_vllm_loads():
-    from tidal.launcher.supervisor import roles_while_loading, started_roles
+def test_the_orchestrator_and_the_trainer_start_while_vllm_loads_held_before_a_shared_gpu():
+    from tidal.launcher.supervisor import GATED_TRAINER, roles_while_loading, started_roles
 
     both = ("inference", "trainer", "orchestrator")
     # a machine without GPUs: nothing shared, both start beside vLLM
     assert roles_while_loading(both, set(), [0]) == ["orchestrator", "trainer"]
-    # one GPU shared by vLLM and the trainer: vLLM sizes its cache from the memory free while it starts
-    assert roles_while_loading(both, {0}, [0]) == ["orchestrator"]
-    assert roles_while_loading(both, {0, 1}, [1, 2]) == ["orchestrator"]
+    # one GPU shared by vLLM and the trainer: vLLM sizes its cache from the memory free while it starts, so
+    # the trainer starts too but waits at the gate before its first CUDA call
+    assert roles_while_loading(both, {0}, [0]) == ["orchestrator", GATED_TRAINER]
+    assert roles_while_loading(both, {0, 1}, [1, 2]) == ["orchestrator", GATED_TRAINER]
     assert roles_while_loading(both, {0}, [1, 2]) == ["orchestrator", "trainer"]
     # a cluster node with only replicas, or only the trainer
     assert roles_while_loading(("inference",), {0}, [0]) == []
@@ -346,6 +347,23 @@ def test_the_orchestrator_and_a_trainer_on_other_gpus_start_while_vllm_loads():
     assert started_roles(["trainer", "orchestrator"], {"orchestrator"}) == (
         "orchestrator started while vLLM loaded; trainer started"
     )
+
+
+def test_a_gated_trainer_waits_for_the_gate_file_and_an_ungated_one_not_at_all(tmp_path, capsys):
+    import threading
+
+    from tidal.trainer.rl import wait_for_gate
+
+    assert wait_for_gate(None) == 0.0 and wait_for_gate("") == 0.0
+    gate = tmp_path / "trainer" / "gpu_gate"
+    gate.parent.mkdir()
+    opener = threading.Timer(0.3, gate.touch)
+    opener.start()
+    waited = wait_for_gate(str(gate), poll_s=0.02)
+    opener.join()
+    assert 0.25 < waited < 5
+    assert "waited" in capsys.readouterr().out
+    assert wait_for_gate(str(gate)) < 0.1  # a restarted trainer finds it open
 
 
 def test_the_orchestrator_waits_for_inference_as_long_as_tidal_rl_does(tmp_path):

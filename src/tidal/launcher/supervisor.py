@@ -67,6 +67,8 @@ class Supervisor(ABC):
         hosts_rendezvous = self._hosts_trainer_rendezvous()
         self.restarts = Restarter(config, self.children, self.report, self.here, hosts_rendezvous, node_label)
         self.stop_signal: int | None = None
+        self.gate: Path | None = None
+        """The gate file of a trainer started while vLLM loads on its GPU (`_start_while_loading`)."""
 
     # ---- what the two kinds of launcher do differently -------------------------------------------------
 
@@ -139,6 +141,7 @@ class Supervisor(ABC):
             return 128 + self.stop_signal
         for replica in self.children.replicas:
             self.children.watch_servers(replica)
+        self._open_gate()
         if TRAINER in self.here and self.children.trainer is None:
             self._start_trainer(paths, env)
         started = [role for role in (TRAINER, ORCHESTRATOR) if role in self.here]
@@ -176,8 +179,10 @@ class Supervisor(ABC):
     ) -> list[ManagedProcess]:
         """Start what need not wait for vLLM, so that its start-up (imports, loading and sharding the model)
         overlaps vLLM's: the orchestrator always (it uses no GPU and waits for /health itself), the trainer
-        when it shares no GPU with this node's replicas (vLLM sizes its cache from the memory free while it
-        starts, so a trainer allocating on the same GPU then could make it fail or take too little)."""
+        too. A trainer that shares a GPU with this node's replicas waits before its first CUDA call until
+        they are up (`run_layout.trainer_gate`, opened by `_open_gate`): vLLM sizes its cache from the memory
+        free while it starts, so a trainer allocating on the same GPU then could make it fail or take too
+        little."""
         # (replica_gpus is empty on a machine without GPUs: nothing to share)
         replica_gpus = {gpu for index in local if roles.replica_gpus for gpu in roles.replica_gpus[index]}
         started: list[ManagedProcess] = []
@@ -186,9 +191,21 @@ class Supervisor(ABC):
                 argv = tidal_argv("orchestrator", paths["orchestrator"])
                 self.children.orchestrator = self.children.start("orchestrator", argv, env["orchestrator"])
                 started.append(self.children.orchestrator)
-            else:
+            elif role == TRAINER:
                 started.append(self._start_trainer(paths, env))
+            else:  # GATED_TRAINER
+                self.gate = run_layout.trainer_gate(self.out, self.suffix)
+                self.gate.unlink(missing_ok=True)  # a resumed run's, opened before this start
+                self.gate.parent.mkdir(parents=True, exist_ok=True)
+                gated = {**env, TRAINER: {**env[TRAINER], run_layout.TRAINER_GATE_ENV: str(self.gate)}}
+                started.append(self._start_trainer(paths, gated))
         return started
+
+    def _open_gate(self) -> None:
+        """Every replica of this node is up: the trainer this node holds at its gate may touch the GPU now
+        (restarted, with the same environment, it finds the gate open)."""
+        if self.gate is not None:
+            self.gate.touch()
 
     def _start_trainer(self, paths: dict[str, Path], env: dict[str, dict[str, str]]) -> ManagedProcess:
         argv = self._trainer_argv(paths["trainer"])
@@ -321,14 +338,19 @@ def ended_with_log(child: ManagedProcess) -> str:
     return f"{child.name} {child.ended_how()}; last lines of {child.log_path}:\n{tail}"
 
 
+GATED_TRAINER = "trainer (held before the GPU)"
+"""`roles_while_loading`'s name for a trainer that starts while vLLM loads on its GPU but waits at the gate."""
+
+
 def roles_while_loading(
     here: Collection[str], replica_gpus: set[int], trainer_gpus: Sequence[int]
 ) -> list[str]:
     """Of this node's roles, those that start while its vLLM replicas load: the orchestrator (no GPU) and
-    the trainer unless it would share a GPU with a replica (on a machine without GPUs it shares none)."""
+    the trainer, as GATED_TRAINER where it shares a GPU with a replica (on a machine without GPUs it
+    shares none)."""
     early = [ORCHESTRATOR] if ORCHESTRATOR in here else []
-    if TRAINER in here and replica_gpus.isdisjoint(trainer_gpus):
-        early.append(TRAINER)
+    if TRAINER in here:
+        early.append(TRAINER if replica_gpus.isdisjoint(trainer_gpus) else GATED_TRAINER)
     return early
 
 

@@ -11,8 +11,10 @@ Batch n is trained by the policy of version n; the weights it produces are versi
 last completed step. Metrics are over all ranks' micro-batches, not rank 0's.
 """
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,11 +54,26 @@ from tidal.types import MicroBatch, TrainBatch
 
 
 def main(config: RLTrainerConfig) -> int:
+    wait_for_gate(os.environ.get(run_layout.TRAINER_GATE_ENV))
     info = init_distributed(config.device, config.perf.cp)
     try:
         return train(config, info)
     finally:
         shutdown(info)
+
+
+def wait_for_gate(gate: str | None, poll_s: float = 0.1) -> float:
+    """Before the first CUDA call: with a gate (`tidal rl` started this trainer while vLLM loads on its GPU),
+    wait until the file exists; the seconds waited. Imports and the process's own start-up are done by then."""
+    if not gate:
+        return 0.0
+    start = time.perf_counter()
+    path = Path(gate)
+    while not path.exists():
+        time.sleep(poll_s)
+    waited = time.perf_counter() - start
+    print(f"trainer: imported and waited {waited:.1f} s for vLLM to load on this GPU", flush=True)
+    return waited
 
 
 def train(config: RLTrainerConfig, info: DistInfo) -> int:

@@ -64,6 +64,19 @@ RolloutTransport = Annotated[
 ]
 
 
+class RLRunConfig(RunConfig):
+    """The keys the processes of one RL run share, declared once: `tidal rl` takes them at the top of its
+    file and copies them into the orchestrator's and the trainer's configs (`launcher/split.py`), and
+    `tidal orchestrator` and `tidal trainer` take them at the top of theirs."""
+
+    output_dir: Path = Path("outputs/rl")
+    """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/ (the orchestrator and
+    the trainer write below the same one)."""
+    model: ModelConfig = ModelConfig()
+    transport: RolloutTransport = FilesystemTransport()
+    """How the orchestrator's batches reach the trainer: `filesystem` (rollouts/step_<n>/) or `zmq`."""
+
+
 class SamplingConfig(Config):
     """Sampling for rollouts. top_p = 1 and top_k off keep the inference logprobs those of softmax(logits / T)."""
 
@@ -240,7 +253,7 @@ class SamplesConfig(Config):
     """Rollouts kept per such step, taken across the step's groups (one per group first)."""
 
 
-class OrchestratorConfig(RunConfig):
+class OrchestratorConfig(RLRunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
     HELP_MAIN = (
@@ -258,11 +271,8 @@ class OrchestratorConfig(RunConfig):
         "transport.type",
     )
 
-    output_dir: Path = Path("outputs/rl")
-    """Run directory shared with the trainer (rollouts/, weights/, orchestrator/)."""
     max_async_level: int = Field(default=1, ge=0)
     """Rollouts from policy version v may train step n only if n − v ≤ this (0: fully synchronous)."""
-    model: ModelConfig = ModelConfig()
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
@@ -290,7 +300,6 @@ class OrchestratorConfig(RunConfig):
     them stops the run. `tidal rl` sets it from `trainer.moe.routing_replay`."""
     batch: BatchConfig = BatchConfig()
     client: ClientConfig = ClientConfig()
-    transport: RolloutTransport = FilesystemTransport()
     log: LogConfig = LogConfig(interval=1)
     samples: SamplesConfig = SamplesConfig()
 
@@ -390,7 +399,7 @@ PublishConfig = Annotated[
 this is the one setting, and every server's `inference.weights` is derived from it."""
 
 
-class RLTrainerConfig(TrainerRunConfig):
+class RLTrainerConfig(TrainerRunConfig, RLRunConfig):
     """`tidal trainer`: consume batches, take one optimizer step per batch, publish weights."""
 
     HELP_MAIN = (
@@ -408,9 +417,6 @@ class RLTrainerConfig(TrainerRunConfig):
         "publish.type",
     )
 
-    output_dir: Path = Path("outputs/rl")
-    """Run directory shared with the orchestrator."""
-    model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig(lr=3e-6)
     perf: PerfConfig = PerfConfig()
     moe: MoEConfig = MoEConfig()
@@ -421,7 +427,6 @@ class RLTrainerConfig(TrainerRunConfig):
     loss: LossConfig = LossConfig()
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of the rollouts (logits are divided by it); `tidal rl` copies it from sampling."""
-    transport: RolloutTransport = FilesystemTransport()
     publish: PublishConfig = FilesystemPublish()
     ckpt: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig(interval=1)
@@ -431,14 +436,12 @@ class RLTrainerConfig(TrainerRunConfig):
 # Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
 # where the user sets them instead: a value written in the sub-table would be overwritten without a word.
 SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
-    **{(role, key): key for role in ("orchestrator", "trainer") for key in RunConfig.model_fields},
-    ("trainer", "wandb"): "wandb",
-    ("orchestrator", "model"): "model",
-    ("trainer", "model"): "model",
+    # the shared block, declared once (RLRunConfig), and the other keys a role takes from the top
+    **{(role, key): key for role in ("orchestrator", "trainer") for key in RLRunConfig.model_fields},
     ("inference", "model"): "model",
+    ("trainer", "wandb"): "wandb",
     ("orchestrator", "max_async_level"): "max_async_level",
-    ("orchestrator", "transport"): "transport",
-    ("trainer", "transport"): "transport",
+    # derived from other keys of the run
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
     ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
@@ -471,7 +474,7 @@ class MonitorConfig(Config):
     end; None: only at the end."""
 
 
-class RLConfig(RunConfig):
+class RLConfig(RLRunConfig):
     """`tidal rl`: one file for inference, orchestrator and trainer; shared keys are set once at the top."""
 
     SET_ELSEWHERE = SET_FROM_THE_TOP
@@ -504,20 +507,16 @@ class RLConfig(RunConfig):
         "restarts.max_restarts",
     )
 
-    output_dir: Path = Path("outputs/rl")
-    """Run directory: logs/, configs/, rollouts/, weights/, checkpoints, metrics, plots/."""
     resume: bool = False
     """Resume trainer and orchestrator and reload the latest weights into inference."""
     max_async_level: int = Field(default=1, ge=0)
     """Off-policy bound: rollouts from version v train step n only if n − v ≤ this."""
-    model: ModelConfig = ModelConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     """Manifests of a Kubernetes run (deployment.type = "kubernetes" only)."""
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: RLTrainerConfig = RLTrainerConfig()
-    transport: RolloutTransport = FilesystemTransport()
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for inference to become healthy (at the start, and for a restarted replica)."""
     restarts: RestartsConfig = RestartsConfig()

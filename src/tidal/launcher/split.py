@@ -24,6 +24,7 @@ from tidal.config.rl import (
     OrchestratorConfig,
     PublishConfig,
     RLConfig,
+    RLRunConfig,
     RLTrainerConfig,
     RolloutTransport,
     ZMQTransport,
@@ -91,14 +92,9 @@ def split_config(
 
 
 def _shared(rl: RLConfig) -> dict[str, object]:
-    """The keys orchestrator and trainer take from the top of the run config."""
-    return {
-        "output_dir": rl.output_dir,
-        "max_steps": rl.max_steps,
-        "seed": rl.seed,
-        "resume": rl.resume,
-        "model": rl.model,
-    }
+    """The shared block (RLRunConfig's keys), which orchestrator and trainer take from the top of the run
+    config (transport as it stands there: a cluster run's zmq transport gets its host after)."""
+    return {key: getattr(rl, key) for key in RLRunConfig.model_fields}
 
 
 def _inference_for(rl: RLConfig, addresses: Sequence[str] | None) -> InferenceConfig:

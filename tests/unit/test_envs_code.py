@@ -164,3 +164,43 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="cannot read code tasks"):
         load_env("code", tasks_file=str(tmp_path / "missing.json"))
     assert load_env("code", num_examples=3).num_tasks() == 3
+
+
+def test_generated_tasks_are_distinct_reproducible_and_solved_by_their_references():
+    from tidal.envs.code_gen import FAMILIES, generate_task
+    from tidal.envs.splits import is_heldout
+
+    first = [generate_task(i, 0) for i in range(20_000)]
+    assert [generate_task(i, 0) for i in range(50)] == first[:50]  # a draw depends on its seed and number
+    assert generate_task(0, 1) != first[0]
+    distinct = {t.id for t in first}
+    assert {t.id.split("/")[1] for t in first} == set(FAMILIES)
+    assert len({i for i in distinct if is_heldout(i)}) >= 200  # a held-out eval of 200 different tasks
+    for spec in first[:300]:
+        namespace: dict = {}
+        exec(spec.reference, namespace)
+        assert all(namespace[spec.function](*args) == want for args, want in spec.tests), spec.id
+        assert len(spec.tests) == 5 and f"`{spec.function}(" in spec.prompt
+
+
+def test_the_generated_code_env_splits_by_task_and_scores_in_the_sandbox():
+    from tidal.envs.registry import load_env
+
+    train = CodeTestsEnv(generated=True, timeout=5.0)
+    heldout = CodeTestsEnv(generated=True, split="heldout", num_examples=200)
+    assert train.num_tasks() == 10_000 and heldout.num_tasks() == 200
+    held_ids = {heldout.task(i).task_id for i in range(200)}
+    assert len(held_ids) == 200 and not held_ids & {train.task(i).task_id for i in range(2000)}
+    assert heldout.task(0).task_id.startswith("code/gen/")
+    demo = train.demonstration(train.task(3))
+    assert demo is not None and demo[-1]["content"].startswith("```python\n")
+    assert score(train, 3, demo[-1]["content"]).reward == 1.0
+    assert score(train, 3, answer("def f(x):\n    return 0")).reward == 0.0
+    only = CodeTestsEnv(generated=True, families=["clamp"])
+    assert all(only.task(i).task_id.startswith("code/gen/clamp/") for i in range(20))
+    with pytest.raises(UserError, match="families must be a non-empty list"):
+        load_env("code", generated=True, families=["sorting"])
+    with pytest.raises(UserError, match="set generated = true"):
+        load_env("code", families=["clamp"])
+    with pytest.raises(UserError, match="keep one"):
+        load_env("code", generated=True, tasks_file="x.json")

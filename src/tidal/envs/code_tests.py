@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from tidal.envs.base import Episode, SingleTurnEnv, Task, completion_text
+from tidal.envs.code_gen import check_families, generate_task
 from tidal.envs.reward_pool import call_off_loop
 from tidal.envs.sandbox import PythonSandbox, announce, resolve_mode
-from tidal.envs.splits import check_split, in_split
+from tidal.envs.splits import SplitTasks, check_split, in_split
 
 TASKS_FILE = Path(__file__).with_name("data") / "code_tasks.json"
 SYSTEM_PROMPT = "Write the requested Python function. Reply with its code in one ```python block."
@@ -235,7 +236,12 @@ def run_hidden_tests(
 
 
 class CodeTestsEnv(SingleTurnEnv):
-    """Write the function the prompt names; reward: hidden tests passed, run in the sandbox."""
+    """Write the function the prompt names; reward: hidden tests passed, run in the sandbox.
+
+    `generated = true` draws the tasks from `tidal.envs.code_gen` (of `families`, default all; `seed`
+    picks the draws) instead of `tasks_file`: thousands of small functions, so a held-out split of hundreds
+    of tasks exists. `num_examples` then sets how many tasks the split counts (default 10,000; a split
+    with fewer distinct tasks starts over)."""
 
     name = "code"
 
@@ -248,36 +254,61 @@ class CodeTestsEnv(SingleTurnEnv):
         sandbox: str = "auto",
         all_or_nothing: bool = False,
         split: str = "train",
+        generated: bool = False,
+        families: list[str] | None = None,
+        seed: int = 0,
     ):
         super().__init__([])
-        every = load_tasks(Path(tasks_file) if tasks_file else TASKS_FILE)
         self.split = check_split(split, "code")
-        self.tasks = [spec for spec in every if in_split(spec.id, split)]
-        if not self.tasks:
-            raise ValueError(f"the {split} split holds none of the {len(every)} tasks (tidal.envs.splits)")
-        if num_examples is not None:
-            if not 0 < num_examples <= len(self.tasks):
-                raise ValueError(
-                    f"num_examples = {num_examples}, but there are {len(self.tasks)} tasks in the {split} split"
-                )
-            self.tasks = self.tasks[:num_examples]
+        self.generated: SplitTasks[CodeTask] | None = None
+        if generated:
+            if tasks_file is not None:
+                raise ValueError("code: tasks_file and generated = true both name the tasks; keep one")
+            kinds = check_families(families)
+            self.generated = SplitTasks(
+                lambda i: CodeTask(*generate_task(i, seed, kinds)), lambda spec: spec.id, split
+            )
+            self.tasks: list[CodeTask] = []
+            self.size = num_examples or 10_000
+        else:
+            if families is not None:
+                raise ValueError("code: families choose generated tasks; set generated = true")
+            self.tasks = self._file_tasks(tasks_file, split, num_examples)
+            self.size = len(self.tasks)
         if timeout <= 0 or memory_mb <= 0:
             raise ValueError("timeout and memory_mb must be positive")
         self.timeout, self.memory_mb, self.all_or_nothing = timeout, memory_mb, all_or_nothing
         self.sandbox = resolve_mode(sandbox)
         announce(self.sandbox)
 
+    @staticmethod
+    def _file_tasks(tasks_file: str | None, split: str, num_examples: int | None) -> list[CodeTask]:
+        every = load_tasks(Path(tasks_file) if tasks_file else TASKS_FILE)
+        tasks = [spec for spec in every if in_split(spec.id, split)]
+        if not tasks:
+            raise ValueError(f"the {split} split holds none of the {len(every)} tasks (tidal.envs.splits)")
+        if num_examples is not None:
+            if not 0 < num_examples <= len(tasks):
+                raise ValueError(
+                    f"num_examples = {num_examples}, but there are {len(tasks)} tasks in the {split} split"
+                )
+            tasks = tasks[:num_examples]
+        return tasks
+
+    def _spec(self, index: int) -> CodeTask:
+        return self.generated[index] if self.generated is not None else self.tasks[index]
+
     def num_tasks(self) -> int:
-        return len(self.tasks)
+        return self.size
 
     def task(self, index: int) -> Task:
-        spec = self.tasks[index]
+        spec = self._spec(index)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": spec.prompt}]
         return Task(task_id=f"code/{spec.id}", messages=messages, info={"index": index})
 
     def demonstration(self, task: Task) -> list[dict[str, Any]] | None:
         """The task's reference solution in a ```python block (None for a task without one)."""
-        reference = self.tasks[task.info["index"]].reference
+        reference = self._spec(task.info["index"]).reference
         if reference is None:
             return None
         code = reference if reference.endswith("\n") else reference + "\n"
@@ -285,7 +316,7 @@ class CodeTestsEnv(SingleTurnEnv):
 
     async def score(self, task: Task, episode: Episode) -> None:
         """Runs the hidden tests off the event loop; a reward worker returns the whole report."""
-        spec = self.tasks[task.info["index"]]
+        spec = self._spec(task.info["index"])
         code, fenced = extract_code(completion_text(episode), spec.function)
         if not code:
             report = TestReport(fenced=False, compiled=False, passed=0, total=len(spec.tests))

@@ -205,7 +205,8 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     Built-in environments: their other split (`split = "heldout"` unless training is on it; the split rule,
     `tidal.envs.splits`, puts each task in one split by a hash of what makes it that task, so these are the
     tasks of SFT's held-out demonstrations too), `num_tasks` of them for the generated ones. math on a hub
-    dataset: its `test` split when training uses `train`. code: its held-out tasks (3 of the shipped 18).
+    dataset: its `test` split when training uses `train`. code: its held-out tasks (3 of the shipped 18;
+    generated: `num_tasks` of them).
     vf: environments: the same tasks (set [[orchestrator.online_eval.env]] to choose another split). Other
     environments: another seed (new instances of the same generator; a small task space may repeat some).
     """
@@ -217,7 +218,7 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
             kwargs["split"] = "test"
     elif spec.name in BUILTIN_ENVS:
         kwargs["split"] = "train" if kwargs.get("split") == "heldout" else "heldout"
-        if spec.name != "code":  # a fixed list: its whole held-out split, however few
+        if spec.name != "code" or kwargs.get("generated"):  # code's fixed list: its whole held-out split
             kwargs["num_examples"] = num_tasks
     elif not spec.name.startswith("vf:"):
         kwargs["seed"] = int(kwargs.get("seed", 0)) + HELDOUT_SEED_OFFSET

@@ -256,7 +256,7 @@ class CodeTestsEnv(SingleTurnEnv):
         split: str = "train",
         generated: bool = False,
         families: list[str] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ):
         super().__init__([])
         self.split = check_split(split, "code")
@@ -265,14 +265,18 @@ class CodeTestsEnv(SingleTurnEnv):
             if tasks_file is not None:
                 raise ValueError("code: tasks_file and generated = true both name the tasks; keep one")
             kinds = check_families(families)
+            draws = seed or 0
             self.generated = SplitTasks(
-                lambda i: CodeTask(*generate_task(i, seed, kinds)), lambda spec: spec.id, split
+                lambda i: CodeTask(*generate_task(i, draws, kinds)), lambda spec: spec.id, split
             )
             self.tasks: list[CodeTask] = []
             self.size = num_examples or 10_000
         else:
-            if families is not None:
-                raise ValueError("code: families choose generated tasks; set generated = true")
+            if families is not None or seed is not None:
+                what = "families choose" if families is not None else "seed picks"
+                raise ValueError(
+                    f"code: {what} generated tasks (the shipped file is a fixed list); set generated = true"
+                )
             self.tasks = self._file_tasks(tasks_file, split, num_examples)
             self.size = len(self.tasks)
         if timeout <= 0 or memory_mb <= 0:

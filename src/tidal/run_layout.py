@@ -34,6 +34,13 @@ def online_eval_path(output_dir: Path) -> Path:
     return orchestrator_dir(output_dir) / "online_eval.jsonl"
 
 
+def online_eval_rollouts_path(output_dir: Path, step: int, final: bool) -> Path:
+    """The rollouts of one online eval (`online_eval.save_rollouts`), one per line as `tidal eval` writes
+    them: what the model answered, its reward and metrics."""
+    name = f"step_{step}_final.jsonl" if final else f"step_{step}.jsonl"
+    return orchestrator_dir(output_dir) / "online_eval_rollouts" / name
+
+
 def samples_path(output_dir: Path) -> Path:
     """Sampled rollouts as text (the orchestrator's `samples` setting), one JSON record per rollout."""
     return Path(output_dir) / "samples.jsonl"

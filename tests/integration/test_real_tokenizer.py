@@ -243,3 +243,9 @@ def test_short_rl_run_trains_the_real_model_with_logprobs_matching_vllm(
     ]
     assert [(e["step"], e["final"]) for e in evals] == [(0, False), (2, True)]
     assert evals[-1]["policy_version"] == 2 and "avg@1" in evals[-1]["envs"]["math"]
+    # the first and the final eval keep their answers (online_eval.save_rollouts = "first_and_final")
+    kept = sorted(p.name for p in (out / "orchestrator" / "online_eval_rollouts").iterdir())
+    assert kept == ["step_0.jsonl", "step_2_final.jsonl"]
+    final = [json.loads(line) for line in (out / "orchestrator" / "online_eval_rollouts" / kept[1]).open()]
+    assert len(final) == evals[-1]["envs"]["math"]["num_rollouts"]
+    assert all(r["env"] == "math" and r["messages"][-1]["role"] == "assistant" for r in final)

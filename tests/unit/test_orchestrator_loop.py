@@ -302,3 +302,19 @@ def test_rollouts_longer_than_seq_len_warn_and_stop_the_run_only_when_none_is_le
     assert "step 3: dropped 2 rollout(s) longer than orchestrator.batch.seq_len (8 tokens" in out
     with pytest.raises(UserError, match="step 4: every rollout is longer than orchestrator.batch.seq_len"):
         orch._warn_too_long(4, dropped=6, kept=0)
+
+
+def test_online_eval_rollouts_are_kept_for_the_first_and_final_eval_by_default(tmp_path):
+    from tidal.eval.runner import RolloutRecord
+    from tidal.orchestrator.loop import keeps_rollouts, write_eval_rollouts
+
+    assert keeps_rollouts("first_and_final", 0, False) and keeps_rollouts("first_and_final", 30, True)
+    assert not keeps_rollouts("first_and_final", 10, False)
+    assert keeps_rollouts("all", 10, False) and not keeps_rollouts("none", 0, False)
+    path = tmp_path / "orchestrator" / "online_eval_rollouts" / "step_0.jsonl"
+    records = [
+        RolloutRecord("math", "math/3", 3, 0, reward=1.0, messages=[{"role": "assistant", "content": "7"}])
+    ]
+    write_eval_rollouts(path, records)
+    [line] = path.read_text().splitlines()
+    assert json.loads(line)["task_id"] == "math/3" and json.loads(line)["messages"][0]["content"] == "7"

@@ -193,6 +193,10 @@ class OnlineEvalConfig(Config):
     final: bool = True
     """With `interval` set: evaluate once more after the last step, on the policy the last step trained
     (printed, and in orchestrator/online_eval.jsonl with every other online eval)."""
+    save_rollouts: Literal["none", "first_and_final", "all"] = "first_and_final"
+    """Which evals also write their rollouts (the answers, rewards and metrics, as `tidal eval`'s
+    rollouts.jsonl) to orchestrator/online_eval_rollouts/step_<n>[_final].jsonl: `first_and_final` the one
+    at step 0 and the final one, so what training changed can be read answer by answer."""
 
 
 HELDOUT_SEED_OFFSET = 1_000_003

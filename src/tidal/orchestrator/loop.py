@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tidal import run_layout
@@ -264,6 +265,8 @@ class Orchestrator:
         results = EvalResults()
         await evaluate_envs(client.generation, self.tokenizer, envs, eval_config, results)
         self._keep_eval(step, version, final, results.reports)
+        if keeps_rollouts(spec.save_rollouts, step, final):
+            write_eval_rollouts(run_layout.online_eval_rollouts_path(self.out, step, final), results.records)
         metrics: dict[str, float] = {"eval/policy_version": version}
         for name, report in results.reports.items():
             for key, value in report.items():
@@ -495,6 +498,19 @@ def step_metrics(
         "weights/updates_total": policy.num_updates,
         "rollouts/replica_switches": stats.num_replica_switches,
     }
+
+
+def keeps_rollouts(which: str, step: int, final: bool) -> bool:
+    """Whether the online eval at `step` (`final`: the one after the last step) writes its rollouts."""
+    return which == "all" or (which == "first_and_final" and (final or step == 0))
+
+
+def write_eval_rollouts(path: Path, records: list[Any]) -> None:
+    """An online eval's rollout records, one JSON line each (as `tidal eval`'s rollouts.jsonl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for record in records:
+            fh.write(json.dumps(record.__dict__) + "\n")
 
 
 def warn_if_loop_held(step: int, metrics: dict[str, Any], limit: float) -> None:

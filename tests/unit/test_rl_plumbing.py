@@ -432,3 +432,54 @@ def test_a_configured_token_stays_out_of_the_role_configs_and_the_dry_run():
     from tidal.launcher.rl import dry_run
 
     assert "configured-s3cret" not in dry_run(rl)
+
+
+def test_a_gated_single_rank_trainer_loads_on_the_cpu_before_it_waits_and_joins(tmp_path, monkeypatch):
+    import tidal.trainer.rl as rl
+    import tidal.trainer.session as session
+    from tidal import run_layout
+    from tidal.config.rl import RLTrainerConfig
+
+    calls: list[str] = []
+    monkeypatch.setattr(rl, "join_distributed", lambda info: calls.append("join"))
+    monkeypatch.setattr(rl, "wait_for_gate", lambda gate: calls.append(f"gate {gate}"))
+
+    def fake_train(config, info, before_gpu=None):
+        calls.append("load on the cpu")
+        if before_gpu is not None:
+            before_gpu()
+        calls.append("to the gpu")
+        return 0
+
+    monkeypatch.setattr(rl, "train", fake_train)
+    config = RLTrainerConfig(output_dir=tmp_path, device="cpu")
+    monkeypatch.setenv(run_layout.TRAINER_GATE_ENV, "/run/gate")
+    assert rl.main(config) == 0
+    assert calls == ["load on the cpu", "gate /run/gate", "join", "to the gpu"]
+    calls.clear()
+    monkeypatch.delenv(run_layout.TRAINER_GATE_ENV)
+    assert rl.main(config) == 0
+    assert calls == ["gate None", "join", "load on the cpu", "to the gpu"]
+    calls.clear()
+    monkeypatch.setenv(run_layout.TRAINER_GATE_ENV, "/run/gate")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # several ranks agree on a checkpoint first: through the gate first
+    monkeypatch.setattr(rl, "shutdown", lambda info: None)
+    assert rl.main(config) == 0
+    assert calls == ["gate /run/gate", "join", "load on the cpu", "to the gpu"]
+
+    # open_trainer calls it once the model is loaded, before parallelize moves it to the device
+    order: list[str] = []
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def stop_at_parallelize(*args, **kwargs):
+        order.append("parallelize")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(session, "parallelize", stop_at_parallelize)
+    info = rl.plan_distributed("cpu")
+    with pytest.raises(RuntimeError, match="stop here"):
+        session.open_trainer(
+            RLTrainerConfig(output_dir=tmp_path / "t", device="cpu"), info, tmp_path / "t" / "m.jsonl",
+            tmp_path / "t" / "ckpt", lambda: order.append("before the gpu"),
+        )  # fmt: skip
+    assert order == ["before the gpu", "parallelize"]

@@ -75,6 +75,14 @@ class DistInfo:
 def init_distributed(device: str = "auto", cp: int = 1) -> DistInfo:
     """Join the torchrun process group when there is one (NCCL on GPU, gloo on CPU); else a single process.
     `cp`: ranks per context-parallel group (`perf.cp`), which must divide the world size."""
+    info = plan_distributed(device, cp)
+    join_distributed(info)
+    return info
+
+
+def plan_distributed(device: str = "auto", cp: int = 1) -> DistInfo:
+    """This process's rank, world and device from torchrun's environment, without touching the GPU (no CUDA
+    context, no process group yet: `join_distributed`)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,14 +94,19 @@ def init_distributed(device: str = "auto", cp: int = 1) -> DistInfo:
         raise UserError("device = 'cuda' but no CUDA device is available")
     if world_size % cp:
         raise UserError(f"perf.cp = {cp} does not divide the {world_size} trainer rank(s) of this run")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return DistInfo(rank, world_size, local_rank, local_world_size, dev, cp)
+
+
+def join_distributed(info: DistInfo) -> None:
+    """Select this rank's GPU (its CUDA context starts here) and join torchrun's process group, if any."""
+    use_cuda = info.device.type == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+    if info.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo", device_id=info.device if use_cuda else None
+        )
 
 
 def set_num_threads(num_threads: int | None, info: DistInfo) -> int:

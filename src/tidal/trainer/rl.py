@@ -11,6 +11,7 @@ Batch n is trained by the policy of version n; the weights it produces are versi
 last completed step. Metrics are over all ranks' micro-batches, not rank 0's.
 """
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -33,8 +34,9 @@ from tidal.trainer.parallel import (
     all_reduce_sum,
     all_reduce_tensor,
     compute_mode,
-    init_distributed,
+    join_distributed,
     micro_batches,
+    plan_distributed,
     shutdown,
 )
 from tidal.trainer.publish import setup_publisher
@@ -54,12 +56,26 @@ from tidal.types import MicroBatch, TrainBatch
 
 
 def main(config: RLTrainerConfig) -> int:
-    wait_for_gate(os.environ.get(run_layout.TRAINER_GATE_ENV))
-    info = init_distributed(config.device, config.perf.cp)
+    gate = os.environ.get(run_layout.TRAINER_GATE_ENV)
+    info = plan_distributed(config.device, config.perf.cp)
+    before_gpu = None
+    if gate and info.world_size == 1:
+        # one rank needs no process group to load: tokenizer and model load on the CPU while vLLM starts,
+        # and the GPU is touched only past the gate
+        before_gpu = functools.partial(_through_gate, gate, info)
+    else:
+        # several ranks agree on the checkpoint to resume from before loading: through the gate first
+        wait_for_gate(gate)
+        join_distributed(info)
     try:
-        return train(config, info)
+        return train(config, info, before_gpu)
     finally:
         shutdown(info)
+
+
+def _through_gate(gate: str, info: DistInfo) -> None:
+    wait_for_gate(gate)
+    join_distributed(info)
 
 
 def wait_for_gate(gate: str | None, poll_s: float = 0.1) -> float:
@@ -76,10 +92,11 @@ def wait_for_gate(gate: str | None, poll_s: float = 0.1) -> float:
     return waited
 
 
-def train(config: RLTrainerConfig, info: DistInfo) -> int:
+def train(config: RLTrainerConfig, info: DistInfo, before_gpu: Callable[[], None] | None = None) -> int:
+    """`before_gpu`: run once the model is loaded on the CPU, before anything reaches the GPU (the gate)."""
     out = config.output_dir
     ckpt_root = run_layout.trainer_checkpoints_dir(out)
-    t = open_trainer(config, info, run_layout.trainer_dir(out) / "metrics.jsonl", ckpt_root)
+    t = open_trainer(config, info, run_layout.trainer_dir(out) / "metrics.jsonl", ckpt_root, before_gpu)
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     scorer, logger, say = t.scorer, t.logger, t.say
     state = TrainState(model, optimizer, scheduler, dict)

@@ -45,10 +45,15 @@ class Trainer:
 
 
 def open_trainer(
-    config: SFTConfig | RLTrainerConfig, info: DistInfo, metrics_path: Path, ckpt_root: Path
+    config: SFTConfig | RLTrainerConfig,
+    info: DistInfo,
+    metrics_path: Path,
+    ckpt_root: Path,
+    before_gpu: Callable[[], None] | None = None,
 ) -> Trainer:
     """Set up a trainer process the same way for SFT and RL: threads, seed, output-dir check, model → device
-    → sharding, optimizer, schedule, metrics. Resuming is left to `maybe_resume` (it needs the data state)."""
+    → sharding, optimizer, schedule, metrics. Resuming is left to `maybe_resume` (it needs the data state).
+    `before_gpu`: called once the model is loaded on the CPU, before it goes to the device."""
     set_num_threads(config.cpu_threads(), info)
     quiet_transformers()
     torch.manual_seed(config.seed)
@@ -60,6 +65,8 @@ def open_trainer(
     model = load_model(config.model, config.perf.master_dtype)
     # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
     lora_modules = apply_lora(model, config.lora)
+    if before_gpu is not None:
+        before_gpu()
     scorer = parallelize(model, info, config.perf, config.moe)
     state_dtype = resolve_state_dtype(config.perf.optimizer_state, info.device)
     optimizer = build_optimizer(model, config.optim, state_dtype)

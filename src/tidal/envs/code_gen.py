@@ -46,6 +46,23 @@ def _signed(value: int) -> str:
     return f"+ {value}" if value >= 0 else f"- {-value}"
 
 
+def _multiples(function: str, what: str, link: str, term: str, total: Callable[[list[int]], int]) -> Family:
+    """`count_multiples(n)` / `sum_multiples(n)`: over the integers 1..n divisible by k."""
+    return Family(
+        function,
+        lambda r: {"k": r.randint(2, 40)},
+        lambda p: (
+            f"Write a Python function `{function}(n)` that returns {what} from 1 to n (inclusive) {link} "
+            f"divisible by {p['k']}."
+        ),
+        lambda r: [r.randint(0, 500)],
+        lambda p, a: total([i for i in range(1, a[0] + 1) if i % p["k"] == 0]),
+        lambda p: (
+            f"def {function}(n):\n    return sum({term} for i in range(1, n + 1) if i % {p['k']} == 0)\n"
+        ),
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "affine": Family(
         "affine",
@@ -79,30 +96,8 @@ FAMILIES: dict[str, Family] = {
         lambda p, a: min(max(a[0], p["lo"]), p["hi"]),
         lambda p: f"def clamp(x):\n    return min(max(x, {p['lo']}), {p['hi']})\n",
     ),
-    "count_multiples": Family(
-        "count_multiples",
-        lambda r: {"k": r.randint(2, 40)},
-        lambda p: (
-            f"Write a Python function `count_multiples(n)` that returns how many integers from 1 to n "
-            f"(inclusive) are divisible by {p['k']}."
-        ),
-        lambda r: [r.randint(0, 500)],
-        lambda p, a: a[0] // p["k"],
-        lambda p: (
-            f"def count_multiples(n):\n    return sum(1 for i in range(1, n + 1) if i % {p['k']} == 0)\n"
-        ),
-    ),
-    "sum_multiples": Family(
-        "sum_multiples",
-        lambda r: {"k": r.randint(2, 40)},
-        lambda p: (
-            f"Write a Python function `sum_multiples(n)` that returns the sum of the integers from 1 to n "
-            f"(inclusive) that are divisible by {p['k']}."
-        ),
-        lambda r: [r.randint(0, 500)],
-        lambda p, a: sum(i for i in range(1, a[0] + 1) if i % p["k"] == 0),
-        lambda p: f"def sum_multiples(n):\n    return sum(i for i in range(1, n + 1) if i % {p['k']} == 0)\n",
-    ),
+    "count_multiples": _multiples("count_multiples", "how many integers", "are", "1", len),
+    "sum_multiples": _multiples("sum_multiples", "the sum of the integers", "that are", "i", sum),
     "count_greater": Family(
         "count_greater",
         lambda r: {"t": r.randint(-50, 50)},

@@ -121,3 +121,6 @@ def test_rl_publishes_through_gpu_memory_and_inference_follows_the_trainer(tmp_p
     assert json.loads((last / "cuda_ipc.json").read_text())["step"] == STEPS
     logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
     assert "tidal cuda_ipc: loaded step" in logs  # the server's engine says what it loaded, and how fast
+    # the trainer shares vLLM's GPU: it started while vLLM loaded and waited at the gate before the GPU
+    assert "trainer and orchestrator started while vLLM loaded" in result.stdout
+    assert "waited" in (out / "logs" / "trainer.log").read_text() and (out / "trainer" / "gpu_gate").exists()

@@ -305,8 +305,8 @@ def test_rollouts_longer_than_seq_len_warn_and_stop_the_run_only_when_none_is_le
 
 
 def test_online_eval_rollouts_are_kept_for_the_first_and_final_eval_by_default(tmp_path):
-    from tidal.eval.runner import RolloutRecord
-    from tidal.orchestrator.loop import keeps_rollouts, write_eval_rollouts
+    from tidal.eval.runner import RolloutRecord, write_rollouts
+    from tidal.orchestrator.loop import keeps_rollouts
 
     assert keeps_rollouts("first_and_final", 0, False) and keeps_rollouts("first_and_final", 30, True)
     assert not keeps_rollouts("first_and_final", 10, False)
@@ -315,6 +315,6 @@ def test_online_eval_rollouts_are_kept_for_the_first_and_final_eval_by_default(t
     records = [
         RolloutRecord("math", "math/3", 3, 0, reward=1.0, messages=[{"role": "assistant", "content": "7"}])
     ]
-    write_eval_rollouts(path, records)
+    write_rollouts(path, records)
     [line] = path.read_text().splitlines()
     assert json.loads(line)["task_id"] == "math/3" and json.loads(line)["messages"][0]["content"] == "7"

@@ -197,10 +197,16 @@ def write_outputs(config: EvalConfig, results: EvalResults, seconds: float, erro
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     (out / "eval.md").write_text(markdown_table(config.model.name, results.reports, config.confidence))
     if config.save_rollouts:
-        with (out / "rollouts.jsonl").open("w") as fh:
-            for r in results.records:
-                fh.write(json.dumps(r.__dict__) + "\n")
+        write_rollouts(out / "rollouts.jsonl", results.records)
     return out
+
+
+def write_rollouts(path: Path, records: list[RolloutRecord]) -> None:
+    """Rollout records, one JSON line each: `tidal eval`'s rollouts.jsonl and the online evals' own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for record in records:
+            fh.write(json.dumps(record.__dict__) + "\n")
 
 
 async def evaluate(

@@ -16,7 +16,6 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tidal import run_layout
@@ -251,7 +250,7 @@ class Orchestrator:
         An eval environment that fails is logged and left out; training goes on."""
         from tidal.config.eval import EvalConfig
         from tidal.envs.registry import build_env as build_one
-        from tidal.eval.runner import EvalResults, evaluate_envs
+        from tidal.eval.runner import EvalResults, evaluate_envs, write_rollouts
 
         spec = self.config.online_eval
         assert spec.env is not None and spec.sampling is not None  # OrchestratorConfig fills the defaults
@@ -266,7 +265,7 @@ class Orchestrator:
         await evaluate_envs(client.generation, self.tokenizer, envs, eval_config, results)
         self._keep_eval(step, version, final, results.reports)
         if keeps_rollouts(spec.save_rollouts, step, final):
-            write_eval_rollouts(run_layout.online_eval_rollouts_path(self.out, step, final), results.records)
+            write_rollouts(run_layout.online_eval_rollouts_path(self.out, step, final), results.records)
         metrics: dict[str, float] = {"eval/policy_version": version}
         for name, report in results.reports.items():
             for key, value in report.items():
@@ -503,14 +502,6 @@ def step_metrics(
 def keeps_rollouts(which: str, step: int, final: bool) -> bool:
     """Whether the online eval at `step` (`final`: the one after the last step) writes its rollouts."""
     return which == "all" or (which == "first_and_final" and (final or step == 0))
-
-
-def write_eval_rollouts(path: Path, records: list[Any]) -> None:
-    """An online eval's rollout records, one JSON line each (as `tidal eval`'s rollouts.jsonl)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for record in records:
-            fh.write(json.dumps(record.__dict__) + "\n")
 
 
 def warn_if_loop_held(step: int, metrics: dict[str, Any], limit: float) -> None:

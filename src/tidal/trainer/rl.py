@@ -58,22 +58,22 @@ from tidal.types import MicroBatch, TrainBatch
 def main(config: RLTrainerConfig) -> int:
     gate = os.environ.get(run_layout.TRAINER_GATE_ENV)
     info = plan_distributed(config.device, config.perf.cp)
+    through_gate = functools.partial(_through_gate, gate, info)
     before_gpu = None
     if gate and info.world_size == 1:
         # one rank needs no process group to load: tokenizer and model load on the CPU while vLLM starts,
         # and the GPU is touched only past the gate
-        before_gpu = functools.partial(_through_gate, gate, info)
+        before_gpu = through_gate
     else:
         # several ranks agree on the checkpoint to resume from before loading: through the gate first
-        wait_for_gate(gate)
-        join_distributed(info)
+        through_gate()
     try:
         return train(config, info, before_gpu)
     finally:
         shutdown(info)
 
 
-def _through_gate(gate: str, info: DistInfo) -> None:
+def _through_gate(gate: str | None, info: DistInfo) -> None:
     wait_for_gate(gate)
     join_distributed(info)
 
@@ -88,7 +88,7 @@ def wait_for_gate(gate: str | None, poll_s: float = 0.1) -> float:
     while not path.exists():
         time.sleep(poll_s)
     waited = time.perf_counter() - start
-    print(f"trainer: imported and waited {waited:.1f} s for vLLM to load on this GPU", flush=True)
+    print(f"trainer: waited {waited:.1f} s for vLLM to load on this GPU", flush=True)
     return waited
 
 

@@ -131,6 +131,15 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     return args
 
 
+def toml_inline(value: Any) -> str:
+    """A value as a TOML inline literal (a command-line override's value), for str/bool/number/list/dict."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml_inline(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_inline(item) for item in value) + "]"
+    return json.dumps(value)  # a JSON string, bool or number is also a TOML one
+
+
 def score(report: dict[str, Any]) -> dict[str, Any]:
     """An environment's greedy avg@1 as the results file writes it: mean, 95% interval, number of tasks."""
     estimate = report["avg@1"]
@@ -221,9 +230,28 @@ class Recipe:
             args += ["--trainer.optim.lr", self.lr]
         if self.max_steps:
             args += ["--max-steps", str(self.max_steps)]
+        args += self.sandbox_fallback()
         self.commands.append("tidal " + " ".join(args))
         self.rl_started = time.monotonic()
         return tidal(args, self.dir / "rl.log")
+
+    def sandbox_fallback(self) -> list[str]:
+        """The recipe's environments with `sandbox = "process"` where it asks for bwrap and bwrap cannot run
+        here (the GPU machine's image has no bubblewrap): the model's code then runs in its own process group
+        under rlimits only, on a machine that is thrown away after the call. Recorded in the run's notes."""
+        envs = tomllib.loads(self.rl_config.read_text()).get("orchestrator", {}).get("env", [])
+        if not any(env.get("kwargs", {}).get("sandbox") == "bwrap" for env in envs):
+            return []
+        from tidal.envs import bwrap
+
+        problem = bwrap.probe()
+        if problem is None:
+            return []
+        self.notes["sandbox"] = f"process, not the recipe's bwrap: {problem}"
+        for env in envs:
+            if env.get("kwargs", {}).get("sandbox") == "bwrap":
+                env["kwargs"]["sandbox"] = "process"
+        return ["--orchestrator.env", toml_inline(envs)]
 
     def result(self, code: int | None, stopped: bool) -> dict[str, Any]:
         self.rl_ended = time.monotonic()

@@ -58,6 +58,8 @@ copy_parts() {
     for m in pandas datasets accelerate peft pyarrow transformers huggingface_hub; do  # what the machine has
         python3 -c "import $m; print('have $m', $m.__version__)" 2>/dev/null || echo "lacks $m"
     done
+    # the code recipe's sandbox: without bubblewrap real_models.py runs its code under rlimits only (noted)
+    PYTHONPATH=$PWD/src python3 -c "from tidal.envs import bwrap; print('bwrap:', bwrap.probe() or 'works')" || true
 }
 
 summary() {  # one line per RL run: step, reward, step time, online evals

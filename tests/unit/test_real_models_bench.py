@@ -59,3 +59,22 @@ def test_a_warm_up_length_per_recipe(tmp_path: Path) -> None:
     assert len({r.port for r in recipes}) == 3
     with pytest.raises(SystemExit, match=r"\+4 names a warm-up"):
         Recipe("alphabet_sort+4", "smollm2", "model.gguf", tmp_path)
+
+
+def test_a_recipe_that_asks_for_bwrap_runs_its_code_in_process_only_where_bwrap_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tidal.config.loader import parse_value
+    from tidal.envs import bwrap
+
+    code, math = _recipes(["code", "math"], tmp_path)
+    monkeypatch.setattr(bwrap, "probe", lambda: None)
+    assert code.sandbox_fallback() == [] and "sandbox" not in code.notes
+    monkeypatch.setattr(bwrap, "probe", lambda: "bwrap is not installed")
+    assert math.sandbox_fallback() == []  # no environment of it asks for bwrap
+    flag, value = code.sandbox_fallback()
+    assert flag == "--orchestrator.env"
+    envs = parse_value(value)  # what the command line makes of it
+    assert envs[0]["name"] == "code" and envs[0]["kwargs"]["sandbox"] == "process"
+    assert envs[0]["kwargs"]["generated"] is True  # the rest of the recipe's kwargs kept
+    assert "bwrap is not installed" in code.notes["sandbox"]

@@ -98,3 +98,34 @@ def test_a_failed_role_restarts_within_the_budget_then_stops_the_run_with_one_er
         ("recovery", "orchestrator", None, None),  # the restart had not recovered yet
     ]
     assert events[0]["restart"] == 1 and "reason" in events[1] and events[2]["complete"] is False
+
+
+def test_every_key_a_role_shares_by_name_with_the_top_is_taken_from_the_top_and_refused_in_the_sub_table(
+    tmp_path,
+):
+    from tidal.config.rl import SET_FROM_THE_TOP
+    from tidal.launcher.split import split_config
+
+    top = {
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 7,
+        "seed": 11,
+        "resume": False,
+        "max_async_level": 2,
+        "model": {"name": "some/model", "dtype": "float32"},
+        "wandb": {"enabled": True, "project": "p7", "mode": "offline"},
+    }
+    rl = RLConfig.model_validate(top)
+    roles = split_config(rl, on_gpu=False)
+    shared = {k: v for k, v in SET_FROM_THE_TOP.items() if ".".join(k[1:]) == v}
+    assert {("inference", "model"), ("orchestrator", "max_async_level"), ("trainer", "wandb")} <= set(shared)
+    for (role, key), _ in shared.items():
+        for config in roles.replicas if role == "inference" else [getattr(roles, role)]:
+            if (role, key) == ("trainer", "wandb"):  # the launcher logs the one W&B run; the trainer doesn't
+                assert not config.wandb.enabled
+            else:
+                assert getattr(config, key) == getattr(rl, key), (role, key)
+        value = getattr(rl, key)
+        written = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+        with pytest.raises(ValueError, match="sets this from"):  # pydantic's ValidationError is one
+            RLConfig.model_validate({**top, role: {key: written}})

@@ -440,13 +440,10 @@ class RLTrainerConfig(TrainerRunConfig, RLRunConfig):
 
 # Keys `tidal rl` sets in its processes' configs from elsewhere in its own file (launcher/split.py), and
 # where the user sets them instead: a value written in the sub-table would be overwritten without a word.
+# Every key a role's schema shares by name with RLConfig (the RLRunConfig block, and `model`,
+# `max_async_level`, `wandb`) is added below RLConfig, read off the schemas (`_shared_by_name`); here are the
+# keys derived from other keys of the run.
 SET_FROM_THE_TOP: dict[tuple[str, ...], str] = {
-    # the shared block, declared once (RLRunConfig), and the other keys a role takes from the top
-    **{(role, key): key for role in ("orchestrator", "trainer") for key in RLRunConfig.model_fields},
-    ("inference", "model"): "model",
-    ("trainer", "wandb"): "wandb",
-    ("orchestrator", "max_async_level"): "max_async_level",
-    # derived from other keys of the run
     ("trainer", "temperature"): "orchestrator.sampling.temperature",
     ("orchestrator", "client", "urls"): "inference.server.host` / `port` and `deployment.num_replicas",
     ("orchestrator", "batch", "num_trainer_ranks"): "deployment.num_trainer_ranks",
@@ -572,6 +569,25 @@ class RLConfig(RLRunConfig):
             check_disaggregated_rl(self)
         check_max_model_len(self)
         return self
+
+
+ROLE_TABLES = ("inference", "orchestrator", "trainer")
+
+
+def _shared_by_name() -> dict[tuple[str, ...], str]:
+    """(role, key) for every key a role's schema declares under the same name as one of RLConfig's: the
+    launcher copies each of them from the top (`launcher/split.py`), so none is listed by hand."""
+    shared: dict[tuple[str, ...], str] = {}
+    for role in ROLE_TABLES:
+        schema = RLConfig.model_fields[role].annotation
+        assert isinstance(schema, type) and issubclass(schema, Config)
+        for key in schema.model_fields:
+            if key in RLConfig.model_fields and key not in ROLE_TABLES:
+                shared[(role, key)] = key
+    return shared
+
+
+SET_FROM_THE_TOP.update(_shared_by_name())
 
 
 def check_publish_combinations(rl: RLConfig) -> None:

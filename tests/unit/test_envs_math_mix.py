@@ -116,7 +116,15 @@ def test_gsm8k_answers_and_math_env_rollout():
 
 
 def test_registry_builds_every_builtin_and_rejects_bad_input():
-    assert set(env_names()) == {"reverse_text", "alphabet_sort", "math", "wordle", "tool_use", "code"}
+    assert set(env_names()) == {
+        "reverse_text",
+        "alphabet_sort",
+        "math",
+        "wordle",
+        "tool_use",
+        "code",
+        "shapes",
+    }
     for name in env_names():
         env = load_env(name, num_examples=5)
         assert env.name == name and env.num_tasks() == 5

@@ -18,6 +18,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "wordle": "tidal.envs.wordle:WordleEnv",
     "tool_use": "tidal.envs.tool_use:ToolUseEnv",
     "code": "tidal.envs.code_tests:CodeTestsEnv",
+    "shapes": "tidal.envs.shapes:ShapesEnv",
 }
 ENTRY_POINT_GROUP = "tidal.environments"
 VERIFIERS_PREFIX = "vf:"

@@ -202,6 +202,9 @@ class Environment(ABC):
     """Base of every environment: a deterministic task list, a rollout, weighted reward functions."""
 
     name: str = "env"
+    gives_images: bool = False
+    """Its prompts carry images (content parts of type `image_url`). The commands refuse such an environment
+    until the image path through rollouts, batches and the trainer exists (README, Vision-language models)."""
 
     def __init__(self, rewards: list[tuple[RewardFn, float]] | None = None):
         self.rewards = rewards if rewards is not None else self.default_rewards()

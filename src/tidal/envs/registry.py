@@ -120,7 +120,19 @@ def load_env(name: str, **kwargs: Any) -> Environment:
 
 def check_env(spec: "EnvSpec") -> None:
     """Everything about `spec` that can fail without building it: the name, the import, the arguments."""
-    bind_kwargs(resolve_env(spec.name), dict(spec.kwargs))
+    resolved = resolve_env(spec.name)
+    bind_kwargs(resolved, dict(spec.kwargs))
+    refuse_images(spec.name, resolved.factory)
+
+
+def refuse_images(name: str, target: Any) -> None:
+    """A one-line `UserError` for an environment (class or instance) whose prompts carry images: no command
+    can roll them out, batch them or train on them yet, and a text-only template would drop them silently."""
+    if getattr(target, "gives_images", False) is True:
+        raise UserError(
+            f"environment {name!r} gives images, and tidal's rollout, batch and trainer paths carry text "
+            "only so far (README, Vision-language models)"
+        )
 
 
 def check_envs(named: "list[tuple[str, EnvSpec]]") -> None:
@@ -140,6 +152,7 @@ def check_envs(named: "list[tuple[str, EnvSpec]]") -> None:
 
 def build_env(spec: "EnvSpec") -> Environment:
     env = load_env(spec.name, **spec.kwargs)
+    refuse_images(spec.name, env)
     if spec.label is not None:
         env.name = spec.label  # an instance attribute: the class keeps its own name
     return env

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.common import BuiltinDataset, FileDataset, HFDataset
+from tidal.config.env_names import BUILTIN_ENVS
 from tidal.errors import UserError, first_line
 
 Conversation = list[dict[str, Any]]
@@ -15,7 +16,10 @@ VALID_ROLES = frozenset(ROLES)
 def load_conversations(source: FileDataset | HFDataset | BuiltinDataset) -> list[Conversation]:
     if isinstance(source, BuiltinDataset):
         from tidal.envs.demonstrations import generate_demonstrations
+        from tidal.envs.registry import refuse_images, resolve_env
 
+        if source.name in BUILTIN_ENVS:  # an unknown name gets generate_demonstrations' own message
+            refuse_images(source.name, resolve_env(source.name).factory)
         return generate_demonstrations(
             source.name, source.split, source.num_examples, source.seed, dict(source.kwargs)
         )

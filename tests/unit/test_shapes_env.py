@@ -1,0 +1,102 @@
+"""The visual environment `shapes`: the picture shows what the answers say, replies are parsed as models write
+them, splits hold out whole pictures, and every command refuses it until the image path exists."""
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from tidal.config.common import BuiltinDataset
+from tidal.config.envs import EnvSpec
+from tidal.envs.base import Episode
+from tidal.envs.registry import build_env, check_env
+from tidal.envs.shapes import COLOURS, ShapesEnv, has_image, parse_answer, split_key, turns_correct
+from tidal.errors import UserError
+from tidal.trainer.sources import load_conversations
+
+
+def _picture(task) -> Image.Image:
+    url = task.messages[1]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+
+
+@pytest.mark.parametrize("grid,size", [(3, 112), (4, 224)])
+def test_each_cell_shows_the_shape_the_task_records_and_the_answers_count_them(grid, size):
+    env = ShapesEnv(grid=grid, image_size=size, max_shapes=grid * 2)
+    for index in range(12):
+        task = env.task(index)
+        image = _picture(task)
+        assert image.size == (size, size)
+        cell = size / grid
+        drawn = {}
+        for number in range(grid * grid):
+            row, col = divmod(number, grid)
+            # the centre of a cell is inside a circle, a square and a triangle alike
+            pixel = image.getpixel((int((col + 0.5) * cell), int((row + 0.55) * cell)))
+            drawn[number] = next((name for name, rgb in COLOURS.items() if rgb == pixel), None)
+            if drawn[number] is None:
+                assert pixel == (255, 255, 255), (index, number, pixel)
+        assert {c: col for c, col in drawn.items() if col} == {
+            cell: col for _, col, cell in task.info["scene"]
+        }
+        for question, answer in task.info["qa"]:
+            if question.startswith("How many") and "shapes" in question:
+                colour = question.split()[2]
+                assert answer == str(sum(c == colour for c in drawn.values()))
+
+
+def test_replies_are_read_as_models_write_them():
+    assert parse_answer("There are 2 red shapes in the picture.", number=True) == "2"
+    assert parse_answer("**Three**", number=True) == "3"
+    assert parse_answer("The triangle is blue.", number=False) == "blue"
+    assert parse_answer("It is red. No, Purple", number=False) == "purple"  # the last one counts
+    assert parse_answer("There are 2 red shapes.", number=False) == "red"
+    assert parse_answer("I cannot tell.", number=True) is None
+
+
+def test_a_multi_turn_task_asks_distinct_questions_about_one_picture_and_scores_each_turn():
+    env = ShapesEnv(min_turns=3, max_turns=3, min_shapes=4, max_shapes=6)
+    task = env.task(0)
+    questions = [q for q, _ in task.info["qa"]]
+    assert len(questions) == 3 == len(set(questions))
+    demo = env.demonstration(task)
+    assert has_image(demo[:2]) and not has_image(demo[2:])  # later turns ask about the same picture
+    episode = Episode(prompt_ids=[], messages=demo)
+    assert turns_correct(task, episode) == 1.0
+    wrong = [dict(m) for m in demo]
+    wrong[2]["content"] = "I think " + ("7" if wrong[2]["content"] != "7" else "8")
+    assert turns_correct(task, Episode(prompt_ids=[], messages=wrong)) == pytest.approx(2 / 3)
+    assert turns_correct(task, Episode(prompt_ids=[], messages=demo[:3])) == pytest.approx(1 / 3)
+
+
+def test_the_held_out_split_holds_out_whole_pictures():
+    train = {split_key(ShapesEnv().task(i)) for i in range(60)}
+    heldout = {split_key(ShapesEnv(split="heldout").task(i)) for i in range(20)}
+    assert len(heldout) == 20 and not train & heldout
+
+
+@pytest.mark.parametrize(
+    "kwargs,problem",
+    [
+        ({"grid": 1}, "grid"),
+        ({"max_shapes": 10}, "grid"),
+        ({"image_size": 8}, "image_size"),
+        ({"min_turns": 2}, "turns"),
+    ],
+)
+def test_bad_settings_are_one_line(kwargs, problem):
+    with pytest.raises(ValueError, match=problem):
+        ShapesEnv(**kwargs)
+
+
+def test_every_command_refuses_an_environment_with_images_in_one_line():
+    spec = EnvSpec(name="shapes")
+    for check in (check_env, build_env):
+        with pytest.raises(UserError, match="'shapes' gives images") as caught:
+            check(spec)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(UserError, match="gives images"):
+        load_conversations(BuiltinDataset(type="builtin", name="shapes"))
+    check_env(EnvSpec(name="alphabet_sort"))  # a text environment passes

@@ -157,7 +157,8 @@ def turns_correct(task: Task, episode: Episode) -> float:
     answers = [answer for _, answer in task.info["qa"]]
     replies = model_replies(episode)
     right = sum(
-        parse_answer(reply, answer.isdigit()) == answer for reply, answer in zip(replies, answers, strict=False)
+        parse_answer(reply, answer.isdigit()) == answer
+        for reply, answer in zip(replies, answers, strict=False)
     )
     return right / len(answers)
 

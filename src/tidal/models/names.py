@@ -8,6 +8,7 @@
 from tidal.models.gguf import Say, is_gguf_name, resolve_gguf
 from tidal.models.random_models import random_model_dir
 from tidal.models.tiny import tiny_model_dir
+from tidal.models.tiny_vlm import tiny_vlm_dir
 
 
 def prepare_model_files(name: str, say: Say) -> None:
@@ -26,9 +27,11 @@ def resolve_model_name(name: str, say: Say | None = None) -> str:
 
 def resolve_test_model(name: str) -> str:
     """The directory of a local test model (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`,
-    `…/tiny-qwen3-moe`, `…/random-qwen3-0.6b`, …), built on first use; any other name unchanged. Configs go
+    `…/tiny-qwen3-moe`, `…/tiny-idefics3` (a vision-language model), `…/random-qwen3-0.6b`, …), built on first use; any other name unchanged. Configs go
     through `resolve_model_name`, which also converts GGUF files."""
     found = tiny_model_dir(name)
+    if found is None:
+        found = tiny_vlm_dir(name)
     if found is None:
         found = random_model_dir(name)
     return name if found is None else found

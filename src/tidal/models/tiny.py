@@ -157,8 +157,9 @@ def _build_char_model(
     return write_model_dir(Path(target), model, tokenizer)
 
 
-def write_model_dir(target: Path, model: Any, tokenizer: Any) -> Path:
-    """Save model, tokenizer and a greedy generation config to `target` via a staging dir and one rename."""
+def write_model_dir(target: Path, model: Any, tokenizer: Any, processor: Any = None) -> Path:
+    """Save model, tokenizer (and a multimodal model's processor) and a greedy generation config to `target`
+    via a staging dir and one rename."""
     from transformers import GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +167,8 @@ def write_model_dir(target: Path, model: Any, tokenizer: Any) -> Path:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        if processor is not None:
+            processor.save_pretrained(staging)
         GenerationConfig(
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
         ).save_pretrained(staging)

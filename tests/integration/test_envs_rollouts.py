@@ -3,6 +3,7 @@
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +225,14 @@ class FirstTurnScripted:
         self.inner, self.text, self.tokenizer = inner, text, inner.tokenizer
         self.scripted = False
 
-    async def complete(self, prompt_ids: list[int]) -> Turn:
+    async def complete(self, prompt_ids: list[int], images: Sequence[str] = ()) -> Turn:
         if self.scripted:
             return await self.inner.complete(prompt_ids)
         self.scripted = True
         ids = self.tokenizer(self.text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return Turn(list(prompt_ids), ids, [0.0] * len(ids), self.text, "stop")
 
-    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+    async def complete_n(self, prompt_ids: list[int], n: int, images: Sequence[str] = ()) -> list[Turn]:
         raise NotImplementedError  # multi-turn environments sample one turn at a time
 
 

@@ -4,6 +4,7 @@ with the tiny model's ChatML template and with the Qwen3-style one (which re-ren
 import asyncio
 import json
 import re
+from collections.abc import Sequence
 
 import pytest
 
@@ -30,7 +31,7 @@ class ScriptedSampler:
         self.prompts: list[list[int]] = []
         self.sampled: list[list[int]] = []
 
-    async def complete(self, prompt_ids: list[int]) -> Turn:
+    async def complete(self, prompt_ids: list[int], images: Sequence[str] = ()) -> Turn:
         self.prompts.append(list(prompt_ids))
         text = self.replies.pop(0) if self.replies else ""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
@@ -322,7 +323,7 @@ class ContextLimitedSampler(ScriptedSampler):
         super().__init__(replies)
         self.limit = limit
 
-    async def complete(self, prompt_ids: list[int]) -> Turn:
+    async def complete(self, prompt_ids: list[int], images: Sequence[str] = ()) -> Turn:
         if len(prompt_ids) >= self.limit:
             raise ContextFull(f"{len(prompt_ids)} tokens")
         return await super().complete(prompt_ids)

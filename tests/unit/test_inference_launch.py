@@ -146,3 +146,15 @@ def test_vllm_is_served_through_its_current_entry_point_without_the_deprecated_m
     from tidal.inference import vllm_main
 
     assert vllm_main.server_module() == vllm_main.CURRENT
+
+
+def test_a_vision_language_model_is_served_with_the_token_in_route_for_pictures(tmp_path: Path) -> None:
+    from tidal.models.vision import sees_images
+
+    assert "--enable-scale-out" in build_launch(config(), "m", "cpu", sees_images=True).argv
+    assert "--enable-scale-out" not in build_launch(config(), "m", "cpu").argv  # vLLM 0.26 has no such flag
+    vlm, text = tmp_path / "vlm", tmp_path / "text"
+    for directory, model in ((vlm, {"vision_config": {"hidden_size": 8}}), (text, {"hidden_size": 8})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(model))
+    assert sees_images(str(vlm)) and not sees_images(str(text))

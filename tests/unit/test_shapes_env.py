@@ -9,10 +9,13 @@ from PIL import Image
 
 from tidal.config.common import BuiltinDataset
 from tidal.config.envs import EnvSpec
+from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode
+from tidal.envs.chat import message_images
 from tidal.envs.registry import build_env, check_env
 from tidal.envs.shapes import COLOURS, ShapesEnv, has_image, parse_answer, split_key, turns_correct
 from tidal.errors import UserError
+from tidal.orchestrator.loop import build_env as orchestrator_env
 from tidal.trainer.sources import load_conversations
 
 
@@ -91,12 +94,89 @@ def test_bad_settings_are_one_line(kwargs, problem):
         ShapesEnv(**kwargs)
 
 
-def test_every_command_refuses_an_environment_with_images_in_one_line():
+def test_the_training_commands_refuse_an_environment_with_images_in_one_line():
     spec = EnvSpec(name="shapes")
-    for check in (check_env, build_env):
-        with pytest.raises(UserError, match="'shapes' gives images") as caught:
-            check(spec)
-        assert "\n" not in str(caught.value)
+    with pytest.raises(
+        UserError, match="'shapes' gives images.*training on pictures is not supported"
+    ) as caught:
+        check_env(spec)  # what `tidal rl` checks before it starts anything
+    assert "\n" not in str(caught.value)
     with pytest.raises(UserError, match="gives images"):
-        load_conversations(BuiltinDataset(type="builtin", name="shapes"))
+        load_conversations(BuiltinDataset(type="builtin", name="shapes"))  # `tidal sft`'s built-in data
+    with pytest.raises(UserError, match="gives images"):
+        orchestrator_env(OrchestratorConfig(env=[spec]))  # `tidal orchestrator` alone
+    assert build_env(spec).gives_images  # `tidal eval` builds it (and checks the model: test_vlm)
     check_env(EnvSpec(name="alphabet_sort"))  # a text environment passes
+
+
+def test_pictures_are_found_in_every_content_part_form_and_a_missing_one_is_named():
+    url = "data:image/png;base64,AAAA"
+    picture = Image.new("RGB", (4, 4), "red")
+    messages = [
+        {"role": "system", "content": "text only"},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "image", "url": "https://x/y.png"}, {"type": "image", "image": picture}],
+        },
+    ]
+    found = message_images(messages)
+    assert found[:2] == [url, "https://x/y.png"] and found[2].startswith("data:image/png;base64,")
+    assert _picture_of(found[2]).getpixel((0, 0)) == (255, 0, 0)
+    with pytest.raises(ValueError, match="image_url content part without a picture"):
+        message_images([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def _picture_of(url: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+
+
+class PictureSampler:
+    """Answers each turn with the next scripted reply; records the prompt ids and pictures of each request."""
+
+    def __init__(self, replies: list[str]):
+        from tidal.models.tiny_vlm import build_tokenizer
+
+        self.tokenizer, self.replies, self.requests = build_tokenizer(), list(replies), []
+
+    async def complete(self, prompt_ids, images=()):  # type: ignore[no-untyped-def]
+        from tidal.envs.base import Turn
+
+        self.requests.append((list(prompt_ids), list(images)))
+        text = self.replies.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return Turn(list(prompt_ids), ids, [-0.1] * len(ids), text, "stop")
+
+
+def test_a_multi_turn_episode_sends_its_picture_with_every_turn_and_continues_the_templates_ids():
+    import asyncio
+
+    from tidal.envs.base import run_episode
+
+    env = ShapesEnv(min_turns=2, max_turns=2, min_shapes=4)
+    task = env.task(0)
+    sampler = PictureSampler([answer for _, answer in task.info["qa"]])
+    episode = asyncio.run(run_episode(env, task, sampler))
+    assert episode.reward == 1.0 and episode.num_turns == 2
+    (first, first_images), (second, second_images) = sampler.requests
+    assert first_images == second_images == message_images(task.messages) == episode.images
+    image_id = sampler.tokenizer.convert_tokens_to_ids("<image>")
+    assert first.count(image_id) == 1 and second.count(image_id) == 1  # never the expanded ids
+    assert second[: len(first)] == first  # the second turn continues the first exactly
+
+
+def test_a_picture_in_the_environments_reply_fails_the_rollout_with_its_reason():
+    import asyncio
+
+    from tidal.envs.base import run_episode
+
+    class PictureReply(ShapesEnv):
+        async def env_response(self, task, episode):  # type: ignore[no-untyped-def]
+            return [dict(task.messages[1])] if episode.num_turns < 2 else None
+
+    env = PictureReply(min_turns=1, max_turns=2)
+    with pytest.raises(ValueError, match="a picture in the environment's reply"):
+        asyncio.run(run_episode(env, env.task(0), PictureSampler(["1", "2"])))

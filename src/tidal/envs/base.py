@@ -11,13 +11,13 @@ import functools
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tidal.envs.chat import token_ids
+from tidal.envs.chat import message_images, token_ids
 from tidal.types import RoutedExperts
 
 
@@ -57,9 +57,12 @@ class Sampler(Protocol):
 
     tokenizer: Any
 
-    async def complete(self, prompt_ids: list[int]) -> Turn: ...
+    async def complete(self, prompt_ids: list[int], images: Sequence[str] = ()) -> Turn:
+        """One sample. `images`: the prompt's pictures in order (data or http URLs), one per image
+        placeholder that the chat template wrote into `prompt_ids` (`message_images`)."""
+        ...
 
-    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+    async def complete_n(self, prompt_ids: list[int], n: int, images: Sequence[str] = ()) -> list[Turn]:
         """n independent samples of one prompt in one request (one prefill): how single-turn groups run."""
         ...
 
@@ -90,6 +93,9 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     """What a multi-turn environment tracked during the rollout (game state, tool calls) for its rewards."""
 
+    images: list[str] = field(default_factory=list)
+    """The pictures of the episode's prompts in order (data or http URLs), one per image placeholder in its
+    ids (the prompt's, then any the environment's turns added)."""
     routed_experts: RoutedExperts | None = None
     """Routes of the last model turn when it continued exactly this episode's context (they then cover every
     token up to that turn's last one); None otherwise."""
@@ -266,18 +272,20 @@ class SingleTurnEnv(Environment):
     """One model turn answering the task's messages."""
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
-        prompt = render_prompt(sampler.tokenizer, task.messages)
-        return self.episode(task, prompt, await sampler.complete(prompt))
+        prompt, images = render_prompt(sampler.tokenizer, task.messages), message_images(task.messages)
+        return self.episode(task, prompt, await sampler.complete(prompt, images))
 
     async def rollout_group(self, task: Task, sampler: GroupSampler, n: int) -> list[Episode | EpisodeWork]:
         """A whole group from one request: the prompt is prefilled once for all n samples."""
-        prompt = render_prompt(sampler.tokenizer, task.messages)
-        return [self.episode(task, prompt, turn) for turn in await sampler.complete_n(prompt, n)]
+        prompt, images = render_prompt(sampler.tokenizer, task.messages), message_images(task.messages)
+        return [self.episode(task, prompt, turn) for turn in await sampler.complete_n(prompt, n, images)]
 
     def episode(self, task: Task, prompt: list[int], turn: Turn) -> Episode:
         """The episode of one sampled answer to the task's messages."""
         episode = Episode(
-            prompt_ids=prompt, messages=[*task.messages, {"role": "assistant", "content": turn.text}]
+            prompt_ids=prompt,
+            messages=[*task.messages, {"role": "assistant", "content": turn.text}],
+            images=message_images(task.messages),
         )
         episode.add_model_turn(turn)
         return episode

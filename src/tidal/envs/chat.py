@@ -124,3 +124,39 @@ def closes_turn(tokenizer: Any, last_id: int, first_id: int, final_end: list[int
 def is_special(tokenizer: Any, token_id: int) -> bool:
     added = tokenizer.added_tokens_decoder.get(token_id)
     return token_id in tokenizer.all_special_ids or (added is not None and added.special)
+
+
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+"""Content-part types that carry a picture: OpenAI chat's `image_url`, transformers' `image`, OpenAI
+responses' `input_image`."""
+
+
+def message_images(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The pictures of `messages` in order, as URLs (data or http): one per image content part, which is
+    one image placeholder in what a vision-language model's chat template renders. A picture given as an
+    image object (PIL) becomes a PNG data URL. A part whose picture is missing is a ValueError."""
+    found: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                found.append(_picture_url(part))
+    return found
+
+
+def _picture_url(part: dict[str, Any]) -> str:
+    value: Any = part.get("image_url") or part.get("url") or part.get("image")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if isinstance(value, str) and value:
+        return value
+    if value is not None and hasattr(value, "save"):  # a PIL image
+        import base64
+        import io
+
+        out = io.BytesIO()
+        value.save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+    raise ValueError(f"an {part.get('type')} content part without a picture (no url or image in it)")

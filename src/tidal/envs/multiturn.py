@@ -8,7 +8,7 @@ from abc import abstractmethod
 from typing import Any
 
 from tidal.envs.base import ContextFull, Environment, Episode, Sampler, Task, answer_text, render_prompt
-from tidal.envs.chat import continue_prompt
+from tidal.envs.chat import continue_prompt, message_images
 from tidal.inference.types import ChatMessage
 
 Message = dict[str, Any]
@@ -34,12 +34,14 @@ class MultiTurnEnv(Environment):
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         prompt = self.initial_prompt(task, sampler)
-        episode = Episode(prompt_ids=prompt, messages=[dict(m) for m in task.messages])
+        episode = Episode(
+            prompt_ids=prompt, messages=[dict(m) for m in task.messages], images=message_images(task.messages)
+        )
         self.setup_episode(task, episode)
         context, reply = prompt, None
         for _ in range(self.max_turns):
             try:
-                turn = await sampler.complete(context)
+                turn = await sampler.complete(context, episode.images)
             except ContextFull:
                 if reply is None:
                     raise  # the task's own prompt does not fit: the rollout fails
@@ -53,6 +55,11 @@ class MultiTurnEnv(Environment):
             reply = await self.env_response(task, episode)
             if not reply or episode.num_turns >= self.max_turns:
                 break
+            if message_images(reply):
+                raise ValueError(
+                    f"{self.name}: a picture in the environment's reply (pictures go in the task's messages; "
+                    "later turns cannot add one yet)"
+                )
             context = next_context(sampler.tokenizer, episode, reply)
             if self.max_context_tokens is not None and len(context) > self.max_context_tokens:
                 episode.info["truncated"] = True
@@ -68,7 +75,12 @@ def next_context(tokenizer: Any, episode: Episode, reply: list[Message]) -> list
 
 
 def _chat_message(message: Message) -> ChatMessage:
-    return ChatMessage(role=message["role"], content=str(message.get("content") or ""))
+    """A message as continuation renders it. A history message with content parts keeps its text parts: only
+    the text after the model's reply is used, so its pictures need not be rendered again."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ChatMessage(role=message["role"], content=str(content))
 
 
 def model_replies(episode: Episode) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tidal.envs.base import Episode, RewardFn, Task
+from tidal.envs.chat import message_images
 from tidal.envs.multiturn import Message, MultiTurnEnv, model_replies
 from tidal.envs.splits import SplitTasks, check_split
 
@@ -36,8 +37,6 @@ SYSTEM_PROMPT = (
     "number (for example 2), a colour as its name (for example red)."
 )
 NUMBER_WORDS = {"zero": 0, "none": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
-IMAGE_PART_TYPES = ("image_url", "image", "input_image")
-"""Content-part types that carry an image (OpenAI chat, transformers' processors, OpenAI responses)."""
 
 
 @dataclass(frozen=True)
@@ -106,14 +105,8 @@ def image_message(url: str, text: str) -> Message:
 
 
 def has_image(messages: list[dict[str, Any]]) -> bool:
-    """Whether any message carries an image content part."""
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list) and any(
-            isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content
-        ):
-            return True
-    return False
+    """Whether any message carries a picture."""
+    return bool(message_images(messages))
 
 
 def make_task(

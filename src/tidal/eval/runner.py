@@ -278,12 +278,27 @@ def start_servers(replicas: list[InferenceConfig]) -> list["ServerProcess"]:
     return servers
 
 
+def check_pictures(envs: "list[tuple[EvalEnvSpec, Environment]]", model_name: str) -> None:
+    """A one-line `UserError` when an environment gives pictures and the model has no vision tower: a text
+    model's template would drop them without a word, and every answer would be a guess."""
+    from tidal.models import resolve_model_name
+    from tidal.models.vision import sees_images
+
+    picturing = [spec.name for spec, env in envs if env.gives_images]
+    if picturing and not sees_images(resolve_model_name(model_name)):
+        raise UserError(
+            f"environment {picturing[0]!r} gives images, but model {model_name!r} has no vision tower (no "
+            "vision_config in its config): evaluate a vision-language model on it"
+        )
+
+
 def main(config: EvalConfig) -> int:
     from tidal.envs.registry import build_env
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     # built before the server starts: a wrong name, import or argument is one line, not after vLLM's startup
     envs = [(spec, build_env(spec)) for spec in config.env]
+    check_pictures(envs, config.model.name)
     replicas = replica_configs(config) if config.server_url is None else []
     kv_store = storage_of(replicas)
     if kv_store is not None:  # KV of an earlier eval may be of other weights

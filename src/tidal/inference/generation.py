@@ -72,6 +72,8 @@ class GenerationClient:
 
     async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
         """Token in, token out: sampled ids with their logprobs under the sampling distribution."""
+        if request.images:
+            return await self.generate_with_images(request, session_id)
         body = {
             "prompt": list(request.prompt_token_ids),
             "n": request.n,
@@ -89,6 +91,23 @@ class GenerationClient:
         return Generation(
             prompt_token_ids=prompt_ids, completions=completions, server=server, weight_version=version
         )
+
+    async def generate_with_images(
+        self, request: GenerateRequest, session_id: str | None = None
+    ) -> Generation:
+        """Token in with pictures: vLLM's token-in route (`/inference/v1/generate`, vLLM ≥ 0.3x started with
+        `--enable-scale-out`, which `tidal inference` adds for a vision-language model). The prompt ids hold
+        one placeholder per picture, as the chat template writes it; the server expands each one into the
+        model's image tokens, and the generation's `prompt_token_ids` are the expanded ones."""
+        if self.pool.prefill_pool is not None:
+            raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
+        body = image_generate_body(
+            request, await self._model_name() if request.lora is None else request.lora
+        )
+        server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
+        generation = image_generation(data, server, version)
+        self._count(server, generation.completions)
+        return generation
 
     async def chat(self, request: ChatRequest, session_id: str | None = None) -> Generation:
         """Messages in (rendered by the server's chat template); prompt ids, completion ids, logprobs out.
@@ -213,4 +232,38 @@ def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion
         text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
         routed_experts=None if routes is None else decode_routes(routes),
+    )
+
+
+def image_generate_body(request: GenerateRequest, model: str) -> dict[str, Any]:
+    """The `/inference/v1/generate` body of a token-in request with pictures (vLLM's sampling parameters,
+    text out so that the environment reads the reply as the completions route would give it)."""
+    sampling = {**request.sampling.to_vllm(), "n": request.n, "logprobs": 0}
+    return {
+        "model": model,
+        "token_ids": list(request.prompt_token_ids),
+        "content_parts": [{"type": "image_url", "url": url} for url in request.images],
+        "sampling_params": sampling,
+        "output_mode": "text",
+        "return_token_ids": True,
+    }
+
+
+def image_generation(data: dict[str, Any], server: str, version: int) -> Generation:
+    """A `/inference/v1/generate` answer as a Generation: the expanded prompt ids, and per choice the sampled
+    ids, their logprobs (one per id) and the text."""
+    completions = []
+    for choice in _choices(data):
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(entry["logprob"]) for entry in entries]
+        if len(logprobs) != len(choice["token_ids"]):
+            raise ValueError(
+                f"{server}: /inference/v1/generate gave {len(logprobs)} logprobs for {len(choice['token_ids'])} tokens"
+            )
+        completions.append(_completion(choice, logprobs))
+    return Generation(
+        prompt_token_ids=tuple(data["prompt_token_ids"]),
+        completions=tuple(completions),
+        server=server,
+        weight_version=version,
     )

@@ -60,6 +60,7 @@ PUBLIC_ROUTES = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/inference/v1/generate",  # token in with pictures (served where vLLM runs with --enable-scale-out)
         "/tokenize",
         "/detokenize",
         "/is_paused",

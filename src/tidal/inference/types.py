@@ -46,6 +46,10 @@ class GenerateRequest(Message):
     """Samples per prompt (a GRPO group shares one prefill)."""
     lora: str | None = None
     """Name of a hot-loaded LoRA adapter to generate with (None: the base weights)."""
+    images: tuple[str, ...] = ()
+    """The prompt's pictures in order (data or http URLs), one per image placeholder that the chat template
+    wrote into `prompt_token_ids`; vLLM expands each placeholder into the model's image tokens. A request
+    with pictures goes to vLLM's token-in route (`/inference/v1/generate`, tidal.inference.generation)."""
 
 
 class ChatMessage(Message):

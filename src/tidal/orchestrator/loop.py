@@ -65,8 +65,10 @@ class OrchestratorState:
 
 def build_env(config: OrchestratorConfig) -> Environment:
     """One environment, or an EnvMix over several by weight (task order seeded by the run's seed)."""
-    from tidal.envs.registry import build_envs
+    from tidal.envs.registry import build_envs, refuse_images, resolve_env
 
+    for spec in config.env:  # `tidal rl` refuses them before it starts anything; `tidal orchestrator` here
+        refuse_images(spec.name, resolve_env(spec.name).factory)
     return build_envs(config.env, seed=config.seed)
 
 

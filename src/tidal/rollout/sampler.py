@@ -2,7 +2,7 @@
 and the seeds and ids that name each rollout."""
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +55,13 @@ class ClientSampler:
         for fork in self.forks.values():
             self.client.end_session(fork.session_id)
 
-    async def complete(self, prompt_ids: list[int]) -> Turn:
-        return (await self.complete_n(prompt_ids, 1))[0]
+    async def complete(self, prompt_ids: list[int], images: Sequence[str] = ()) -> Turn:
+        return (await self.complete_n(prompt_ids, 1, images))[0]
 
-    async def complete_n(self, prompt_ids: list[int], n: int) -> list[Turn]:
+    async def complete_n(self, prompt_ids: list[int], n: int, images: Sequence[str] = ()) -> list[Turn]:
         request = GenerateRequest(
             prompt_token_ids=tuple(prompt_ids),
+            images=tuple(images),
             n=n,
             sampling=SamplingParams(
                 temperature=self.temperature,
@@ -71,7 +72,10 @@ class ClientSampler:
         generation = await self.client.generate(request, session_id=self.session_id)
         self.versions.append(generation.weight_version)
         self.servers.append(generation.server)
-        prompt = list(generation.prompt_token_ids)
+        # with pictures the server answers with its expansion of each image placeholder; the episode keeps
+        # the ids as sent (one placeholder per picture), which the next turn continues: sending expanded
+        # ids with the pictures again would expand them twice
+        prompt = list(prompt_ids) if images else list(generation.prompt_token_ids)
         return [
             Turn(prompt, list(c.token_ids), list(c.logprobs), c.text, c.finish_reason, c.routed_experts)
             for c in generation.completions

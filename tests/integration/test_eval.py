@@ -34,6 +34,9 @@ kwargs = { num_examples = 10, max_turns = 2 }
 [[env]]
 name = "vf:vf_reverse_words"
 num_tasks = 2
+[[env]]
+name = "search"
+kwargs = { corpus_size = 12, max_turns = 2 }
 """
     )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [VF_ENVS, os.environ.get("PYTHONPATH")]))}
@@ -41,7 +44,7 @@ num_tasks = 2
     result = run_tidal(*args, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
-    assert set(report["envs"]) == {"reverse_text", "alphabet_sort", "vf:vf_reverse_words"}
+    assert set(report["envs"]) == {"reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search"}
     for name, env_report in report["envs"].items():
         tasks = 2 if name.startswith("vf:") else 3
         assert env_report["num_tasks"] == tasks and env_report["num_rollouts"] == 2 * tasks
@@ -53,7 +56,8 @@ num_tasks = 2
     assert "reward/sorted_agreement" in report["envs"]["alphabet_sort"]["metrics"]
     assert "reward/exact" in report["envs"]["vf:vf_reverse_words"]["metrics"]
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 3 + 2 * 3 + 2 * 2
+    assert len(rows) == 2 * 3 + 2 * 3 + 2 * 2 + 2 * 3
+    assert "tools/num_tool_calls" in report["envs"]["search"]["metrics"]
     assert all(r["messages"] and r["messages"][-1]["role"] == "assistant" for r in rows)
     table = (out / "eval.md").read_text()
     assert "| alphabet_sort | 3 | 2 | 0 |" in table and "avg@2" in table

@@ -301,30 +301,35 @@ VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
 
 
 def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tmp_path):
-    """reverse_text + alphabet_sort (examples/mix) plus an environment written for `verifiers`, in one run."""
+    """reverse_text + alphabet_sort (examples/mix) plus an environment written for `verifiers` and the
+    `search` agent environment (tools over a generated encyclopedia), in one run."""
     out = tmp_path / "mix"
     envs = (
         '[{name = "reverse_text", weight = 2.0, kwargs = {num_examples = 200, seed = 1}},'
         ' {name = "alphabet_sort", kwargs = {num_examples = 50, max_turns = 2, min_names = 2, max_names = 3}},'
-        ' {name = "vf:vf_reverse_words", kwargs = {num_examples = 20}}]'
+        ' {name = "vf:vf_reverse_words", kwargs = {num_examples = 20}},'
+        ' {name = "search", kwargs = {corpus_size = 12, max_turns = 2}}]'
     )
     result = run_tidal(
         "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
         "--orchestrator.env", envs,
         "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530",
+        # search's prompt (its tools described in the system message) is ~500 characters: room for turns
+        "--inference.vllm.max-model-len", "1024", "--orchestrator.batch.seq-len", "1024",
         "--orchestrator.online-eval.interval", "1", "--orchestrator.online-eval.num-tasks", "4", timeout=900,
         env={"PYTHONPATH": os.pathsep.join(filter(None, [VF_ENVS, os.environ.get("PYTHONPATH")]))},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     records = metrics(out, "orchestrator")
-    assert any(r.get("env/vf:vf_reverse_words/rollouts", 0) > 0 for r in records)
+    for env in ("vf:vf_reverse_words", "search"):
+        assert any(r.get(f"env/{env}/rollouts", 0) > 0 for r in records), env
     for record in records:
         for env in ("reverse_text", "alphabet_sort"):
             assert f"env/{env}/reward/mean" in record, sorted(record)
             assert record[f"env/{env}/rollouts"] > 0
         # online eval of the policy inference serves, every step (interval 1), greedy on 4 held-out tasks of
         # each environment the run trains on (the default when no [[orchestrator.online_eval.env]] is given)
-        for env in ("reverse_text", "alphabet_sort", "vf:vf_reverse_words"):
+        for env in ("reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search"):
             assert 0.0 <= record[f"eval/{env}/avg@1"] <= 1.0
             assert record[f"eval/{env}/num_tasks"] == 4
         assert 0.0 <= record["rollouts/failed_frac"] <= 1.0

@@ -124,6 +124,7 @@ def test_registry_builds_every_builtin_and_rejects_bad_input():
         "tool_use",
         "code",
         "shapes",
+        "search",
     }
     for name in env_names():
         env = load_env(name, num_examples=5)

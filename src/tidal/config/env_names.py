@@ -19,6 +19,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "tool_use": "tidal.envs.tool_use:ToolUseEnv",
     "code": "tidal.envs.code_tests:CodeTestsEnv",
     "shapes": "tidal.envs.shapes:ShapesEnv",
+    "search": "tidal.envs.search:SearchEnv",
 }
 ENTRY_POINT_GROUP = "tidal.environments"
 VERIFIERS_PREFIX = "vf:"

@@ -24,9 +24,11 @@ from tidal.envs.multiturn import Message
 from tidal.envs.splits import SplitTasks, check_split
 from tidal.envs.tools import Tool, ToolEnv, with_tool_system_prompt
 
-SYSTEM_PROMPT = (
-    "Answer from the encyclopedia: search finds articles, open reads one. Then reply <answer>name</answer>."
-)
+SYSTEM_PROMPT = "Reply <answer>name</answer> once you know the answer."
+QUESTION_PROMPT = "Search the encyclopedia to answer this question (call the search tool first): {question}"
+"""The instruction to search goes with the question: with it in the system message, Qwen2.5-Coder-0.5B
+answered from memory in 6 of 6 held-out questions, with it here it called search in 6 of 6 (greedy,
+2026-12-05)."""
 _ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 _SYLLABLES = [
     "ka",
@@ -344,7 +346,8 @@ class SearchEnv(ToolEnv):
 
     def task(self, index: int) -> Task:
         question = self._questions[index]
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question.text}]
+        asked = QUESTION_PROMPT.format(question=question.text)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": asked}]
         return Task(
             task_id=f"search/{index}",
             messages=messages,

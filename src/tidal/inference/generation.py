@@ -101,6 +101,8 @@ class GenerationClient:
         model's image tokens, and the generation's `prompt_token_ids` are the expanded ones."""
         if self.pool.prefill_pool is not None:
             raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
+        if request.lora is None and self.adapters.current is not None:
+            raise ValueError("prompts with images are not supported with a LoRA policy yet")
         body = image_generate_body(
             request, await self._model_name() if request.lora is None else request.lora
         )

@@ -160,24 +160,23 @@ def make_question(world: World, index: int, seed: int) -> Question:
         return Question(f"On which river is the city of {city}?", world.river_of[city], (city,))
     if kind == "founder_born_in":
         founder = world.founder[org]
-        return Question(
-            f"In which city was the founder of the {org} born?",
-            world.born_in[founder],
-            (f"the {org}", founder),
+        return _two_hops(
+            f"In which city was the founder of the {org} born?", f"the {org}", founder, world.born_in
         )
     if kind == "seat_river":
         seat = world.seat[org]
-        return Question(
-            f"On which river is the city where the {org} has its seat?",
-            world.river_of[seat],
-            (f"the {org}", seat),
+        return _two_hops(
+            f"On which river is the city where the {org} has its seat?", f"the {org}", seat, world.river_of
         )
     birthplace = world.born_in[person]
-    return Question(
-        f"On which river is the city where {person} was born?",
-        world.river_of[birthplace],
-        (person, birthplace),
+    return _two_hops(
+        f"On which river is the city where {person} was born?", person, birthplace, world.river_of
     )
+
+
+def _two_hops(text: str, first: str, middle: str, fact: dict[str, str]) -> Question:
+    """A question whose first article (titled `first`) names `middle`, whose article states the answer."""
+    return Question(text, fact[middle], (first, middle))
 
 
 def _slug(title: str) -> str:

@@ -4,7 +4,7 @@
 #   bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm                                   # 3 parts, 44.7 MiB each
 #   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 13.5 13.5 13.5  # 4 slices
 #   (a call's 64 MiB hold one 44.7 MiB vLLM part, one slice and the working tree, ~4.7 MiB on 2026-12-05)
-#   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime
+#   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime bm25s
 #   (BENCH=loop or both: also trl accelerate datasets dill multiprocess xxhash fsspec; pandas, 12 MB, in .gpu/whl2
 #    where the machine lacks it: `copy` prints which of these the machine has)
 # Then the calls (carry = the folders each one takes along):

@@ -116,3 +116,20 @@ def test_a_users_corpus_and_questions_are_read_and_bad_lines_are_named(tmp_path)
         SearchEnv(corpus=str(corpus), questions=str(questions))
     with pytest.raises(ValueError, match="give corpus and questions together"):
         SearchEnv(corpus=str(corpus))
+
+
+def test_each_tool_calls_time_is_in_the_episodes_metrics():
+    from tidal.envs.tools import Tool
+
+    async def slow_search(query: str) -> str:
+        await asyncio.sleep(0.2)
+        return "no results"
+
+    env = SearchEnv(max_turns=3)
+    env.tools["search"] = Tool("search", "slow", env.tools["search"].parameters, slow_search)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
+    episode = asyncio.run(run_episode(env, env.task(0), Agent([call, call, "<answer>?</answer>"])))
+    assert episode.metrics["tools/num_tool_calls"] == 2
+    # the metric covers each call's own time (a lower bound only: a loaded machine may take longer)
+    assert episode.metrics["tools/tool_seconds"] >= 0.4
+    assert 0.2 <= episode.metrics["tools/tool_seconds_max"] <= episode.metrics["tools/tool_seconds"]

@@ -171,6 +171,7 @@ def test_tool_use_rollout_calls_tools_and_scores():
     assert episode.reward == pytest.approx(1.2) and episode.num_turns == 2
     assert episode.messages[3] == {"role": "tool", "content": task.answer}
     assert episode.metrics["tools/num_tool_calls"] == 1 and episode.metrics["tools/num_tool_errors"] == 0
+    assert 0.0 < episode.metrics["tools/tool_seconds_max"] == episode.metrics["tools/tool_seconds"]
     assert episode.metrics["reward/tool_computed_answer"] == 1.0
     check_token_invariants(episode, sampler)
 

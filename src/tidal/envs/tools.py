@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,7 +210,8 @@ class ToolEnv(MultiTurnEnv):
     """The model calls tools until it answers without a call (or runs out of turns).
 
     `episode.info` counts `num_tool_calls` and `num_tool_errors` (unparseable calls, unknown tools, bad
-    arguments, tool exceptions), which become metrics.
+    arguments, tool exceptions) and the seconds the calls took (`tool_seconds`, `tool_seconds_max`), which
+    become metrics (`tools/...`, per rollout in `samples.jsonl` and eval's `rollouts.jsonl`).
     """
 
     tool_timeout: float = 10.0
@@ -222,7 +224,7 @@ class ToolEnv(MultiTurnEnv):
         return render_tool_prompt(sampler.tokenizer, task.messages, list(self.tools.values()))
 
     def setup_episode(self, task: Task, episode: Episode) -> None:
-        episode.info.update(num_tool_calls=0, num_tool_errors=0)
+        episode.info.update(num_tool_calls=0, num_tool_errors=0, tool_seconds=0.0, tool_seconds_max=0.0)
 
     async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
         calls = parse_tool_calls(answer_text(str(episode.messages[-1]["content"])))
@@ -230,7 +232,11 @@ class ToolEnv(MultiTurnEnv):
             return None
         replies = []
         for call in calls:
+            started = time.perf_counter()
             result = await self._run(call)
+            took = time.perf_counter() - started
+            episode.info["tool_seconds"] += took
+            episode.info["tool_seconds_max"] = max(episode.info["tool_seconds_max"], took)
             episode.info["num_tool_calls"] += 1
             episode.info["num_tool_errors"] += result.startswith("error:")
             replies.append({"role": "tool", "content": result})
@@ -249,5 +255,5 @@ class ToolEnv(MultiTurnEnv):
 
     async def score(self, task: Task, episode: Episode) -> None:
         await super().score(task, episode)
-        for key in ("num_tool_calls", "num_tool_errors"):
+        for key in ("num_tool_calls", "num_tool_errors", "tool_seconds", "tool_seconds_max"):
             episode.metrics[f"tools/{key}"] = float(episode.info.get(key, 0))

@@ -323,6 +323,9 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
     records = metrics(out, "orchestrator")
     for env in ("vf:vf_reverse_words", "search"):
         assert any(r.get(f"env/{env}/rollouts", 0) > 0 for r in records), env
+    # search's tool calls and their time, averaged over the batch's rollouts that carry them
+    assert all(r["tools/tool_seconds"] >= 0.0 for r in records if "tools/tool_seconds" in r)
+    assert any("tools/num_tool_calls" in r for r in records)
     for record in records:
         for env in ("reverse_text", "alphabet_sort"):
             assert f"env/{env}/reward/mean" in record, sorted(record)

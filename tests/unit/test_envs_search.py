@@ -133,3 +133,17 @@ def test_each_tool_calls_time_is_in_the_episodes_metrics():
     # the metric covers each call's own time (a lower bound only: a loaded machine may take longer)
     assert episode.metrics["tools/tool_seconds"] >= 0.4
     assert 0.2 <= episode.metrics["tools/tool_seconds_max"] <= episode.metrics["tools/tool_seconds"]
+
+
+def test_a_steps_tool_metrics_average_over_the_rollouts_that_called_tools():
+    from tidal.orchestrator.loop import tool_metrics
+    from tidal.types import Rollout
+
+    def rollout(metrics):  # type: ignore[no-untyped-def]
+        return Rollout([1], [2], [-0.1], [1], 0.0, 0, 0, "e", "t", metrics=metrics)
+
+    searched = {"tools/num_tool_calls": 4.0, "tools/tool_seconds": 0.5, "reward/exact_answer": 1.0}
+    other = {"tools/num_tool_calls": 2.0, "tools/tool_seconds": 0.1}
+    got = tool_metrics([rollout(searched), rollout(other), rollout({"reward/sorted_agreement": 1.0})])
+    assert got == {"tools/num_tool_calls": 3.0, "tools/tool_seconds": pytest.approx(0.3)}
+    assert tool_metrics([rollout({})]) == {}

@@ -43,7 +43,7 @@ from tidal.orchestrator.stats import (
     shortfall,
 )
 from tidal.transport.rollouts import setup_sender
-from tidal.types import Group
+from tidal.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -498,7 +498,15 @@ def step_metrics(
         "time/weight_updates_total": policy.update_seconds,
         "weights/updates_total": policy.num_updates,
         "rollouts/replica_switches": stats.num_replica_switches,
+        **tool_metrics(rollouts),
     }
+
+
+def tool_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """The batch's mean of every `tools/...` metric its rollouts carry (calls, errors, seconds: ToolEnv), over
+    the rollouts that carry it (a mixed run's other environments call no tools)."""
+    keys = sorted({key for r in rollouts for key in r.metrics if key.startswith("tools/")})
+    return {key: mean_std([r.metrics[key] for r in rollouts if key in r.metrics])[0] for key in keys}
 
 
 def keeps_rollouts(which: str, step: int, final: bool) -> bool:

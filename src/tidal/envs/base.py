@@ -94,8 +94,8 @@ class Episode:
     """What a multi-turn environment tracked during the rollout (game state, tool calls) for its rewards."""
 
     images: list[str] = field(default_factory=list)
-    """The pictures of the episode's prompts in order (data or http URLs), one per image placeholder in its
-    ids (the prompt's, then any the environment's turns added)."""
+    """The pictures of the task's prompt in order (data or http URLs), one per image placeholder in its ids
+    (an environment's later turns cannot add one yet)."""
     routed_experts: RoutedExperts | None = None
     """Routes of the last model turn when it continued exactly this episode's context (they then cover every
     token up to that turn's last one); None otherwise."""
@@ -209,8 +209,9 @@ class Environment(ABC):
 
     name: str = "env"
     gives_images: bool = False
-    """Its prompts carry images (content parts of type `image_url`). The commands refuse such an environment
-    until the image path through rollouts, batches and the trainer exists (README, Vision-language models)."""
+    """Its prompts carry pictures (image content parts). `tidal eval` sends them to a vision-language model;
+    `tidal rl` and `tidal sft` refuse such an environment until batches and the trainer carry pictures
+    (README, Vision-language models)."""
 
     def __init__(self, rewards: list[tuple[RewardFn, float]] | None = None):
         self.rewards = rewards if rewards is not None else self.default_rewards()
@@ -273,19 +274,21 @@ class SingleTurnEnv(Environment):
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
         prompt, images = render_prompt(sampler.tokenizer, task.messages), message_images(task.messages)
-        return self.episode(task, prompt, await sampler.complete(prompt, images))
+        return self.episode(task, prompt, await sampler.complete(prompt, images), images)
 
     async def rollout_group(self, task: Task, sampler: GroupSampler, n: int) -> list[Episode | EpisodeWork]:
         """A whole group from one request: the prompt is prefilled once for all n samples."""
         prompt, images = render_prompt(sampler.tokenizer, task.messages), message_images(task.messages)
-        return [self.episode(task, prompt, turn) for turn in await sampler.complete_n(prompt, n, images)]
+        turns = await sampler.complete_n(prompt, n, images)
+        return [self.episode(task, prompt, turn, images) for turn in turns]
 
-    def episode(self, task: Task, prompt: list[int], turn: Turn) -> Episode:
-        """The episode of one sampled answer to the task's messages."""
+    def episode(self, task: Task, prompt: list[int], turn: Turn, images: list[str]) -> Episode:
+        """The episode of one sampled answer to the task's messages (`images`: their pictures, checked once
+        per rollout or group by `message_images`)."""
         episode = Episode(
             prompt_ids=prompt,
             messages=[*task.messages, {"role": "assistant", "content": turn.text}],
-            images=message_images(task.messages),
+            images=images,
         )
         episode.add_model_turn(turn)
         return episode

@@ -1,8 +1,8 @@
 """shapes: questions about a drawn picture of coloured shapes, exactly verifiable (the visual environment).
 
-Each task is a picture drawn with Pillow: a few shapes (circle, square, triangle) in distinct colours on a
-white canvas, one per cell of a grid, so nothing overlaps and every count is exact. The user message holds
-the picture as an OpenAI content part (`image_url` with a PNG data URL) and a question: how many shapes of a
+Each task is a picture drawn with Pillow: a few shapes (circle, square, triangle) on a white canvas, in
+colours that may repeat, one per cell of a grid, so nothing overlaps and every count is exact. The user
+message holds the picture as an OpenAI content part (`image_url` with a PNG data URL) and a question: how many shapes of a
 colour, how many of a kind, or what colour the one shape of a kind is. Later user turns ask more questions
 about the same picture (`max_turns` > 1: multi-turn). The reward is the share of turns whose reply ends
 with the right answer (a number, or a colour word).

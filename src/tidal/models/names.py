@@ -27,8 +27,9 @@ def resolve_model_name(name: str, say: Say | None = None) -> str:
 
 def resolve_test_model(name: str) -> str:
     """The directory of a local test model (`tidal-testing/tiny-qwen3`, `…/tiny-qwen3-chat`,
-    `…/tiny-qwen3-moe`, `…/tiny-idefics3` (a vision-language model), `…/random-qwen3-0.6b`, …), built on first use; any other name unchanged. Configs go
-    through `resolve_model_name`, which also converts GGUF files."""
+    `…/tiny-qwen3-moe`, `…/tiny-idefics3` (a vision-language model), `…/random-qwen3-0.6b`, …), built on
+    first use; any other name unchanged. Configs go through `resolve_model_name`, which also converts GGUF
+    files."""
     found = tiny_model_dir(name)
     if found is None:
         found = tiny_vlm_dir(name)

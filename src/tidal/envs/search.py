@@ -22,14 +22,13 @@ from typing import Any
 from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.multiturn import Message
 from tidal.envs.splits import SplitTasks, check_split
-from tidal.envs.tools import Tool, ToolEnv, with_tool_system_prompt
+from tidal.envs.tools import Tool, ToolEnv, tagged_answer, tool_call_text, with_tool_system_prompt
 
 SYSTEM_PROMPT = "Reply <answer>name</answer> once you know the answer."
 QUESTION_PROMPT = "Search the encyclopedia to answer this question (call the search tool first): {question}"
 """The instruction to search goes with the question: with it in the system message, Qwen2.5-Coder-0.5B
 answered from memory in 6 of 6 held-out questions, with it here it called search in 6 of 6 (greedy,
 2026-12-05)."""
-_ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 _SYLLABLES = [
     "ka",
     "ro",
@@ -250,12 +249,12 @@ def normalise(answer: str) -> str:
 
 
 def exact_answer(task: Task, episode: Episode) -> float:
-    found = _ANSWER.findall(completion_text(episode))
-    return float(bool(found) and normalise(found[-1]) == normalise(task.answer))
+    found = tagged_answer(completion_text(episode))
+    return float(found is not None and normalise(found) == normalise(task.answer))
 
 
 def answer_format(task: Task, episode: Episode) -> float:
-    return float(bool(_ANSWER.search(completion_text(episode))))
+    return float(tagged_answer(completion_text(episode)) is not None)
 
 
 PASSAGE_CHARS = 400
@@ -378,7 +377,4 @@ class SearchEnv(ToolEnv):
 
 
 def _call(name: str, arguments: dict[str, str]) -> Message:
-    return {
-        "role": "assistant",
-        "content": f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>",
-    }
+    return {"role": "assistant", "content": tool_call_text(name, arguments)}

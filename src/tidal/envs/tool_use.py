@@ -12,21 +12,18 @@ a guess, often the example's number, in every one of 8 tasks; this wording: a to
 `split`: questions whose text hashes into the held-out bucket, or the others (`tidal.envs.splits`).
 """
 
-import json
 import random
-import re
 from dataclasses import dataclass
 
 from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.multiturn import Message
 from tidal.envs.sandbox import CALCULATOR, PythonSandbox, python_tool
 from tidal.envs.splits import SplitTasks, check_split
-from tidal.envs.tools import ToolEnv, with_tool_system_prompt
+from tidal.envs.tools import ToolEnv, tagged_answer, tool_call_text, with_tool_system_prompt
 
 SYSTEM_PROMPT = (
     "Use the tools to compute the answer. After the tool's result comes back, reply <answer>number</answer>."
 )
-_ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -85,8 +82,8 @@ def tool_output(question: Question) -> str:
 
 
 def parse_answer(text: str) -> str | None:
-    found = _ANSWER.findall(text)
-    return found[-1].replace(",", "").strip() if found else None
+    answer = tagged_answer(text)
+    return answer.replace(",", "").strip() if answer is not None else None
 
 
 def correct_answer(task: Task, episode: Episode) -> float:
@@ -145,11 +142,10 @@ class ToolUseEnv(ToolEnv):
         in the system message, as the rollout's prompt has them for a chat template that does not render
         `tools=` itself (the tiny models' ChatML); a template that does renders its own tool section."""
         question = make_question(task.info["draw"], self.seed)
-        call = json.dumps({"name": question.tool, "arguments": question.arguments})
         schemas = [tool.schema() for tool in self.tools.values()]
         return [
             *with_tool_system_prompt(task.messages, schemas),
-            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "assistant", "content": tool_call_text(question.tool, question.arguments)},
             {"role": "tool", "content": tool_output(question)},
             {"role": "assistant", "content": f"<answer>{question.answer}</answer>"},
         ]

@@ -167,6 +167,22 @@ def with_tool_system_prompt(messages: list[Message], schemas: list[dict[str, Any
     return [{"role": "system", "content": note}, *messages]
 
 
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call as a model writes it in the Qwen/Hermes format: `<tool_call>{"name": …, "arguments": …}</tool_call>`
+    (prompt examples and demonstrations)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+_ANSWER = re.compile(r"<answer>\s*([^<]*?)\s*</answer>", re.IGNORECASE)
+
+
+def tagged_answer(text: str) -> str | None:
+    """The content of a reply's last `<answer>…</answer>`, stripped (the final answer of a tool environment's
+    episode); None without one."""
+    found = _ANSWER.findall(text)
+    return found[-1] if found else None
+
+
 def example_call(schemas: list[dict[str, Any]]) -> str | None:
     """A well-formed `<tool_call>` of the first tool whose required arguments all have JSON-schema `examples`
     (a prompt's example is copied by small models: it must be a call that works); None if no tool has."""
@@ -177,11 +193,7 @@ def example_call(schemas: list[dict[str, Any]]) -> str | None:
         required = parameters.get("required", list(properties))
         if required and all(properties.get(name, {}).get("examples") for name in required):
             arguments = {name: properties[name]["examples"][0] for name in required}
-            return (
-                "<tool_call>"
-                + json.dumps({"name": function["name"], "arguments": arguments})
-                + "</tool_call>"
-            )
+            return tool_call_text(function["name"], arguments)
     return None
 
 

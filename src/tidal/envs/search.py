@@ -11,11 +11,12 @@ names, or a user's: `corpus` (JSONL lines `{"id", "title", "text"}`) with `quest
 retrieval benchmark).
 """
 
+import functools
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,7 @@ class Index:
         return [self.docs[int(i)] for i, score in zip(found[0], scores[0], strict=True) if score > 0]
 
 
-@cache
+@functools.cache
 def generated_corpus(seed: int, size: int) -> tuple[World, Index]:
     """The encyclopedia of (seed, size) and its index, built once per process."""
     world = generate_world(seed, size)
@@ -323,13 +324,13 @@ class SearchEnv(ToolEnv):
             raise ValueError("search: give corpus and questions together (JSONL files), or neither")
         if corpus_size < 3 or not 1 <= top_k <= 20 or max_turns < 1:
             raise ValueError("search: need corpus_size ≥ 3, 1 ≤ top_k ≤ 20 and max_turns ≥ 1")
-        self.world: World | None = None
+        draw: Callable[[int], Question]
         if corpus is not None and questions is not None:
             index, asked = read_user_corpus(corpus, questions)
             draw = lambda number: asked[number % len(asked)]  # noqa: E731 - a user's fixed list, in order
         else:
-            self.world, index = generated_corpus(seed, corpus_size)
-            draw = lambda number: make_question(self.world, number, seed)  # type: ignore[arg-type]  # noqa: E731
+            world, index = generated_corpus(seed, corpus_size)
+            draw = functools.partial(make_question, world, seed=seed)
         self.format_weight = format_weight  # before the base's __init__, which asks default_rewards
         super().__init__([search_tool(index, top_k), open_tool(index)])
         self.index, self.top_k, self.max_turns = index, top_k, max_turns

@@ -13,7 +13,7 @@ from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode
 from tidal.envs.chat import message_images
 from tidal.envs.registry import build_env, check_env
-from tidal.envs.shapes import COLOURS, ShapesEnv, has_image, parse_answer, split_key, turns_correct
+from tidal.envs.shapes import COLOURS, ShapesEnv, parse_answer, split_key, turns_correct
 from tidal.errors import UserError
 from tidal.orchestrator.loop import build_env as orchestrator_env
 from tidal.trainer.sources import load_conversations
@@ -65,7 +65,7 @@ def test_a_multi_turn_task_asks_distinct_questions_about_one_picture_and_scores_
     questions = [q for q, _ in task.info["qa"]]
     assert len(questions) == 3 == len(set(questions))
     demo = env.demonstration(task)
-    assert has_image(demo[:2]) and not has_image(demo[2:])  # later turns ask about the same picture
+    assert message_images(demo[:2]) and not message_images(demo[2:])  # later turns ask about the same picture
     episode = Episode(prompt_ids=[], messages=demo)
     assert turns_correct(task, episode) == 1.0
     wrong = [dict(m) for m in demo]

@@ -28,6 +28,9 @@ prompt); it is not added, for the same reason. The template is called with its d
 Qwen3's tool list is in the system turn, before any reply, so that changes nothing that is appended.
 """
 
+import base64
+import binascii
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,10 +170,6 @@ def check_picture(url: str, number: int) -> str:
             f"picture {number}: {len(payload) * 3 / 4 / 2**20:.1f} MiB, over the {MAX_PICTURE_BYTES // 2**20} MiB "
             "limit for a picture in a prompt"
         )
-    import base64
-    import binascii
-    import io
-
     try:
         data = base64.b64decode(payload, validate=True)
     except binascii.Error:
@@ -184,6 +183,11 @@ def check_picture(url: str, number: int) -> str:
     return url
 
 
+def png_data_url(png: bytes) -> str:
+    """PNG bytes as the data URL a content part carries."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
 def _picture_url(part: dict[str, Any]) -> str:
     value: Any = part.get("image_url") or part.get("url") or part.get("image")
     if isinstance(value, dict):
@@ -191,10 +195,7 @@ def _picture_url(part: dict[str, Any]) -> str:
     if isinstance(value, str) and value:
         return value
     if value is not None and hasattr(value, "save"):  # a PIL image
-        import base64
-        import io
-
         out = io.BytesIO()
         value.save(out, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+        return png_data_url(out.getvalue())
     raise ValueError(f"an {part.get('type')} content part without a picture (no url or image in it)")

@@ -11,15 +11,13 @@ Tasks are generated from (seed, index), so each split is reproducible without a 
 split holds out whole pictures (the split key is the scene), never a question about a trained picture.
 """
 
-import base64
 import io
 import random
 import re
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tidal.envs.base import Episode, RewardFn, Task
-from tidal.envs.chat import message_images
+from tidal.envs.chat import png_data_url
 from tidal.envs.multiturn import Message, MultiTurnEnv, model_replies
 from tidal.envs.splits import SplitTasks, check_split
 
@@ -92,21 +90,12 @@ def render_png(scene: list[Shape], grid: int, size: int) -> bytes:
     return out.getvalue()
 
 
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
-
-
 def image_message(url: str, text: str) -> Message:
     """A user message with one picture and a question, as OpenAI content parts."""
     return {
         "role": "user",
         "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
     }
-
-
-def has_image(messages: list[dict[str, Any]]) -> bool:
-    """Whether any message carries a picture."""
-    return bool(message_images(messages))
 
 
 def make_task(
@@ -118,7 +107,7 @@ def make_task(
     scene = draw_scene(rng, grid, *shapes)
     pool = questions(scene)
     asked = rng.sample(pool, min(len(pool), rng.randint(*turns)))
-    url = data_url(render_png(scene, grid, size))
+    url = png_data_url(render_png(scene, grid, size))
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, image_message(url, asked[0][0])]
     info = {"qa": asked, "scene": [(s.kind, s.colour, s.cell) for s in scene], "grid": grid}
     return Task(task_id=f"shapes/{index}", messages=messages, answer=asked[-1][1], info=info)

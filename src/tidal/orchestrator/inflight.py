@@ -10,11 +10,18 @@ end of a step the groups still running are carried into the next step if it may 
 are cancelled and their tasks run again later with the same seeds (as a synchronous run always did).
 
 With `max_async_level = 0` nothing runs ahead: the rule reduces to "the groups this step still lacks".
+
+A step drops groups without a learning signal (`zero_signal = "drop"`), and a refill used to start only
+once a dropped group had ended: each round of drops added a whole group's latency (every turn of a
+multi-turn episode) to the step while the engine ran a handful of requests. The rule now starts, with the
+step, the groups it expects to need at the share of groups recent steps kept (`KeepRate`).
 """
 
 import asyncio
+import math
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.types import Group
 
@@ -41,21 +48,59 @@ class LaunchRule:
             reach = min(reach, self.last_step)
         return max(0, reach - step)
 
-    def room(self, step: int, version: int, kept: int, in_flight: int, drawn: int, waiting: int = 0) -> int:
+    def room(
+        self,
+        step: int,
+        version: int,
+        kept: int,
+        in_flight: int,
+        drawn: int,
+        waiting: int = 0,
+        keep_rate: float = 1.0,
+    ) -> int:
         """Groups to start now, while `step` has `kept` groups, `in_flight` run, `waiting` ended and wait for
-        their turn, and `drawn` tasks were started during the step.
+        their turn, `drawn` tasks were started during the step, and a group is kept with odds `keep_rate`.
 
         Demand is what the current step still lacks plus a whole step for each later step a group started
-        now may train; groups running or waiting count against it. Draws during a step are bounded by its
-        own refill budget plus that look-ahead, so a run whose every group is dropped still stops."""
+        now may train, divided by the keep rate; groups running or waiting count against it. Draws during a
+        step are bounded by its own refill budget plus that look-ahead, so a run whose every group is
+        dropped still stops."""
         ahead = self.num_prompts * self.steps_ahead(step, version)
-        demand = self.num_prompts - kept + ahead - in_flight - waiting
+        wanted = self.num_prompts - kept + ahead  # groups with a learning signal still to find
+        demand = math.ceil(wanted / keep_rate - 1e-9) - in_flight - waiting
         budget = self.limit + ahead - drawn
         return max(0, min(demand, budget, self.max_in_flight - in_flight))
 
     def may_carry(self, launched: int, next_step: int) -> bool:
         """Whether a group started under policy `launched` may still train `next_step`."""
         return next_step - launched <= self.max_async_level
+
+
+@dataclass
+class KeepRate:
+    """The share of the groups a step took that it kept, over the last `window` steps (pure).
+
+    1.0 until a step has been seen (a fresh or resumed run starts as before), and never below `floor`: a
+    run where nearly every group is dropped must not start many times the groups a step trains at once."""
+
+    window: int = 4
+    floor: float = 0.25
+    _steps: deque[tuple[int, int]] = field(default_factory=deque)
+
+    def observe(self, kept: int, taken: int) -> None:
+        """A step kept `kept` of the `taken` groups it took (ended and looked at, dropped ones included)."""
+        if taken <= 0:
+            return
+        self._steps.append((kept, taken))
+        while len(self._steps) > self.window:
+            self._steps.popleft()
+
+    @property
+    def value(self) -> float:
+        taken = sum(t for _, t in self._steps)
+        if not taken:
+            return 1.0
+        return min(1.0, max(self.floor, sum(k for k, _ in self._steps) / taken))
 
 
 @dataclass

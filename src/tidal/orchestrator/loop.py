@@ -29,7 +29,7 @@ from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
 from tidal.orchestrator.batching import drop_too_long, make_train_batches, make_train_samples
-from tidal.orchestrator.inflight import GroupPool, LaunchRule
+from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
 from tidal.orchestrator.rollouts import run_group
@@ -100,6 +100,7 @@ class Orchestrator:
             limit=math.floor(b.max_tasks_factor * b.num_prompts),
             last_step=config.max_steps - 1,
         )
+        self.keep_rate = KeepRate()
         self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
@@ -201,7 +202,8 @@ class Orchestrator:
                 self._accept([group], step, kept, advantages, stats)
                 continue
             version = policy.version
-            room = rule.room(step, version, len(kept), pool.num_running, drawn, len(pool) - pool.num_running)
+            waiting = len(pool) - pool.num_running
+            room = rule.room(step, version, len(kept), pool.num_running, drawn, waiting, self.keep_rate.value)
             if room == 0 and not pool.num_running:
                 break  # the step's refill budget is spent and nothing runs
             for _ in range(room):
@@ -210,8 +212,11 @@ class Orchestrator:
                 drawn += 1
             if pool.num_running:
                 await pool.wait(functools.partial(policy.newer_than, version))
+        self.keep_rate.observe(len(kept), stats.num_groups_run)
         # the groups the next step may not train: run again later, same seeds
-        self.state.requeued += pool.carry_into(step + 1, rule)
+        cancelled = pool.carry_into(step + 1, rule)
+        stats.num_cancelled = len(cancelled)
+        self.state.requeued += cancelled
         self._check_enough(step, len(kept), stats)
         return kept, advantages, stats
 
@@ -491,6 +496,7 @@ def step_metrics(
         "rollouts/failed_groups": stats.num_failed_groups,
         "rollouts/groups_run": stats.num_groups_run,
         "rollouts/groups_carried_in": stats.num_carried_in,
+        "rollouts/groups_cancelled": stats.num_cancelled,
         "completion_len/mean": num_tokens / max(1, len(rollouts)),
         "tokens_per_s": num_tokens / max(elapsed, 1e-9),
         "time/step": elapsed,

@@ -23,6 +23,9 @@ class StepStats:
     num_groups_run: int = 0
     num_carried_in: int = 0
     """Groups still running from earlier steps when this step began collecting (started ahead for it)."""
+    num_cancelled: int = 0
+    """Groups still running at the step's end that the next step may not train (their policy too old):
+    cancelled, their tasks run again later. Started ahead for refills that were not needed."""
     num_replica_switches: int = 0
     """Multi-turn rollouts whose turns more than one inference replica served (prefix cache lost)."""
     env_rewards: dict[str, list[float]] = field(default_factory=dict)

@@ -68,14 +68,14 @@ def open_trainer(
     if before_gpu is not None:
         before_gpu()
     scorer = parallelize(model, info, config.perf, config.moe)
-    state_dtype = resolve_state_dtype(config.perf.optimizer_state, info.device)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state_dtype = resolve_state_dtype(config.perf.optimizer_state, info.device, trainable)
     optimizer = build_optimizer(model, config.optim, state_dtype)
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
     logger = None
     if info.is_main:
         logger = MetricsLogger(metrics_path, config.wandb, config.model_dump(mode="json"))
     if lora_modules:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         say(
             f"lora: rank {config.lora.rank} on {len(lora_modules)} modules, {trainable:,} trainable parameters"
         )

@@ -44,26 +44,27 @@ come out null; the series around them are filled (2026-12-05, 2 loaded CPU cores
 
     python benchmarks/loop_throughput.py --smoke --workdir /tmp/lt --out /tmp/loop_throughput_smoke.json
 
-On one H200 through the device tool (not run yet): `benchmarks/real_models_h200.sh` with `BENCH=loop`
+On one GPU through the device tool (round 3: `benchmarks/results/loop_throughput_h100_round3.json`): `benchmarks/real_models_h200.sh` with `BENCH=loop`
 carries the vLLM bundle, the SmolLM2-135M-Instruct GGUF and the wheels, then starts this script in its own
 session on the machine, so that it outlives a call, and follows it. Here, once (as for real_models):
 
     bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm
-    python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 14.5 14.5 14.5
+    python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 12.5 12.5 12.5 28
     pip download --no-deps -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime \\
         trl==1.16.0 accelerate==1.15.0
     # TRL also imports `datasets` (pyarrow, pandas, xxhash, multiprocess, fsspec): probe the machine first
-    # (`python3 -c "import datasets"`); if missing, carry their cp312 manylinux wheels in .gpu/whl2 (a
-    # sixth call, before `start`) or leave `trl` out of PARTS and say so in the results.
+    # (`python3 -c "import datasets"`); if missing, carry their cp312 manylinux wheels in .gpu/whl2 (one
+    # more call, before `start`) or leave `trl` out of PARTS and say so in the results.
 
-then five calls back to back (carry = the folders each takes along; `kind` left out: one GPU):
+then six calls back to back (carry = the folders each takes along; `kind` left out: one GPU):
 
     1. carry .gpu/vllm/part1 .gpu/model/slice1:  BENCH=loop bash benchmarks/real_models_h200.sh copy
     2. carry .gpu/vllm/part2 .gpu/model/slice2:  BENCH=loop bash benchmarks/real_models_h200.sh copy
     3. carry .gpu/vllm/part3 .gpu/model/slice3:  BENCH=loop bash benchmarks/real_models_h200.sh copy
-    4. carry .gpu/model/slice4 .gpu/whl:         TIDAL_COMMIT=<git rev-parse HEAD here> BENCH=loop \
+    4. carry .gpu/model/slice4 .gpu/whl:         BENCH=loop bash benchmarks/real_models_h200.sh copy
+    5. carry .gpu/model/slice5:                  TIDAL_COMMIT=<git rev-parse HEAD here> BENCH=loop \
                                                  BENCH_DEADLINE=1100 bash benchmarks/real_models_h200.sh start
-    5. nothing carried:                          BENCH=loop bash benchmarks/real_models_h200.sh follow
+    6. nothing carried:                          BENCH=loop bash benchmarks/real_models_h200.sh follow
        (each call follows for up to CALL_LIMIT = 560 s; call `follow` again while the driver still runs)
 
 (the machine has no .git: TIDAL_COMMIT names the commit in the results file). Each part's results are

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # benchmarks/real_models.py and/or benchmarks/loop_throughput.py on one H200 through the device tool, which takes
-# at most 64 MiB along per call and gives an idle machine back after 30 s: five calls, back to back. Here, once:
+# at most 64 MiB along per call and gives an idle machine back after 30 s: six calls, back to back. Here, once:
 #   bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm                                   # 3 parts, 44.7 MiB each
-#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 13.5 13.5 13.5  # 4 slices
-#   (a call's 64 MiB hold one 44.7 MiB vLLM part, one slice and the working tree, ~4.7 MiB on 2026-12-05)
+#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 12.5 12.5 12.5 28  # 5 slices
+#   (a call's 64 MiB hold one 44.7 MiB vLLM part, one slice and the working tree, ~6.2 MiB on 2026-12-05)
 #   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime bm25s
 #   (BENCH=loop or both: also trl accelerate datasets dill multiprocess xxhash fsspec; pandas, 12 MB, in .gpu/whl2
 #    where the machine lacks it: `copy` prints which of these the machine has)
@@ -11,10 +11,11 @@
 #   1. carry .gpu/vllm/part1 .gpu/model/slice1:      bash benchmarks/real_models_h200.sh copy
 #   2. carry .gpu/vllm/part2 .gpu/model/slice2:      bash benchmarks/real_models_h200.sh copy
 #   3. carry .gpu/vllm/part3 .gpu/model/slice3:      bash benchmarks/real_models_h200.sh copy
-#   4. carry .gpu/model/slice4 .gpu/whl [.gpu/whl2]: bash benchmarks/real_models_h200.sh start ENV...
+#   4. carry .gpu/model/slice4 .gpu/whl [.gpu/whl2]: bash benchmarks/real_models_h200.sh copy
+#   5. carry .gpu/model/slice5:                      bash benchmarks/real_models_h200.sh start ENV...
 #      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark(s) in their own session
 #      so that they outlive the call, and follows them)
-#   5. nothing carried:                              bash benchmarks/real_models_h200.sh follow
+#   6. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
 # BENCH picks what `start` runs: real_models (default; ENV... are its --envs, e.g. alphabet_sort:short@1e-4 or
 # tool_use+12@3e-5, MAX_STEPS its --max-steps), loop

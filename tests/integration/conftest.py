@@ -29,6 +29,11 @@ def non_loopback_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
+SHARED_MAX_MODEL_LEN = 1024
+"""The shared servers' context: room for an agent environment's prompt (swe's tools and bug report are ~920
+tokens of the tiny model's tokenizer) and a turn."""
+
+
 def tiny_server_config(port: int, core: str, log_file: Path, **server: Any) -> InferenceConfig:
     """The tiny model in float32 (so logprobs compare tightly with transformers), pinned to one core."""
     return InferenceConfig.model_validate(
@@ -36,7 +41,7 @@ def tiny_server_config(port: int, core: str, log_file: Path, **server: Any) -> I
             "model": {"name": TINY_MODEL_NAME, "dtype": "float32"},
             "server": {"port": port, "log_file": str(log_file), **server},
             "vllm": {
-                "max_model_len": 512,
+                "max_model_len": SHARED_MAX_MODEL_LEN,
                 "enforce_eager": True,
                 "enable_lora": True,
                 "max_lora_rank": LORA_RANK,

@@ -22,7 +22,7 @@ from tidal.testing import TINY_MODEL_NAME, resolve_model_name
 pytestmark = pytest.mark.slow
 
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=16)
-# The session server serves 512 tokens; with a char-level tokenizer long games must stop before that.
+# Long games stop before 512 tokens (the tiny tokenizer is nearly char-level): short rollouts, a fast test.
 MAX_CONTEXT = 512 - SAMPLING.max_tokens
 
 

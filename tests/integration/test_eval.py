@@ -37,6 +37,9 @@ num_tasks = 2
 [[env]]
 name = "search"
 kwargs = { corpus_size = 12, max_turns = 2 }
+[[env]]
+name = "swe"
+kwargs = { max_turns = 2, timeout = 5 }
 """
     )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [VF_ENVS, os.environ.get("PYTHONPATH")]))}
@@ -44,7 +47,7 @@ kwargs = { corpus_size = 12, max_turns = 2 }
     result = run_tidal(*args, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
-    assert set(report["envs"]) == {"reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search"}
+    assert set(report["envs"]) == {"reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search", "swe"}
     for name, env_report in report["envs"].items():
         tasks = 2 if name.startswith("vf:") else 3
         assert env_report["num_tasks"] == tasks and env_report["num_rollouts"] == 2 * tasks
@@ -56,8 +59,11 @@ kwargs = { corpus_size = 12, max_turns = 2 }
     assert "reward/sorted_agreement" in report["envs"]["alphabet_sort"]["metrics"]
     assert "reward/exact" in report["envs"]["vf:vf_reverse_words"]["metrics"]
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 3 + 2 * 3 + 2 * 2 + 2 * 3
+    assert len(rows) == 2 * 3 + 2 * 3 + 2 * 2 + 2 * 3 + 2 * 3
     assert "tools/num_tool_calls" in report["envs"]["search"]["metrics"]
+    # swe: the hidden tests ran on every rollout's repository (the seeded bug fails some of them)
+    swe = report["envs"]["swe"]["metrics"]
+    assert swe["swe/hidden_total"] >= 8 and swe["swe/hidden_passed"] < swe["swe/hidden_total"]
     assert all(r["messages"] and r["messages"][-1]["role"] == "assistant" for r in rows)
     table = (out / "eval.md").read_text()
     assert "| alphabet_sort | 3 | 2 | 0 |" in table and "avg@2" in table

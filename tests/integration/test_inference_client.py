@@ -13,7 +13,7 @@ from tests.unit.http_servers import make_client
 from tidal.inference.server import ServerProcess
 from tidal.inference.types import GenerateRequest, SamplingParams
 
-from .conftest import ServerPair, start_ready
+from .conftest import SHARED_MAX_MODEL_LEN, ServerPair, start_ready
 
 pytestmark = pytest.mark.slow
 
@@ -123,10 +123,10 @@ def test_http_workers_read_real_vllm_answers_as_the_loop_does(inference_server: 
 
 
 def test_the_client_reads_the_served_context_length(inference_server: ServerProcess) -> None:
-    """vLLM's /v1/models reports max_model_len (512 for the shared server): what samplers cut max_tokens to."""
+    """vLLM's /v1/models reports max_model_len (the shared server's): what samplers cut max_tokens to."""
 
     async def read() -> int | None:
         async with make_client([inference_server.url]) as client:
             return await client.generation.context_limit()
 
-    assert asyncio.run(read()) == 512
+    assert asyncio.run(read()) == SHARED_MAX_MODEL_LEN

@@ -302,13 +302,15 @@ VF_ENVS = str(REPO / "tests" / "integration" / "vf_envs")
 
 def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tmp_path):
     """reverse_text + alphabet_sort (examples/mix) plus an environment written for `verifiers` and the
-    `search` agent environment (tools over a generated encyclopedia), in one run."""
+    agent environments `search` (tools over a generated encyclopedia) and `swe` (a repository in the sandbox,
+    hidden tests), in one run."""
     out = tmp_path / "mix"
     envs = (
         '[{name = "reverse_text", weight = 2.0, kwargs = {num_examples = 200, seed = 1}},'
         ' {name = "alphabet_sort", kwargs = {num_examples = 50, max_turns = 2, min_names = 2, max_names = 3}},'
         ' {name = "vf:vf_reverse_words", kwargs = {num_examples = 20}},'
-        ' {name = "search", kwargs = {corpus_size = 12, max_turns = 2}}]'
+        ' {name = "search", kwargs = {corpus_size = 12, max_turns = 2}},'
+        ' {name = "swe", kwargs = {max_turns = 2, timeout = 5}}]'
     )
     result = run_tidal(
         "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
@@ -321,7 +323,7 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     records = metrics(out, "orchestrator")
-    for env in ("vf:vf_reverse_words", "search"):
+    for env in ("vf:vf_reverse_words", "search", "swe"):
         assert any(r.get(f"env/{env}/rollouts", 0) > 0 for r in records), env
     # search's tool calls and their time, averaged over the batch's rollouts that carry them
     assert all(r["tools/tool_seconds"] >= 0.0 for r in records if "tools/tool_seconds" in r)
@@ -332,7 +334,7 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
             assert record[f"env/{env}/rollouts"] > 0
         # online eval of the policy inference serves, every step (interval 1), greedy on 4 held-out tasks of
         # each environment the run trains on (the default when no [[orchestrator.online_eval.env]] is given)
-        for env in ("reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search"):
+        for env in ("reverse_text", "alphabet_sort", "vf:vf_reverse_words", "search", "swe"):
             assert 0.0 <= record[f"eval/{env}/avg@1"] <= 1.0
             assert record[f"eval/{env}/num_tasks"] == 4
         assert 0.0 <= record["rollouts/failed_frac"] <= 1.0

@@ -20,6 +20,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "code": "tidal.envs.code_tests:CodeTestsEnv",
     "shapes": "tidal.envs.shapes:ShapesEnv",
     "search": "tidal.envs.search:SearchEnv",
+    "swe": "tidal.envs.swe:SweEnv",
 }
 ENTRY_POINT_GROUP = "tidal.environments"
 VERIFIERS_PREFIX = "vf:"

@@ -71,12 +71,14 @@ def bwrap_argv(bwrap: str, python: str, is_root: bool) -> list[str]:
     return argv
 
 
+def private_tmp_argv(limits: Limits) -> list[str]:
+    """The private /tmp: world-writable, sticky, size-capped (a tmpfs is memory)."""
+    return ["--perms", "1777", "--size", str(limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+
+
 def tmp_argv(limits: Limits) -> list[str]:
-    """The private /tmp (world-writable, sticky, size-capped: a tmpfs is memory) and the read-only root."""
-    return [
-        "--perms", "1777", "--size", str(limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
-        "--chdir", "/tmp", "--remount-ro", "/",
-    ]  # fmt: skip
+    """The private /tmp as the working directory, and the read-only root."""
+    return [*private_tmp_argv(limits), "--chdir", "/tmp", "--remount-ro", "/"]
 
 
 def python_dirs(python: str) -> list[str]:

@@ -245,7 +245,7 @@ class ToolEnv(MultiTurnEnv):
         replies = []
         for call in calls:
             started = time.perf_counter()
-            result = await self._run(call)
+            result = await self.run_call(call, episode)
             took = time.perf_counter() - started
             episode.info["tool_seconds"] += took
             episode.info["tool_seconds_max"] = max(episode.info["tool_seconds_max"], took)
@@ -253,6 +253,10 @@ class ToolEnv(MultiTurnEnv):
             episode.info["num_tool_errors"] += result.startswith("error:")
             replies.append({"role": "tool", "content": result})
         return replies
+
+    async def run_call(self, call: ToolCall, episode: Episode) -> str:
+        """One call's result text (an environment whose tools act on the episode's state overrides this)."""
+        return await self._run(call)
 
     async def _run(self, call: ToolCall) -> str:
         if call.error is not None:

@@ -1,0 +1,167 @@
+"""Shell commands inside a repository, sandboxed: what the `swe` environment's `bash` tool and its hidden tests
+run in.
+
+`RepoSandbox.run(repo, command)` runs `bash -c command` with the repository as the working directory and the
+only writable place besides a private /tmp. Under bubblewrap (`tidal.envs.bwrap`) the repository is bound at
+/repo in a root of its own: no network, read-only system directories and Python, fresh pid namespace (every
+process the command started dies with it). Under the fallback (`sandbox = "process"`, or `auto` without
+bwrap) the command runs in the repository on the host, in a network namespace where the kernel allows one.
+Both apply rlimits (CPU, memory, file size, processes) and a wall-clock timeout that kills the process
+group; as root, both first switch to a user id of their own (`bwrap.run_as_uid`), given the repository, so
+the process limit holds and nothing else of the machine's is writable.
+
+`python` and `python3` on the command's PATH are the interpreter tidal runs on (the repository's code and
+tests need nothing beyond the standard library). Under the fallback as root, the command's own user must be
+able to reach that interpreter: one under a 0700 home directory (pyenv in /root) is not found there.
+"""
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+from tidal.envs import bwrap
+from tidal.envs.sandbox import SANDBOX_MODES, Execution, _kill_group, _unshare_network, announce, resolve_mode
+
+REPO_MOUNT = "/repo"
+"""Where the repository is inside bubblewrap."""
+BIN_DIR = "/opt/tidal/bin"
+"""Inside bubblewrap: `python` and `python3` links to tidal's interpreter."""
+# Run first in the sandbox: the limits and, as root, the switch of user; then bash takes over the process.
+_CLONE_NEWNET = 0x40000000
+_EXEC_BASH = "import os as _o, sys as _s\n_o.execv('/bin/bash', ['bash', '-c', _s.argv[1]])\n"
+
+
+class RepoSandbox:
+    """`bash -c` in a repository under bubblewrap or the in-process limits (`mode`, as `PythonSandbox`)."""
+
+    def __init__(
+        self,
+        timeout: float = 10.0,
+        memory_mb: int = 1024,
+        max_output: int = 4000,
+        mode: str = "auto",
+        max_processes: int = 64,
+    ):
+        if mode not in SANDBOX_MODES:
+            raise ValueError(f"sandbox must be one of {', '.join(SANDBOX_MODES)}, not {mode!r}")
+        self.timeout, self.max_output = timeout, max_output
+        self.mode = resolve_mode(mode)
+        announce(self.mode)
+        self.limits = bwrap.Limits(
+            cpu_seconds=int(timeout) + 1, memory_mb=memory_mb, max_processes=max_processes, max_file_mb=16
+        )
+
+    def run_sync(self, repo: Path, command: str) -> Execution:
+        """`run` from synchronous code (a reward worker)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run(repo, command))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.run(repo, command)).result()
+
+    async def run(self, repo: Path, command: str) -> Execution:
+        """What `command` printed (stdout and stderr, the first `max_output` bytes), and how it ended."""
+        uid = bwrap.run_as_uid()
+        if uid is not None:
+            _give(repo, uid)
+        python = os.path.realpath(sys.executable)
+        if self.mode == "bwrap":
+            argv = [
+                *bwrap.bwrap_argv(str(bwrap.find_bwrap()), python, os.geteuid() == 0),
+                *bwrap.private_tmp_argv(self.limits),
+                "--dir", BIN_DIR, "--symlink", python, f"{BIN_DIR}/python", "--symlink", python, f"{BIN_DIR}/python3",
+                "--bind", str(repo), REPO_MOUNT, "--chdir", REPO_MOUNT, "--remount-ro", "/",
+                python, "-I", "-S", "-c", bwrap.sandbox_prelude(self.limits, uid) + _EXEC_BASH, command,
+            ]  # fmt: skip
+            env = _env(BIN_DIR, home="/tmp")
+            return await self._communicate(argv, REPO_MOUNT, env, cwd="/", preexec=None)
+        with tempfile.TemporaryDirectory(prefix="tidal-repo-bin-") as bin_dir:
+            for name in ("python", "python3"):
+                os.symlink(python, os.path.join(bin_dir, name))
+            os.chmod(bin_dir, 0o755)
+            argv = ["/bin/bash", "-c", command]
+            return await self._communicate(
+                argv,
+                str(repo),
+                _env(bin_dir, home=str(repo)),
+                cwd=str(repo),
+                preexec=lambda: self._limit(uid),
+            )
+
+    async def _communicate(
+        self, argv: list[str], shown_cwd: str, env: dict[str, str], cwd: str, preexec: object
+    ) -> Execution:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env={**env, "PWD": shown_cwd},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec,  # type: ignore[arg-type]
+        )
+        kept = bytearray()
+        timed_out = False
+        try:
+            await asyncio.wait_for(self._read(process, kept), self.timeout)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            _kill_group(process.pid)  # whatever the command left running in its group goes too
+            await process.wait()
+            if process.stdout is not None:  # let the pipe close on this loop (its writers are gone now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.stdout.read(), 1.0)
+        return Execution(kept.decode(errors="replace"), process.returncode, timed_out)
+
+    async def _read(self, process: asyncio.subprocess.Process, kept: bytearray) -> None:
+        assert process.stdout is not None
+        limit = self.max_output + 1024  # a little more than is shown, so that truncation says how much
+        while chunk := await process.stdout.read(65536):
+            kept += chunk[: max(0, limit - len(kept))]
+        await process.wait()
+
+    def _limit(self, uid: int | None) -> None:
+        """The fallback, in the child before exec: rlimits, a network namespace if allowed, then the user."""
+        limits = self.limits
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
+        memory = limits.memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        file_size = limits.max_file_mb << 20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        if uid is None:
+            _unshare_network()  # a user namespace first: an unprivileged user may not make a network one alone
+            return
+        with contextlib.suppress(OSError, AttributeError):  # root needs no user namespace (and in one could
+            ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWNET)  # no longer change its user)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+
+def _env(bin_dir: str, home: str) -> dict[str, str]:
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": home,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "LANG": "C.UTF-8",
+    }
+
+
+def _give(repo: Path, uid: int) -> None:
+    """The repository to `uid` (root only): the sandboxed user may write it, and nothing else of the host."""
+    for path in [repo, *repo.rglob("*")]:
+        if not path.is_symlink():
+            os.chown(path, uid, uid)

@@ -313,8 +313,9 @@ def generate_repo(index: int, seed: int = 0) -> Repo:
         f"{bug.symptom} Fix the code (the tests run with `{TEST_COMMAND}`), then call submit."
     )
     hidden = [a for t in chosen for a in (t.hidden if t is buggy else t.hidden[:2])]
+    others = sorted(t.name for t in chosen if t is not buggy)
     return Repo(
-        repo_id=f"{package}-{index}",
+        repo_id=f"{package}.{module}:{buggy.name}:{bug.kind}+{'+'.join(others)}",  # what makes it this task
         files=files,
         statement=statement,
         hidden_tests={HIDDEN_FILE: _test_module(package, module, names, hidden)},

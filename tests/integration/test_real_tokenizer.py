@@ -126,6 +126,17 @@ def test_multi_turn_continuation_keeps_sampled_ids_and_matches_a_fresh_render(to
     )
     tail = tokenizer.decode(ids[len(prompt_ids) + len(cut) :])
     assert tail == "<|im_end|>\n<|im_start|>user\nAdd: Mila<|im_end|>\n<|im_start|>assistant\n"
+    # an agent's turn: a tool call, the tool's result (swe's bash output), the next generation prompt
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+    sampled = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    result = ChatMessage(role="tool", content="README.md\npkg\ntests\n")
+    spoken = [*history, ChatMessage(role="assistant", content=call)]
+    ids = continue_prompt(tokenizer, prompt_ids + sampled, spoken, [result])
+    assert ids[: len(prompt_ids) + len(sampled)] == prompt_ids + sampled
+    fresh = tokenizer.apply_chat_template(
+        [m.model_dump() for m in [*spoken, result]], tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(ids) == fresh
 
 
 def test_sft_loss_mask_covers_each_assistant_reply_and_its_turn_end(tokenizer: Any) -> None:

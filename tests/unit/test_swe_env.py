@@ -178,3 +178,12 @@ def test_a_users_repositories_load_and_bad_lines_are_named(tmp_path):
         path.write_text(bad + "\n")
         with pytest.raises(ValueError, match=said):
             read_user_repos(str(path))
+
+
+def test_an_episode_ends_cleanly_at_its_token_budget():
+    env = SweEnv(timeout=2, max_turns=10, max_context_tokens=1400)
+    task = env.task(2)
+    episode = asyncio.run(run_episode(env, task, Agent([])))  # `ls` every turn: each turn adds its output
+    assert episode.info["truncated"] and 1 <= episode.num_turns < 10
+    assert len(episode.context_ids) <= 1400
+    assert 0.0 < episode.reward < 1.0  # scored on the unchanged repository

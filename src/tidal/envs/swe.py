@@ -97,9 +97,15 @@ class SweEnv(ToolEnv):
         memory_mb: int = 1024,
         sandbox: str = "auto",
         max_output: int = 2000,
+        max_context_tokens: int | None = None,
     ):
         if max_turns < 1 or timeout <= 0 or memory_mb <= 0 or max_output < 100:
             raise ValueError("swe: need max_turns ≥ 1, timeout > 0, memory_mb > 0 and max_output ≥ 100")
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ValueError("swe: max_context_tokens must be positive (or left out: the server's context)")
+        self.max_context_tokens = (
+            max_context_tokens  # the episode's token budget: it ends before a longer turn
+        )
         self.box = RepoSandbox(timeout=timeout, memory_mb=memory_mb, max_output=max_output, mode=sandbox)
         self.max_turns, self.max_output = max_turns, max_output
         self.tool_timeout = timeout + 5  # the sandbox's own timeout fires first

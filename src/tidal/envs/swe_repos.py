@@ -308,9 +308,11 @@ def generate_repo(index: int, seed: int = 0) -> Repo:
         ),
         "README.md": f"# {package}\n\nRun the tests with `{TEST_COMMAND}`.\n",
     }
+    first_call = '<tool_call>{"name": "read_file", "arguments": {"path": "' + path + '"}}</tool_call>'
     statement = (
-        f"Bug report for the repository in the current directory: `{buggy.name}` in `{path}` misbehaves. "
-        f"{bug.symptom} Fix the code (the tests run with `{TEST_COMMAND}`), then call submit."
+        f"Bug report for the repository in the current directory: {bug.symptom} Use the tools to fix the "
+        f"code in {path}: first read it with {first_call}, then change it with write_file or str_replace, "
+        f"run the tests with bash ({TEST_COMMAND}), and call submit."
     )
     hidden = [a for t in chosen for a in (t.hidden if t is buggy else t.hidden[:2])]
     others = sorted(t.name for t in chosen if t is not buggy)

@@ -154,6 +154,11 @@ def test_weight_fan_out_calls_vllm_rl_routes_in_order_and_tracks_versions_withou
                 "/weight_info",
             ]
             assert await client.weights.versions() == {urls["a"]: 3, urls["b"]: 3}
+            # a server without the route is not asked again: one round trip less per update
+            calls.clear()
+            assert (await client.weights.load_step("/run/weights/step_4", 4)).all_ok
+            assert [c[1:] for c in calls if c.startswith("a")][-1] == "/resume"
+            assert not any(c.endswith("/weight_info") for c in calls)
 
     asyncio.run(go())
 

@@ -55,6 +55,7 @@ class ServerAdmin:
     def __init__(self, pool: ServerPool, admin_token: str | None = None):
         self.pool = pool
         self._headers = {TOKEN_HEADER: admin_token} if admin_token else {}
+        self._without_weight_info: set[str] = set()
 
     async def _post(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
         response = await self.pool.request("POST", server.url + path, body, headers=self._headers)
@@ -87,9 +88,14 @@ class ServerAdmin:
         await self._post(server, "/v1/unload_lora_adapter", {"lora_name": name})
 
     async def get_weight_version(self, server: ServerState) -> int | None:
-        """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older)."""
+        """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older). A server
+        that answered 404 once is not asked again: each weight update would otherwise spend a round trip on
+        it while the server's new requests wait."""
+        if server.url in self._without_weight_info:
+            return None
         response = await self.pool.request("GET", server.url + "/weight_info", timeout=10.0)
         if response.status == 404:
+            self._without_weight_info.add(server.url)
             return None
         return parse_version(json_or_raise(response, server.url)["weight_version"])
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -303,75 +302,3 @@ def test_a_step_starts_the_refills_it_will_need_before_its_first_group_ends(tmp_
     assert peaks[0] == 8 * 4  # nothing known yet: the step's own 8 groups
     assert 0.6 <= orch.keep_rate.value < 0.8
     assert peaks[1] >= 11 * 4, peaks  # ceil(8 / keep rate) groups of 4 requests at once
-
-
-class Recorder:
-    """What `_one_step` sends: (step, number of batches), in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[int] = []
-
-    def send(self, step: int, batches: list) -> None:
-        self.sent.append(step)
-
-
-class KindServer(SimulatedServer):
-    """Also counts the requests that started while one of the other kind (greedy eval, sampled rollout) ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.running = {True: 0, False: 0}  # greedy? -> in flight
-        self.greedy = 0
-        self.overlapping = 0
-        self.pool = types.SimpleNamespace(servers={})  # no replicas to report on
-
-    async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
-        greedy = request.sampling.temperature == 0
-        self.greedy += greedy
-        self.overlapping += self.running[not greedy] > 0
-        self.running[greedy] += 1
-        try:
-            return await super().generate(request, session_id)
-        finally:
-            self.running[greedy] -= 1
-
-
-def test_the_first_steps_online_eval_runs_beside_its_rollouts_and_the_batch_waits_for_it(
-    tmp_path, tokenizer_dir
-):
-    """At step 0 no newer policy can land before batch 0 is sent, so the greedy eval shares the engine with the
-    step's rollouts (the first step comes sooner); a step whose policy may still change evaluates first."""
-    from tidal.orchestrator.loop import eval_beside_rollouts
-
-    assert eval_beside_rollouts(step=0, version=0) and eval_beside_rollouts(step=5, version=5)
-    assert not eval_beside_rollouts(step=5, version=4)  # the trainer may publish 5 mid-eval
-    config = OrchestratorConfig.model_validate(
-        {
-            "output_dir": str(tmp_path),
-            "model": {"name": str(tokenizer_dir)},
-            "max_async_level": 1,
-            "batch": {"num_prompts": 8, "group_size": 4, "seq_len": 128},
-            "online_eval": {"interval": 1, "num_tasks": 6},
-        }
-    )
-    orch = Orchestrator(config)
-    orch.env = TwoTurns()
-    server, sender = KindServer(), Recorder()
-
-    async def main() -> None:
-        policy = PolicyWatcher(server, orch.out)  # type: ignore[arg-type]
-        await orch._one_step(server, policy, sender)  # type: ignore[arg-type]
-        beside_at_0 = server.overlapping
-        assert beside_at_0 > 0 and server.greedy == 6
-        # step 1 under policy 0: the trainer may publish 1 during it, so its eval is awaited before the step
-        # starts its own groups (the ones started ahead at step 0 run on)
-        await orch._one_step(server, policy, sender)  # type: ignore[arg-type]
-        assert server.greedy == 12
-        orch.pool.cancel_all()
-
-    asyncio.run(asyncio.wait_for(main(), timeout=60))
-    assert sender.sent == [0, 1]
-    logged = [
-        json.loads(line) for line in (tmp_path / "orchestrator" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [r["step"] for r in logged] == [0, 1] and all("eval/reverse_text/avg@1" in r for r in logged)

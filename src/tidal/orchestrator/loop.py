@@ -72,15 +72,6 @@ def build_env(config: OrchestratorConfig) -> Environment:
     return build_envs(config.env, seed=config.seed)
 
 
-def eval_beside_rollouts(step: int, version: int) -> bool:
-    """Whether step `step`'s online eval may run beside its rollouts (pure). The trainer publishes version
-    `k + 1` once it has trained batch `k`, and batches up to `step - 1` are sent: a newer policy than the one
-    served can land during the step unless inference already serves `step` (step 0 of a fresh run, or a
-    trainer that caught up). Then the eval runs beside the rollouts (the engine fuller, the first step
-    sooner), and the batch waits for it."""
-    return version >= step
-
-
 class Orchestrator:
     """Owns the task stream, the group buffer and the batch sender; `run()` is the whole process."""
 
@@ -161,19 +152,9 @@ class Orchestrator:
         start = time.perf_counter()
         waited = await policy.wait_for(step - cfg.max_async_level)
         evaluated: dict[str, float] = {}
-        beside: asyncio.Task[dict[str, float]] | None = None
         if cfg.online_eval.interval and step % cfg.online_eval.interval == 0:
-            if eval_beside_rollouts(step, policy.version):
-                beside = asyncio.ensure_future(self._online_eval(client, step, policy.version))
-            else:
-                evaluated = await self._online_eval(client, step, policy.version)
-        try:
-            groups, advantages, stats = await self._collect(client, policy, step)
-            if beside is not None:  # before this step's batch goes: no newer policy may land mid-eval
-                evaluated = await beside
-        finally:
-            if beside is not None and not beside.done():
-                beside.cancel()
+            evaluated = await self._online_eval(client, step, policy.version)
+        groups, advantages, stats = await self._collect(client, policy, step)
         b = cfg.batch
         samples, too_long = drop_too_long(make_train_samples(groups, advantages), b.seq_len)
         self._warn_too_long(step, too_long, len(samples))

@@ -19,20 +19,26 @@ import asyncio
 import contextlib
 import ctypes
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
 
 from tidal.envs import bwrap
-from tidal.envs.sandbox import SANDBOX_MODES, Execution, _kill_group, _unshare_network, announce, resolve_mode
+from tidal.envs.sandbox import (
+    Execution,
+    _kill_group,
+    _unshare_network,
+    announce,
+    resolve_mode,
+    set_limits,
+)
 
 REPO_MOUNT = "/repo"
 """Where the repository is inside bubblewrap."""
 BIN_DIR = "/opt/tidal/bin"
 """Inside bubblewrap: `python` and `python3` links to tidal's interpreter."""
-# Run first in the sandbox: the limits and, as root, the switch of user; then bash takes over the process.
 _CLONE_NEWNET = 0x40000000
+# Run first in the sandbox: the limits and, as root, the switch of user; then bash takes over the process.
 _EXEC_BASH = "import os as _o, sys as _s\n_o.execv('/bin/bash', ['bash', '-c', _s.argv[1]])\n"
 
 
@@ -47,8 +53,6 @@ class RepoSandbox:
         mode: str = "auto",
         max_processes: int = 64,
     ):
-        if mode not in SANDBOX_MODES:
-            raise ValueError(f"sandbox must be one of {', '.join(SANDBOX_MODES)}, not {mode!r}")
         self.timeout, self.max_output = timeout, max_output
         self.mode = resolve_mode(mode)
         announce(self.mode)
@@ -132,15 +136,7 @@ class RepoSandbox:
 
     def _limit(self, uid: int | None) -> None:
         """The fallback, in the child before exec: rlimits, a network namespace if allowed, then the user."""
-        limits = self.limits
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-        memory = limits.memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        file_size = limits.max_file_mb << 20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        set_limits(self.limits)
         if uid is None:
             _unshare_network()  # a user namespace first: an unprivileged user may not make a network one alone
             return

@@ -282,16 +282,21 @@ class PythonSandbox:
 
     def _limit(self) -> None:
         """The fallback, in the child before exec: resource limits, then a network namespace if allowed."""
-        limits = self.limits
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-        memory = limits.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        file_size = limits.max_file_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        set_limits(self.limits)
         _unshare_network()
+
+
+def set_limits(limits: bwrap.Limits) -> None:
+    """The fallback's rlimits on this process (a child before exec): CPU, address space, file size, no core
+    files, and processes where the kernel lets this user set it."""
+    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
+    memory = limits.memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    file_size = limits.max_file_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
 
 
 def _unshare_network() -> None:

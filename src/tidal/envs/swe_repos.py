@@ -248,23 +248,11 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
     ),
 )
 MODULES = ("utils", "helpers", "core", "tools", "basics")
-_SYLLABLES = (
-    "ka",
-    "ro",
-    "vel",
-    "tan",
-    "mi",
-    "dor",
-    "sa",
-    "len",
-    "bri",
-    "ost",
-    "fal",
-    "zen",
-    "lo",
-    "rim",
-    "del",
-)
+PACKAGE_STEMS = (
+    "acorn", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor", "indigo", "juniper",
+    "kestrel", "lumen", "maple", "nimbus", "onyx", "pylon", "quartz", "ridge", "summit", "tundra",
+)  # fmt: skip
+PACKAGE_SUFFIXES = ("lib", "kit", "tools")
 FUNCTIONS_PER_REPO = 3
 HIDDEN_FILE = "tests/test_hidden.py"
 RESULT_MARK = "TIDAL-HIDDEN-TESTS"
@@ -292,7 +280,7 @@ def generate_repo(index: int, seed: int = 0) -> Repo:
     buggy = chosen[0]
     bug = rng.choice(buggy.bugs)
     rng.shuffle(chosen)
-    package = "".join(rng.choice(_SYLLABLES) for _ in range(2)) + "lib"
+    package = rng.choice(PACKAGE_STEMS) + rng.choice(PACKAGE_SUFFIXES)
     module = rng.choice(MODULES)
     path = f"{package}/{module}.py"
     correct = _module_text(chosen)

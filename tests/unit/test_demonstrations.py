@@ -22,7 +22,7 @@ from tidal.errors import UserError
 from tidal.trainer.data import tokenize_conversation
 from tidal.trainer.sources import load_conversations
 
-FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.2, "code": 1.0, "wordle": 1.2}
+FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.2, "code": 1.0, "wordle": 1.2, "swe": 1.0}
 """The highest reward of each environment (wordle: solved 1.0 + 0.2 × all five letters green; tool_use: the
 answer 1.0 + 0.2 for computing it with a tool)."""
 
@@ -50,6 +50,7 @@ def replay(name: str, kwargs: dict, count: int, split: str = "train"):
         ("tool_use", {"num_examples": 200, "sandbox": "process"}, 9),
         ("code", {"sandbox": "process"}, 15),
         ("wordle", {"num_examples": 200}, 8),
+        ("swe", {"timeout": 5}, 4),
     ],
 )
 def test_demonstrations_replayed_by_the_environment_earn_full_marks(name, kwargs, count):

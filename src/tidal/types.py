@@ -8,7 +8,7 @@ Plain dataclasses of Python lists and numbers, so they pickle, JSON-encode and s
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -205,7 +205,11 @@ class MicroBatch:
         return sum(sum(row) for row in self.loss_mask)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON-ready values, the token lists themselves (not copies: `asdict` deep-copied
+        every element, 0.4 s of the orchestrator's event loop for a 256-sample step)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["routed_experts"] = None if self.routed_experts is None else asdict(self.routed_experts)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MicroBatch:
@@ -258,7 +262,10 @@ class TrainBatch:
     r' // cp == r // cp (they split its rows along the sequence)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["micro_batches"] = [m.to_dict() for m in self.micro_batches]
+        out["metrics"] = dict(self.metrics)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainBatch:

@@ -1,5 +1,6 @@
 """RL samples and packing: alignment of targets/logprobs, per-sample positions, rank balance, message round trips."""
 
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from tidal.orchestrator.batching import (
     make_train_samples,
     pack_for_ranks,
 )
+from tidal.transport.rollouts import decode, encode
 from tidal.types import Group, MicroBatch, Rollout, TrainBatch, TrainSample
 
 PAD = 0
@@ -210,6 +212,8 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     g = Group("t", "test", [rollout([1], [2, 3], [-0.1, -0.2], [1, 0], reward=0.5, version=2)])
     assert Group.from_dict(g.to_dict()) == g
     batch = make_train_batches(1, make_train_samples([g], [[1.0]]), 1, 4, 1, PAD, {"reward/mean": 0.5})[0]
+    assert batch.to_dict() == dataclasses.asdict(batch)  # the wire format, without asdict's deep copies
+    assert decode(encode(batch)) == batch
     torch.save(batch.to_dict(), tmp_path / "b.pt")
     loaded = TrainBatch.from_dict(torch.load(tmp_path / "b.pt", weights_only=True))
     assert loaded == batch

@@ -29,9 +29,9 @@ def non_loopback_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
-SHARED_MAX_MODEL_LEN = 1024
-"""The shared servers' context: room for an agent environment's prompt (swe's tools and bug report are ~920
-tokens of the tiny model's tokenizer) and a turn."""
+SHARED_MAX_MODEL_LEN = 2048
+"""The shared servers' context, the tiny model's whole: room for an agent environment's prompt (swe's tools
+and bug report are ~1,090 tokens of the tiny model's nearly char-level tokenizer) and a turn."""
 
 
 def tiny_server_config(port: int, core: str, log_file: Path, **server: Any) -> InferenceConfig:

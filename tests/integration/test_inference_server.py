@@ -16,7 +16,7 @@ from tidal.inference.server import ServerProcess
 from tidal.inference.types import ChatMessage, ChatRequest, GenerateRequest, Generation, SamplingParams
 from tidal.testing import TINY_MODEL_NAME
 
-from .conftest import non_loopback_ip
+from .conftest import SHARED_MAX_MODEL_LEN, non_loopback_ip
 
 pytestmark = pytest.mark.slow
 
@@ -202,7 +202,7 @@ def test_bad_requests_get_4xx(inference_server: ServerProcess, admin_token: str,
             assert bad_token.value.status == 400
             with pytest.raises(RequestRejected) as too_long:
                 await client.generation.generate(
-                    GenerateRequest(prompt_token_ids=(5,) * 600, sampling=sampling)
+                    GenerateRequest(prompt_token_ids=(5,) * (SHARED_MAX_MODEL_LEN + 88), sampling=sampling)
                 )
             assert too_long.value.status == 400
             report = await client.weights.load_step(tmp_path / "missing", 99)

@@ -316,8 +316,9 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
         "rl", "@", "examples/mix/rl.toml", "--output-dir", str(out), "--max-steps", "2",
         "--orchestrator.env", envs,
         "--orchestrator.batch.zero-signal", "keep", "--inference.server.port", "18530",
-        # search's prompt (its tools described in the system message) is ~500 characters: room for turns
-        "--inference.vllm.max-model-len", "1024", "--orchestrator.batch.seq-len", "1024",
+        # the agent environments' prompts (their tools described in the system message) are ~420 (search) and
+        # ~1,090 (swe) tokens of the tiny tokenizer: room for a turn or two
+        "--inference.vllm.max-model-len", "2048", "--orchestrator.batch.seq-len", "2048",
         "--orchestrator.online-eval.interval", "1", "--orchestrator.online-eval.num-tasks", "4", timeout=900,
         env={"PYTHONPATH": os.pathsep.join(filter(None, [VF_ENVS, os.environ.get("PYTHONPATH")]))},
     )  # fmt: skip
@@ -325,6 +326,7 @@ def test_environment_mix_with_a_verifiers_env_reports_per_environment_rewards(tm
     records = metrics(out, "orchestrator")
     for env in ("vf:vf_reverse_words", "search", "swe"):
         assert any(r.get(f"env/{env}/rollouts", 0) > 0 for r in records), env
+        assert all(r.get(f"env/{env}/failed", 0) == 0 for r in records), env  # rollouts that ran, not errors
     # search's tool calls and their time, averaged over the batch's rollouts that carry them
     assert all(r["tools/tool_seconds"] >= 0.0 for r in records if "tools/tool_seconds" in r)
     assert any("tools/num_tool_calls" in r for r in records)

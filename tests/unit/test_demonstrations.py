@@ -190,4 +190,4 @@ def test_an_unknown_dataset_name_is_a_config_error_listing_the_names():
         load_config(SFTConfig, [], [("data.train.type", "builtin"), ("data.train.name", "chess")])
     text = str(caught.value)
     assert "data.train.name" in text and "unknown built-in dataset 'chess'" in text
-    assert "alphabet_sort, code, math, reverse_text, search, shapes, tool_use, wordle" in text
+    assert "alphabet_sort, code, math, reverse_text, search, shapes, swe, tool_use, wordle" in text

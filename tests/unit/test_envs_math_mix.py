@@ -125,6 +125,7 @@ def test_registry_builds_every_builtin_and_rejects_bad_input():
         "code",
         "shapes",
         "search",
+        "swe",
     }
     for name in env_names():
         env = load_env(name, num_examples=5)

@@ -187,3 +187,23 @@ def test_an_episode_ends_cleanly_at_its_token_budget():
     assert episode.info["truncated"] and 1 <= episode.num_turns < 10
     assert len(episode.context_ids) <= 1400
     assert 0.0 < episode.reward < 1.0  # scored on the unchanged repository
+
+
+def test_the_fallback_refuses_an_interpreter_its_own_user_cannot_reach(tmp_path, monkeypatch):
+    from tidal.envs import repo_sandbox
+
+    closed = tmp_path / "closed"
+    (closed / "bin").mkdir(parents=True)
+    python = closed / "bin" / "python3"
+    python.write_text("")
+    python.chmod(0o755)
+    closed.chmod(0o700)
+    assert not repo_sandbox.open_to_others(str(python))
+    closed.chmod(0o755)
+    tmp_path.chmod(0o755)
+    assert repo_sandbox.open_to_others(str(python)) == repo_sandbox.open_to_others(str(tmp_path))
+    closed.chmod(0o700)
+    monkeypatch.setattr(repo_sandbox.sys, "executable", str(python))
+    monkeypatch.setattr(repo_sandbox.os, "geteuid", lambda: 0)
+    with pytest.raises(ValueError, match="cannot reach the interpreter"):
+        RepoSandbox(mode="process")

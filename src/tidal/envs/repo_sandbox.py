@@ -12,13 +12,14 @@ the process limit holds and nothing else of the machine's is writable.
 
 `python` and `python3` on the command's PATH are the interpreter tidal runs on (the repository's code and
 tests need nothing beyond the standard library). Under the fallback as root, the command's own user must be
-able to reach that interpreter: one under a 0700 home directory (pyenv in /root) is not found there.
+able to reach that interpreter: one under a 0700 home directory (pyenv in /root) is refused at construction.
 """
 
 import asyncio
 import contextlib
 import ctypes
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,13 @@ class RepoSandbox:
     ):
         self.timeout, self.max_output = timeout, max_output
         self.mode = resolve_mode(mode)
+        python = os.path.realpath(sys.executable)
+        if self.mode == "process" and os.geteuid() == 0 and not open_to_others(python):
+            raise ValueError(
+                f"the command sandbox runs as a user of its own, who cannot reach the interpreter {python} "
+                "(a directory on its path is closed to others): install bubblewrap, or run tidal on a Python "
+                "that others can read"
+            )
         announce(self.mode)
         self.limits = bwrap.Limits(
             cpu_seconds=int(timeout) + 1, memory_mb=memory_mb, max_processes=max_processes, max_file_mb=16
@@ -145,6 +153,19 @@ class RepoSandbox:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+
+
+def open_to_others(path: str) -> bool:
+    """Whether a user of no group can run `path`: it and every directory above it allow others to enter."""
+    target = Path(path)
+    for part in [target, *target.parents]:
+        try:
+            mode = part.stat().st_mode
+        except OSError:
+            return False
+        if not mode & stat.S_IXOTH:
+            return False
+    return True
 
 
 def _env(bin_dir: str, home: str) -> dict[str, str]:

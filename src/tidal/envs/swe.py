@@ -103,9 +103,8 @@ class SweEnv(ToolEnv):
             raise ValueError("swe: need max_turns ≥ 1, timeout > 0, memory_mb > 0 and max_output ≥ 100")
         if max_context_tokens is not None and max_context_tokens < 1:
             raise ValueError("swe: max_context_tokens must be positive (or left out: the server's context)")
-        self.max_context_tokens = (
-            max_context_tokens  # the episode's token budget: it ends before a longer turn
-        )
+        # the episode's token budget: it ends before a turn whose prompt would be longer
+        self.max_context_tokens = max_context_tokens
         self.box = RepoSandbox(timeout=timeout, memory_mb=memory_mb, max_output=max_output, mode=sandbox)
         self.max_turns, self.max_output = max_turns, max_output
         self.tool_timeout = timeout + 5  # the sandbox's own timeout fires first

@@ -81,9 +81,13 @@ def test_env_report_counts_failures_as_zero_reward():
     assert report["avg@2"]["mean"] == pytest.approx(0.5)
     assert report["pass@2"]["mean"] == 1.0
     assert report["metrics"]["num_turns"] == pytest.approx(5 / 3)
+    assert report["failures"] == {"TimeoutError": 1} and report["first_failure"] == "TimeoutError: "
     table = markdown_table("m", {"e": report}, 0.95)
     assert "| env | tasks | k | failed | avg@2 | pass@1 | pass@2 |" in table
     assert "| e | 2 | 2 | 1 | 0.500 [" in table
+    assert "Failed rollouts of e: TimeoutError × 1; the first: TimeoutError: " in table
+    clean = env_report([records[0], records[2]], config)
+    assert "failures" not in clean and "Failed rollouts" not in markdown_table("m", {"e": clean}, 0.95)
 
 
 def test_eval_config_checks():

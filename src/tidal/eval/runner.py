@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,10 @@ def env_report(records: list[RolloutRecord], config: EvalConfig) -> dict[str, An
         "num_failed": sum(r.failed for r in records),
         **summarize(list(by_task.values()), config.pass_threshold, config.confidence),
     }
+    failed = [r.error or "unknown error" for r in records if r.failed]
+    if failed:  # what a user reads first when a score looks wrong: which errors, and one of them whole
+        report["failures"] = dict(Counter(error.split(":", 1)[0] for error in failed))
+        report["first_failure"] = failed[0]
     keys = sorted({key for r in records if not r.failed for key in r.metrics})
     report["metrics"] = {
         key: statistics.fmean(r.metrics[key] for r in records if not r.failed and key in r.metrics)
@@ -170,6 +175,12 @@ def markdown_table(model: str, reports: dict[str, dict[str, Any]], confidence: f
         lines.append(
             f"| {name} | {r['num_tasks']} | {r['k']} | {r['num_failed']} | " + " | ".join(cells) + " |"
         )
+    failing = {name: r for name, r in reports.items() if r.get("failures")}
+    if failing:
+        lines.append("")
+    for name, r in failing.items():
+        kinds = ", ".join(f"{kind} × {count}" for kind, count in r["failures"].items())
+        lines.append(f"Failed rollouts of {name}: {kinds}; the first: {r['first_failure']}")
     return "\n".join(lines) + "\n"
 
 

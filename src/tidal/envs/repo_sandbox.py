@@ -15,9 +15,6 @@ tests need nothing beyond the standard library). Under the fallback as root, the
 able to reach that interpreter: one under a 0700 home directory (pyenv in /root) is refused at construction.
 """
 
-import asyncio
-import contextlib
-import ctypes
 import os
 import stat
 import sys
@@ -26,19 +23,21 @@ from pathlib import Path
 
 from tidal.envs import bwrap
 from tidal.envs.sandbox import (
+    CLONE_NEWNET,
     Execution,
-    _kill_group,
     _unshare_network,
     announce,
+    communicate,
     resolve_mode,
+    run_blocking,
     set_limits,
+    unshare,
 )
 
 REPO_MOUNT = "/repo"
 """Where the repository is inside bubblewrap."""
 BIN_DIR = "/opt/tidal/bin"
 """Inside bubblewrap: `python` and `python3` links to tidal's interpreter."""
-_CLONE_NEWNET = 0x40000000
 # Run first in the sandbox: the limits and, as root, the switch of user; then bash takes over the process.
 _EXEC_BASH = "import os as _o, sys as _s\n_o.execv('/bin/bash', ['bash', '-c', _s.argv[1]])\n"
 
@@ -56,10 +55,10 @@ class RepoSandbox:
     ):
         self.timeout, self.max_output = timeout, max_output
         self.mode = resolve_mode(mode)
-        python = os.path.realpath(sys.executable)
-        if self.mode == "process" and os.geteuid() == 0 and not open_to_others(python):
+        self.python = os.path.realpath(sys.executable)
+        if self.mode == "process" and os.geteuid() == 0 and not open_to_others(self.python):
             raise ValueError(
-                f"the command sandbox runs as a user of its own, who cannot reach the interpreter {python} "
+                f"the command sandbox runs as a user of its own, who cannot reach the interpreter {self.python} "
                 "(a directory on its path is closed to others): install bubblewrap, or run tidal on a Python "
                 "that others can read"
             )
@@ -70,21 +69,14 @@ class RepoSandbox:
 
     def run_sync(self, repo: Path, command: str) -> Execution:
         """`run` from synchronous code (a reward worker)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.run(repo, command))
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, self.run(repo, command)).result()
+        return run_blocking(self.run(repo, command))
 
     async def run(self, repo: Path, command: str) -> Execution:
         """What `command` printed (stdout and stderr, the first `max_output` bytes), and how it ended."""
         uid = bwrap.run_as_uid()
         if uid is not None:
             _give(repo, uid)
-        python = os.path.realpath(sys.executable)
+        python = self.python
         if self.mode == "bwrap":
             argv = [
                 *bwrap.bwrap_argv(str(bwrap.find_bwrap()), python, os.geteuid() == 0),
@@ -93,54 +85,17 @@ class RepoSandbox:
                 "--bind", str(repo), REPO_MOUNT, "--chdir", REPO_MOUNT, "--remount-ro", "/",
                 python, "-I", "-S", "-c", bwrap.sandbox_prelude(self.limits, uid) + _EXEC_BASH, command,
             ]  # fmt: skip
-            env = _env(BIN_DIR, home="/tmp")
-            return await self._communicate(argv, REPO_MOUNT, env, cwd="/", preexec=None)
+            env = _env(BIN_DIR, home="/tmp", shown_cwd=REPO_MOUNT)
+            return await communicate(argv, None, "/", env, None, self.timeout, self.max_output)
         with tempfile.TemporaryDirectory(prefix="tidal-repo-bin-") as bin_dir:
             for name in ("python", "python3"):
                 os.symlink(python, os.path.join(bin_dir, name))
             os.chmod(bin_dir, 0o755)
-            argv = ["/bin/bash", "-c", command]
-            return await self._communicate(
-                argv,
-                str(repo),
-                _env(bin_dir, home=str(repo)),
-                cwd=str(repo),
-                preexec=lambda: self._limit(uid),
-            )
-
-    async def _communicate(
-        self, argv: list[str], shown_cwd: str, env: dict[str, str], cwd: str, preexec: object
-    ) -> Execution:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=cwd,
-            env={**env, "PWD": shown_cwd},
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,  # type: ignore[arg-type]
-        )
-        kept = bytearray()
-        timed_out = False
-        try:
-            await asyncio.wait_for(self._read(process, kept), self.timeout)
-        except TimeoutError:
-            timed_out = True
-        finally:
-            _kill_group(process.pid)  # whatever the command left running in its group goes too
-            await process.wait()
-            if process.stdout is not None:  # let the pipe close on this loop (its writers are gone now)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.stdout.read(), 1.0)
-        return Execution(kept.decode(errors="replace"), process.returncode, timed_out)
-
-    async def _read(self, process: asyncio.subprocess.Process, kept: bytearray) -> None:
-        assert process.stdout is not None
-        limit = self.max_output + 1024  # a little more than is shown, so that truncation says how much
-        while chunk := await process.stdout.read(65536):
-            kept += chunk[: max(0, limit - len(kept))]
-        await process.wait()
+            env = _env(bin_dir, home=str(repo), shown_cwd=str(repo))
+            return await communicate(
+                ["/bin/bash", "-c", command], None, str(repo), env, lambda: self._limit(uid), self.timeout,
+                self.max_output,
+            )  # fmt: skip
 
     def _limit(self, uid: int | None) -> None:
         """The fallback, in the child before exec: rlimits, a network namespace if allowed, then the user."""
@@ -148,8 +103,7 @@ class RepoSandbox:
         if uid is None:
             _unshare_network()  # a user namespace first: an unprivileged user may not make a network one alone
             return
-        with contextlib.suppress(OSError, AttributeError):  # root needs no user namespace (and in one could
-            ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWNET)  # no longer change its user)
+        unshare(CLONE_NEWNET)  # root needs no user namespace (and in one could no longer change its user)
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
@@ -168,10 +122,11 @@ def open_to_others(path: str) -> bool:
     return True
 
 
-def _env(bin_dir: str, home: str) -> dict[str, str]:
+def _env(bin_dir: str, home: str, shown_cwd: str) -> dict[str, str]:
     return {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": home,
+        "PWD": shown_cwd,
         "PYTHONDONTWRITEBYTECODE": "1",
         "LANG": "C.UTF-8",
     }

@@ -23,14 +23,16 @@ import resource
 import signal
 import sys
 import tempfile
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.envs import bwrap
 from tidal.envs.tools import Tool, truncate
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _BINARY = {
     ast.Add: operator.add,
@@ -213,12 +215,7 @@ class PythonSandbox:
 
     def execute_sync(self, code: str) -> Execution:
         """`execute` from synchronous code (a reward worker); in a thread when this one runs an event loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.execute(code))
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, self.execute(code)).result()
+        return run_blocking(self.execute(code))
 
     async def execute(self, code: str) -> Execution:
         announce(self.mode)
@@ -246,39 +243,7 @@ class PythonSandbox:
     async def _communicate(
         self, argv: list[str], code: str, cwd: str, env: dict[str, str], preexec_fn: Any
     ) -> Execution:
-        """Start `argv` in a process group of its own, feed it `code`, keep the first `max_output` bytes it
-        prints (the rest is read and dropped), kill the group at the timeout or once it has exited."""
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=cwd,
-            env=env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec_fn,
-        )
-        kept = bytearray()
-        timed_out = False
-        try:
-            await asyncio.wait_for(self._exchange(process, code.encode(), kept), self.timeout)
-        except TimeoutError:
-            timed_out = True
-        finally:
-            _kill_group(process.pid)  # whatever the code started in its group goes too
-            await process.wait()  # reap it, so its pipes close on this event loop
-        return Execution(kept.decode(errors="replace"), process.returncode, timed_out)
-
-    async def _exchange(self, process: asyncio.subprocess.Process, code: bytes, kept: bytearray) -> None:
-        assert process.stdin is not None and process.stdout is not None
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may exit before reading
-            process.stdin.write(code)
-            await process.stdin.drain()
-            process.stdin.close()
-        limit = self.max_output + 1024  # a little more than is shown, so that truncation says how much
-        while chunk := await process.stdout.read(65536):
-            kept += chunk[: max(0, limit - len(kept))]
-        await process.wait()
+        return await communicate(argv, code.encode(), cwd, env, preexec_fn, self.timeout, self.max_output)
 
     def _limit(self) -> None:
         """The fallback, in the child before exec: resource limits, then a network namespace if allowed."""
@@ -299,10 +264,80 @@ def set_limits(limits: bwrap.Limits) -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
 
 
-def _unshare_network() -> None:
-    clone_newuser, clone_newnet = 0x10000000, 0x40000000
+def run_blocking(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to its end from synchronous code (a reward worker); in a thread of its own when this one
+    already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, work).result()
+
+
+async def communicate(
+    argv: list[str],
+    stdin: bytes | None,
+    cwd: str,
+    env: dict[str, str],
+    preexec_fn: Any,
+    timeout: float,
+    max_output: int,
+) -> Execution:
+    """Start `argv` in a process group of its own, feed it `stdin` (None: nothing), keep the first `max_output`
+    bytes it prints (the rest is read and dropped), kill the group at the timeout or once it has exited."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+    kept = bytearray()
+    timed_out = False
+    try:
+        await asyncio.wait_for(_exchange(process, stdin, kept, max_output), timeout)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        _kill_group(process.pid)  # whatever it started in its group goes too
+        await process.wait()  # reap it, so its pipes close on this event loop
+        if process.stdout is not None:  # and let its stdout close here too (its writers are gone now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.stdout.read(), 1.0)
+    return Execution(kept.decode(errors="replace"), process.returncode, timed_out)
+
+
+async def _exchange(
+    process: asyncio.subprocess.Process, stdin: bytes | None, kept: bytearray, max_output: int
+) -> None:
+    assert process.stdout is not None
+    if stdin is not None:
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may exit before reading
+            process.stdin.write(stdin)
+            await process.stdin.drain()
+            process.stdin.close()
+    limit = max_output + 1024  # a little more than is shown, so that truncation says how much
+    while chunk := await process.stdout.read(65536):
+        kept += chunk[: max(0, limit - len(kept))]
+    await process.wait()
+
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+
+
+def unshare(flags: int) -> None:
+    """Enter new namespaces (`CLONE_*` flags) where the kernel allows it; nothing where it does not."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).unshare(clone_newuser | clone_newnet)
+        ctypes.CDLL(None, use_errno=True).unshare(flags)
+
+
+def _unshare_network() -> None:
+    unshare(CLONE_NEWUSER | CLONE_NEWNET)
 
 
 def _kill_group(pid: int) -> None:

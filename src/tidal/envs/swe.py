@@ -18,7 +18,6 @@ which did).
 import contextvars
 import functools
 import secrets
-import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -316,7 +315,6 @@ def run_hidden_tests(repo: Repo, changes: dict[str, str], box: RepoSandbox) -> t
         runner = workspace / f".tidal_hidden_{nonce}.py"
         runner.write_text(hidden_runner(nonce, sorted(repo.hidden_tests)))
         result = box.run_sync(workspace, f"python {runner.name}")
-        shutil.rmtree(workspace / "__pycache__", ignore_errors=True)
     counted = read_result(result.output, nonce)
     total = _count_hidden(repo)
     if counted is None:

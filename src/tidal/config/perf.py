@@ -78,9 +78,9 @@ class PerfConfig(Config):
     optimizer_state: Literal["auto", "fp32", "bf16"] = "auto"
     """dtype of AdamW's two moments. `bf16`: stored in bf16 with stochastic rounding while the fp32 master
     weights update in fp32 — 12 instead of 16 bytes per parameter (Qwen3-4B: 45 instead of 60 GiB of
-    weights, gradients and optimizer state). `auto`: bf16 on GPU for models of 1B trainable parameters or more;
-fp32 below (where bf16 saves under 4 GB and its compiled update made SmolLM2-135M's first step 23 s
-longer) and on CPU."""
+    weights, gradients and optimizer state). `auto`: bf16 on GPU for models of 1B trainable parameters or
+    more; fp32 below (where bf16 saves under 4 GB and its compiled update made SmolLM2-135M's first step 23 s
+    longer) and on CPU."""
     accumulate_unsharded: Literal["auto"] | bool = "auto"
     """Between the micro-batches of one optimizer step, keep each layer's gathered bf16 parameters and its
     unsharded gradient (accumulated in fp32, FSDP2's reduce dtype) instead of gathering, resharding and

@@ -134,6 +134,8 @@ def test_weight_update_changes_outputs_and_restore_is_exact(
             start = (await client.weights.versions())[inference_server.url] or 0
             report = await client.weights.load_step(perturbed_weights, start + 1)
             assert report.all_ok, report
+            # in one request, which the guard ran against vLLM's own routes (tidal.inference.load_route)
+            assert set(client.weights.phase_seconds) == {"pause", "start", "update", "finish", "resume"}
             changed = await greedy(client)
             # every weight must be live after the update, the tied lm_head included: score the sampled
             # tokens with transformers on the new weights

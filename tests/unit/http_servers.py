@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tidal.config.rl import ClientConfig
+from tidal.inference import load_route
 from tidal.inference.client import InferenceClient
 from tidal.inference.pool import PoolTuning
 
@@ -51,16 +52,46 @@ def refused_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+async def _answer(handler: Handler, seen: Seen) -> web.StreamResponse:
+    result = handler(seen)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _load_route(handler: Handler, seen: Seen) -> web.StreamResponse:
+    """tidal's one-request weight update as its guard serves it (`load_route.load_weights`): each of the five
+    calls goes to `handler` as its own request, with the same server name and headers."""
+    parsed = load_route.parse_body(seen.body)
+    if isinstance(parsed, str):
+        return reply(400, {"error": {"message": parsed}})
+
+    async def call(path: str, query: str, body: bytes) -> tuple[int, bytes]:
+        answer = await _answer(handler, Seen(seen.server, "POST", path, seen.headers, body))
+        return answer.status, getattr(answer, "body", b"") or b""
+
+    update, version, mode = parsed
+    try:
+        seconds = await load_route.load_weights(call, update, version, mode)
+    except load_route.PhaseFailed as exc:
+        return reply(exc.status, {"error": {"message": str(exc)}})
+    return reply(200, {"weight_version": version, "seconds": seconds})
+
+
 @asynccontextmanager
-async def serving(handler: Handler, names: Sequence[str] = ("a", "b")) -> AsyncIterator[dict[str, str]]:
-    """Start one server per name, all answered by `handler`; yields name -> base URL; stops them after."""
+async def serving(
+    handler: Handler, names: Sequence[str] = ("a", "b"), load_route_served: bool = True
+) -> AsyncIterator[dict[str, str]]:
+    """Start one server per name, all answered by `handler`; yields name -> base URL; stops them after.
+
+    `load_route_served`: `load_route.ROUTE` is answered as tidal's guard does, through `handler`; without it
+    the route is a 404, as on a vLLM started without the guard."""
     started: list[TestServer] = []
 
     def route(name: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def answer(request: web.Request) -> web.StreamResponse:
             seen = Seen(name, request.method, request.path, request.headers, await request.read())
-            result = handler(seen)
-            return await result if inspect.isawaitable(result) else result
+            if seen.path == load_route.ROUTE:
+                return await _load_route(handler, seen) if load_route_served else reply(404)
+            return await _answer(handler, seen)
 
         return answer
 
@@ -91,11 +122,16 @@ def make_client(
 
 @asynccontextmanager
 async def client_over(
-    handler: Handler, names: Sequence[str] = ("a", "b"), refused: Sequence[str] = (), **kwargs: Any
+    handler: Handler,
+    names: Sequence[str] = ("a", "b"),
+    refused: Sequence[str] = (),
+    load_route_served: bool = True,
+    **kwargs: Any,
 ) -> AsyncIterator[tuple[InferenceClient, dict[str, str]]]:
     """An InferenceClient (no retry backoff, model "m" unless given) over servers `names` answered by
-    `handler`, after URLs named `refused` that nobody serves; yields it with name -> URL, closes both after."""
-    async with serving(handler, names) as served:
+    `handler` (`serving`), after URLs named `refused` that nobody serves; yields it with name -> URL, closes
+    both after."""
+    async with serving(handler, names, load_route_served) as served:
         urls = {**{name: refused_url() for name in refused}, **served}
         options = {"model": "m", "backoff": 0.0, **kwargs}
         async with contextlib.aclosing(make_client(list(urls.values()), **options)) as client:

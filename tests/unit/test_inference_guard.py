@@ -99,7 +99,7 @@ async def _call(guard_app: Any, path: str, body: bytes) -> tuple[int, bytes]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "path": path, "client": (LOCAL, 1234), "headers": []}
+    scope = {"type": "http", "method": "POST", "path": path, "client": (LOCAL, 1234), "headers": []}
     await guard_app(scope, receive, send)
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
@@ -334,3 +334,100 @@ def test_guard_answers_400_for_a_bad_role_and_passes_good_chats_with_their_body(
     good = {"messages": [{"role": "user", "content": "hi"}]}
     assert asyncio.run(call(good)) == 200 and json.loads(seen[0]) == good
     assert asyncio.run(call({"messages": [{"role": "robot", "content": "hi"}]})) == 400 and len(seen) == 1
+
+
+class SessionApp:
+    """vLLM's RL routes as an ASGI app: the pause state and the update session, every call recorded; a
+    second start while a session is open and a finish without one are 500s, as in vLLM."""
+
+    def __init__(self, active: bool = False, fail: str | None = None):
+        self.active, self.paused, self.version, self.fail = active, False, "0", fail
+        self.calls: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"]
+        body = json.loads((await receive()).get("body") or b"{}")
+        self.calls.append(path + ("?" + scope["query_string"].decode() if scope.get("query_string") else ""))
+        status = 500 if path == self.fail else 200
+        if status == 200 and path == "/start_weight_update":
+            status = 500 if self.active else 200
+            self.active = True
+        elif status == 200 and path == "/finish_weight_update":
+            status = 200 if self.active else 500
+            self.active = False
+            self.version = body.get("weight_version", self.version)
+        elif status == 200 and path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
+        message = json.dumps({"error": f"{path} failed"} if status >= 300 else {}).encode()
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": message})
+
+
+def load_body(directory: Path, version: int = 3, mode: str = "keep") -> bytes:
+    body = {"update_info": {"path": str(directory)}, "weight_version": str(version), "pause_mode": mode}
+    return json.dumps(body).encode()
+
+
+FIVE = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+
+
+def test_the_load_route_runs_the_five_calls_in_the_server_and_times_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _guard(monkeypatch)  # the environment: no token, loopback
+    app = SessionApp()
+    good = checkpoint(tmp_path / "new", w=torch.ones(2, 3))
+    status, reply = asyncio.run(_call(AdminGuard(app), "/tidal/load_weights", load_body(good)))
+    assert status == 200 and app.calls == FIVE and app.version == "3" and not app.paused and not app.active
+    seconds = json.loads(reply)["seconds"]
+    assert set(seconds) == {"pause", "start", "update", "finish", "resume"}
+
+
+def test_the_load_route_checks_the_update_like_a_direct_call_and_still_resumes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _guard(monkeypatch)
+    app = SessionApp()
+    status, reply = asyncio.run(_call(AdminGuard(app), "/tidal/load_weights", load_body(tmp_path / "missing")))
+    message = json.loads(reply)["error"]["message"]
+    assert status == 400 and message.startswith("update: ") and "does not exist" in message
+    # the refused body never reached vLLM; the session is closed without a version and generation resumes
+    assert app.calls == [FIVE[0], FIVE[1], FIVE[3], FIVE[4]] and app.version == "0" and not app.paused
+    assert not app.active
+
+
+def test_the_load_route_closes_a_session_left_open_and_reports_a_failed_phase(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _guard(monkeypatch)
+    good = checkpoint(tmp_path / "new", w=torch.ones(2, 3))
+    left_open = SessionApp(active=True)
+    assert asyncio.run(_call(AdminGuard(left_open), "/tidal/load_weights", load_body(good)))[0] == 200
+    assert left_open.calls[:4] == [FIVE[0], FIVE[1], FIVE[3], FIVE[1]] and left_open.version == "3"
+    broken_pause = SessionApp(fail="/pause")
+    status, reply = asyncio.run(_call(AdminGuard(broken_pause), "/tidal/load_weights", load_body(good)))
+    assert status == 500 and json.loads(reply)["error"]["message"] == "pause: /pause failed"
+    assert broken_pause.calls == [FIVE[0]]  # not paused: nothing to resume
+    broken_resume = SessionApp(fail="/resume")
+    status, reply = asyncio.run(_call(AdminGuard(broken_resume), "/tidal/load_weights", load_body(good)))
+    assert status == 500 and "resume: " in reply.decode() and broken_resume.version == "3"
+
+
+def test_the_load_route_is_an_admin_route_and_refuses_a_malformed_body(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _guard(monkeypatch)
+    app = SessionApp()
+    good = checkpoint(tmp_path / "new", w=torch.ones(2, 3))
+    for body, expect in (
+        (b"[]", "body must be a JSON object"),
+        (b'{"weight_version": "1"}', "`update_info` must be an object"),
+        (json.dumps({"update_info": {"path": str(good)}}).encode(), "`weight_version` must be"),
+        (load_body(good, mode="later"), "`pause_mode` must be one of keep, wait, abort"),
+    ):
+        code, reply = asyncio.run(_call(AdminGuard(app), "/tidal/load_weights", body))
+        assert code == 400 and expect in json.loads(reply)["error"]["message"], body
+    assert not app.calls
+    policy = AccessPolicy(bind_host="0.0.0.0", admin_token="s3cret")
+    assert status(policy, "/tidal/load_weights", LOCAL) == 401
+    assert status(policy, "/tidal/load_weights", REMOTE, "s3cret") == 200

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tidal.inference.disagg import empty_store
 from tidal.inference.errors import InferenceError, RequestRejected
 from tidal.inference.guard import TOKEN_HEADER
+from tidal.inference.load_route import ROUTE as LOAD_ROUTE
 from tidal.inference.pool import HTTP_ERRORS, ServerPool, attempt, json_or_raise
 from tidal.inference.routing import ServerState
 from tidal.inference.types import ServerVersion, WeightUpdateReport
@@ -56,6 +57,7 @@ class ServerAdmin:
         self.pool = pool
         self._headers = {TOKEN_HEADER: admin_token} if admin_token else {}
         self._without_weight_info: set[str] = set()
+        self._without_load_route: set[str] = set()
 
     async def _post(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
         response = await self.pool.request("POST", server.url + path, body, headers=self._headers)
@@ -64,6 +66,22 @@ class ServerAdmin:
     async def post_pause(self, server: ServerState, mode: PauseMode) -> None:
         """New requests queue until `resume`; `wait` lets in-flight ones finish first, `keep` freezes them."""
         await self._post(server, f"/pause?mode={mode}")
+
+    async def post_load_weights(
+        self, server: ServerState, path: str, version: int, mode: PauseMode
+    ) -> dict[str, float] | None:
+        """The whole update in one request (`tidal.inference.load_route`, served by tidal's guard): the
+        server's seconds per phase. None where the server lacks the route (a vLLM started without tidal's
+        guard): the caller then makes the five calls itself, and this server is not asked again."""
+        if server.url in self._without_load_route:
+            return None
+        body = {"update_info": {"path": path}, "weight_version": str(version), "pause_mode": mode}
+        response = await self.pool.request("POST", server.url + LOAD_ROUTE, body, headers=self._headers)
+        if response.status == 404:
+            self._without_load_route.add(server.url)
+            return None
+        seconds = json_or_raise(response, server.url).get("seconds", {})
+        return {str(k): float(v) for k, v in seconds.items()}
 
     async def post_resume(self, server: ServerState) -> None:
         await self._post(server, "/resume")
@@ -150,6 +168,9 @@ class WeightFanOut:
         self.adapters = PolicyAdapters()
         self._latest_weights: tuple[int, str] | None = None
         self._loras: dict[str, str] = {}
+        self.phase_seconds: dict[str, float] = {}
+        """Seconds per phase (pause, start, update, finish, resume) of the updates servers ran in one request,
+        summed over servers and updates: what an update costs inside the servers, against its round trip."""
         # One fan-out or catch-up at a time: a server re-admitted during a fan-out that skipped it would
         # otherwise come back with the weights from before that fan-out.
         self._lock = asyncio.Lock()
@@ -202,12 +223,12 @@ class WeightFanOut:
         server.updating = True
         server.idle.clear()
         try:
-            await self.admin.post_pause(server, self.pause_mode)
-            try:
-                await self._load_weights_on(server, path, version)
-                server.version = version
-            finally:
-                await self.admin.post_resume(server)
+            phases = await self.admin.post_load_weights(server, path, version, self.pause_mode)
+            if phases is None:
+                await self._pause_load_resume(server, path, version)
+            else:
+                self.add_phases(phases)
+            server.version = version
             reported = await self.admin.get_weight_version(server)
             server.version = version if reported is None else reported
         except (InferenceError, *HTTP_ERRORS) as exc:
@@ -221,6 +242,19 @@ class WeightFanOut:
         return ServerVersion(
             url=server.url, version=server.version, ok=ok, seconds=time.perf_counter() - start
         )
+
+    async def _pause_load_resume(self, server: ServerState, path: str, version: int) -> None:
+        """The update as five calls from here, for a server without tidal's one-request route."""
+        await self.admin.post_pause(server, self.pause_mode)
+        try:
+            await self._load_weights_on(server, path, version)
+        finally:
+            await self.admin.post_resume(server)
+
+    def add_phases(self, phases: dict[str, float]) -> None:
+        """Add one server's update phases (the seconds it reported) to `phase_seconds`."""
+        for phase, seconds in phases.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
     async def _load_together(self, path: str, version: int) -> list[ServerVersion]:
         """Disaggregated serving: pause every server in rotation, empty the shared KV store, load on each,

@@ -20,6 +20,9 @@ a load still fails midway and the workers could not restore the previous weights
 `WEIGHTS_BROKEN`), the server answers 503 on `/health` and on generation until an update succeeds, so
 clients and the launcher take it out of rotation.
 
+`POST /tidal/load_weights` (admin) runs a whole weight update (pause, start, update, finish, resume) against
+vLLM's app inside the server, in one request: `tidal.inference.load_route`.
+
 A chat request whose messages carry a role outside `CHAT_ROLES` is a 400 naming the message: vLLM would
 pass it to the chat template, which renders an unknown role as nothing or as garbage, and answer 200.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, TOKEN_HEADER, is_loopback
+from tidal.inference import load_route
 from tidal.transport.weight_checks import WEIGHTS_BROKEN, Reference, load_reference, update_problem
 
 Scope = MutableMapping[str, Any]
@@ -82,6 +86,7 @@ ADMIN_ROUTES = frozenset(
         "/update_weight_version",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
+        load_route.ROUTE,
     }
 )
 
@@ -182,6 +187,9 @@ class AdminGuard:
         if path == "/update_weights":
             await self._update_weights(scope, receive, send)
             return
+        if path == load_route.ROUTE and scope.get("method") == "POST":
+            await self._load_weights(scope, receive, send)
+            return
         if path == "/v1/chat/completions" and scope.get("method") == "POST":
             body = await _read_body(receive)
             problem = chat_problem(body)
@@ -190,6 +198,55 @@ class AdminGuard:
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    async def _load_weights(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`load_route.ROUTE`: the five calls of an update against vLLM's app, here, in one request."""
+        parsed = load_route.parse_body(await _read_body(receive))
+        if isinstance(parsed, str):
+            await _reply(send, 400, parsed, kind="BadRequestError")
+            return
+
+        async def call(path: str, query: str, body: bytes) -> tuple[int, bytes]:
+            return await self._internal(scope, path, query, body)
+
+        update, version, mode = parsed
+        try:
+            seconds = await load_route.load_weights(call, update, version, mode)
+        except load_route.PhaseFailed as exc:
+            await _reply(send, exc.status, str(exc), kind="WeightUpdateFailed")
+            return
+        payload = json.dumps({"weight_version": version, "seconds": seconds}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _internal(self, scope: Scope, path: str, query: str, body: bytes) -> tuple[int, bytes]:
+        """POST `path` to vLLM's app from inside this server (through this guard's `/update_weights` checks
+        for that route): its status and body."""
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        sub = {
+            **scope,
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": query.encode(),
+            "method": "POST",
+            "headers": headers,
+        }
+        status, chunks = 0, []
+
+        async def collect(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body":
+                chunks.append(bytes(message.get("body", b"")))
+
+        receive = _body_then_wait(body)
+        if path == "/update_weights":
+            await self._update_weights(sub, receive, collect)
+        else:
+            await self.app(sub, receive, collect)
+        return status, b"".join(chunks)
 
     async def _update_weights(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("method", "POST") == "POST":
@@ -312,6 +369,21 @@ async def _read_body(receive: Receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _body_then_wait(body: bytes) -> Receive:
+    """An internal request's receive: the body once, then never a disconnect (no client can leave)."""
+    sent = False
+    never = asyncio.Event()
+
+    async def receive() -> MutableMapping[str, Any]:
+        nonlocal sent
+        if sent:
+            await never.wait()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
 
 
 def _replay(body: bytes, original: Receive) -> Receive:

@@ -306,6 +306,8 @@ def run_watched(argv: Sequence[str], log: Path, timeout: float, watchers: Sequen
     with log.open("w") as out:
         child = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     for watcher in watchers:
+        if hasattr(watcher, "attach"):  # a watcher of the launcher's processes (a profiler)
+            watcher.attach(child.pid)
         watcher.start()
     try:
         return child.wait(timeout=timeout)

@@ -86,7 +86,9 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -250,7 +252,56 @@ def window_medians(
         "publish_plus_load_s": None if None in medians else medians[0] + medians[1],  # type: ignore[operator]
         "publish_s": [round(x, 4) for x in publish],
         "load_s": [round(x, 4) for x in loads],
+        "server_phase_s_median": server_phases(window, skip=first_step - 1),
     }
+
+
+PHASES = ("pause", "start", "update", "finish", "resume")
+
+
+def server_phases(orchestrator: Sequence[Mapping[str, Any]], skip: int) -> dict[str, float | None]:
+    """Median seconds per update of each phase inside the server (`time/weight_update_<phase>_total`, from
+    tidal's one-request update route), after step `skip`; the rest of `load_s` is round trips and waiting."""
+    out: dict[str, float | None] = {}
+    for phase in PHASES:
+        key = f"time/weight_update_{phase}_total"
+        rows = [r for r in orchestrator if key in r and "weights/updates_total" in r]
+        per_update = [
+            (b[key] - a[key]) / (b["weights/updates_total"] - a["weights/updates_total"])
+            for a, b in zip(rows, rows[1:], strict=False)
+            if b["step"] > skip and b["weights/updates_total"] > a["weights/updates_total"]
+        ]
+        out[phase] = median_or_none(per_update)
+    return out
+
+
+STARTUP_MARKS = (
+    ("server_process", re.compile(r"\[api_utils\.py:\d+\] non-default args")),
+    ("engine_process", re.compile(r"\[core\.py:\d+\] Initializing a V1 LLM engine")),
+    ("model_loaded", re.compile(r"Model loading took")),
+    ("compiled", re.compile(r"torch\.compile took")),
+    ("graphs_captured", re.compile(r"Graph capturing finished")),
+    ("kernels_warmed", re.compile(r"Kernel JIT monitor activated")),
+    ("serving", re.compile(r"Starting vLLM server on")),
+)
+"""vLLM's start-up, in the order its log shows it (0.26's lines): each mark's first line."""
+LOG_TIME = re.compile(r"\b(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\b")
+
+
+def startup_profile(inference_log: str, launched_at: float) -> dict[str, float | None]:
+    """Seconds from launch (`launched_at`, epoch) to each of vLLM's start-up marks in its log (the log's
+    local-time stamps, whole seconds, read in this machine's time zone): where the start-up goes."""
+    year = time.localtime(launched_at).tm_year
+    out: dict[str, float | None] = {name: None for name, _ in STARTUP_MARKS}
+    for line in inference_log.splitlines():
+        for name, pattern in STARTUP_MARKS:
+            if out[name] is None and pattern.search(line):
+                stamp = LOG_TIME.search(line)
+                if stamp:
+                    month, day, hour, minute, second = (int(g) for g in stamp.groups())
+                    at = time.mktime((year, month, day, hour, minute, second, 0, 0, -1))
+                    out[name] = round(at - launched_at, 1)
+    return out
 
 
 def time_to_gain(evals: Sequence[tuple[float, int, float]], target: float) -> tuple[float, int] | None:
@@ -422,19 +473,63 @@ def _has_cuda() -> bool:
         return False
 
 
-def launch_rl(argv: list[str], run_dir: Path, port: int, timeout: float) -> dict[str, Any]:
-    """Run `tidal rl` with the /metrics sampler and a tail of its online evals; return what they saw."""
+class StartupProfile:
+    """py-spy (where installed) sampling `tidal rl` and every process under it for its first `seconds`: a
+    speedscope file with each process's stacks over time, to show where the start-up goes."""
+
+    def __init__(self, out: Path, seconds: float, rate: int = 25):
+        self.out, self.seconds, self.rate = out, seconds, rate
+        self.pid: int | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def attach(self, pid: int) -> None:
+        self.pid = pid
+
+    def start(self) -> None:
+        binary = shutil.which("py-spy") or next(
+            (
+                str(p)
+                for p in (Path(sys.prefix) / "bin" / "py-spy", Path("/tmp/site/bin/py-spy"))
+                if p.exists()
+            ),
+            None,
+        )
+        if self.pid is None or self.seconds <= 0 or binary is None:
+            return
+        argv = [binary, "record", "--pid", str(self.pid), "--subprocesses", "--nonblocking",
+                "--rate", str(self.rate), "--duration", str(int(self.seconds)), "--format", "speedscope",
+                "-o", str(self.out)]  # fmt: skip
+        with self.out.with_suffix(".log").open("w") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def launch_rl(
+    argv: list[str], run_dir: Path, port: int, timeout: float, profile_s: float = 0.0
+) -> dict[str, Any]:
+    """Run `tidal rl` with the /metrics sampler and a tail of its online evals (and py-spy over its first
+    `profile_s` seconds); return what they saw."""
     run_dir.mkdir(parents=True, exist_ok=True)
     print("$", shlex.join(argv[1:]), flush=True)
     sampler = Sampler(f"http://127.0.0.1:{port}/metrics", run_dir / "rl")
     launch, wall_start = time.monotonic(), time.time()
     evals = Tail(run_dir / "rl" / "orchestrator" / "online_eval.jsonl", wall_start)
-    code = run_watched(argv, run_dir / "rl.log", timeout, [sampler, evals], "loop_throughput: tidal rl")
+    watchers = [sampler, evals, StartupProfile(run_dir / "startup.speedscope.json", profile_s)]
+    code = run_watched(argv, run_dir / "rl.log", timeout, watchers, "loop_throughput: tidal rl")
     return {
         "command": shlex.join(["python3", *argv[1:]]),
         "exit_code": code,
         "wall_s": round(time.monotonic() - launch, 1),
         "launch": launch,
+        "launched_at": wall_start,
         "sampler": sampler,
         "eval_times": dict(evals.seen),
         "trainer": read_jsonl(run_dir / "rl" / "trainer" / "metrics.jsonl"),
@@ -454,7 +549,10 @@ def summarise_tidal(
         "exit_code": run["exit_code"],
         "wall_s": run["wall_s"],
         "trainer_steps": len(trainer),
-        "startup": startup(launch, sampler.trainer.done_at, sampler.orchestrator.done_at),
+        "startup": {
+            **startup(launch, sampler.trainer.done_at, sampler.orchestrator.done_at),
+            "vllm_marks_s": run.get("startup_marks", {}),
+        },
         "step_done_s": {
             "trainer": {s: round(t - launch, 2) for s, t in sorted(sampler.trainer.done_at.items())},
             "orchestrator": {
@@ -513,7 +611,10 @@ def run_tidal(args: argparse.Namespace, name: str = "loop", extra: Sequence[str]
     argv = [sys.executable, "-m", "tidal", "rl", "@", args.config, *rl_flags(args), *extra,
             "--output-dir", str(run_dir / "rl"), "--max-steps", str(args.max_steps),
             "--inference.server.port", str(port)]  # fmt: skip
-    run = launch_rl(argv, run_dir, port, args.timeout)
+    run = launch_rl(argv, run_dir, port, args.timeout, args.profile_startup)
+    log = run_dir / "rl" / "logs" / "inference.log"
+    if log.exists():
+        run["startup_marks"] = startup_profile(log.read_text(errors="replace"), run["launched_at"])
     level = int(tomllib.loads((REPO / args.config).read_text()).get("max_async_level", 1))
     if "--max-async-level" in args.rl_args:  # given after --
         level = int(args.rl_args[args.rl_args.index("--max-async-level") + 1])
@@ -850,6 +951,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--trl-eval-interval", type=int, default=5, help="tidal's online eval in the comparison"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--profile-startup", type=float, default=0.0,
+        help="py-spy over each tidal run's first S seconds (where py-spy is installed): <run>/startup.speedscope.json",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("outputs/bench/loop_throughput"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("rl_args", nargs="*", help="further `tidal rl` flags for the tidal part (after --)")

@@ -187,10 +187,16 @@ def test_a_server_with_tidals_route_runs_the_whole_update_in_one_request() -> No
             for version in (3, 4):
                 report = await client.weights.load_step(f"/run/weights/step_{version}", version)
                 assert report.all_ok and [s.version for s in report.servers] == [version, version]
-            a_urls = [u[len(urls["a"]):] for u in outer if u.startswith(urls["a"])]
+            a_urls = [u[len(urls["a"]) :] for u in outer if u.startswith(urls["a"])]
             assert a_urls == ["/tidal/load_weights", "/weight_info", "/tidal/load_weights"]
         a_paths = [path for server, path, _ in inner if server == "a" and path != "/weight_info"]
-        assert a_paths == 2 * ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+        assert a_paths == 2 * [
+            "/pause",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
         finishes = [b for server, path, b in inner if server == "a" and path == "/finish_weight_update"]
         assert [json.loads(body)["weight_version"] for body in finishes] == ["3", "4"]
         phases = client.weights.phase_seconds
@@ -213,7 +219,13 @@ def test_the_one_request_update_resumes_and_closes_the_session_when_the_load_fai
             report = await client.weights.load_step("/x", 1)
         assert not report.all_ok and report.servers[0].error is not None
         assert "update: no *.safetensors files in /x" in report.servers[0].error
-        assert inner == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+        assert inner == [
+            "/pause",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
 
     asyncio.run(go())
 

@@ -388,7 +388,9 @@ def test_the_load_route_checks_the_update_like_a_direct_call_and_still_resumes(
 ) -> None:
     _guard(monkeypatch)
     app = SessionApp()
-    status, reply = asyncio.run(_call(AdminGuard(app), "/tidal/load_weights", load_body(tmp_path / "missing")))
+    status, reply = asyncio.run(
+        _call(AdminGuard(app), "/tidal/load_weights", load_body(tmp_path / "missing"))
+    )
     message = json.loads(reply)["error"]["message"]
     assert status == 400 and message.startswith("update: ") and "does not exist" in message
     # the refused body never reached vLLM; the session is closed without a version and generation resumes

@@ -4,6 +4,7 @@ Its runs need vLLM (and TRL and a GPU for the real numbers); nothing here starts
 
 import math
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from benchmarks.loop_throughput import (  # noqa: E402
     parse_args,
     rate_bins,
     rl_flags,
+    server_phases,
     startup,
+    startup_profile,
     thin,
     time_to_gain,
     trl_task,
@@ -195,10 +198,52 @@ def test_summarise_tidal_reads_a_run_end_to_end() -> None:
     ]
     run = {"command": "tidal rl", "exit_code": 0, "wall_s": 150.0, "launch": launch, "sampler": sampler}
     out = summarise_tidal({**run, "trainer": trainer, "orchestrator": orchestrator}, 1, 2, 1.0, 50)
-    assert out["startup"] == {"launch_to_step0_trained_s": 60.0, "launch_to_first_orchestrator_step_s": 55.0}
+    assert out["startup"] == {
+        "launch_to_step0_trained_s": 60.0,
+        "launch_to_first_orchestrator_step_s": 55.0,
+        "vllm_marks_s": {},  # no inference log read
+    }
     assert out["window"] == {"steps": [2, 6], "start_s": 70.0, "end_s": 120.0}  # level 1: step 7 left out
     assert out["generation_tokens_per_s"]["median_generating"] == pytest.approx(800.0)
     assert out["trainer_idle"] == pytest.approx(5 * 1.0 / 50.0)
     assert out["weight_update"]["publish_plus_load_s"] == pytest.approx(0.15)
     assert len(out["generation_tokens_per_s_series"]) <= 50 and len(out["num_requests_running_series"]) <= 50
     json.dumps(out)  # the results file takes it as is
+
+
+def test_startup_profile_reads_vllms_marks_as_seconds_from_launch() -> None:
+    log = "\n".join(
+        [
+            "(APIServer pid=1) INFO 12-05 18:39:15 [api_utils.py:273] non-default args: {'host': '127.0.0.1'}",
+            "(EngineCore pid=2) INFO 12-05 18:39:38 [core.py:116] Initializing a V1 LLM engine (v0.26.0) with",
+            "(EngineCore pid=2) INFO 12-05 18:39:41 [model_runner.py:305] Model loading took 0.26 GiB",
+            "(EngineCore pid=2) INFO 12-05 18:39:55 [model_runner.py:747] Graph capturing finished in 6 secs",
+            "(EngineCore pid=2) INFO 12-05 18:39:56 [model_runner.py:747] Graph capturing finished in 1 secs",
+            "(EngineCore pid=2) INFO 12-05 18:40:13 [jit_monitor.py:79] Kernel JIT monitor activated; mode=warn.",
+            "(APIServer pid=1) INFO 12-05 18:40:15 [api_server.py:677] Starting vLLM server on http://x",
+        ]
+    )
+    launched = time.mktime((2026, 12, 5, 18, 38, 53, 0, 0, -1))
+    marks = startup_profile(log, launched)
+    assert marks == {
+        "server_process": 22.0,
+        "engine_process": 45.0,
+        "model_loaded": 48.0,
+        "compiled": None,  # no line for it: not guessed
+        "graphs_captured": 62.0,  # the first line of a mark
+        "kernels_warmed": 80.0,
+        "serving": 82.0,
+    }
+
+
+def test_server_phases_are_medians_per_update_of_the_running_totals() -> None:
+    rows = [
+        {"step": 0, "weights/updates_total": 1, "time/weight_update_pause_total": 0.5},
+        {"step": 1, "weights/updates_total": 2, "time/weight_update_pause_total": 0.6},
+        {"step": 2, "weights/updates_total": 4, "time/weight_update_pause_total": 0.9},
+        {"step": 3, "weights/updates_total": 4, "time/weight_update_pause_total": 0.9},
+        {"step": 4, "weights/updates_total": 5, "time/weight_update_pause_total": 1.3},
+    ]
+    phases = server_phases(rows, skip=1)
+    assert phases["pause"] == pytest.approx(0.275)  # steps 2 and 4: 0.15 per update, then 0.4
+    assert phases["update"] is None  # a server without the one-request route reports no phases

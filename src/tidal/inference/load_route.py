@@ -14,6 +14,7 @@ The answer is 200 with `{"weight_version", "seconds": {phase: s}}`, or the faili
 `"<phase>: <vLLM's message>"`.
 """
 
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -56,7 +57,11 @@ def parse_body(body: bytes) -> tuple[dict[str, Any], str, str] | str:
         parsed = None
     if not isinstance(parsed, dict):
         return f"{ROUTE}: body must be a JSON object"
-    info, version, mode = parsed.get("update_info"), parsed.get("weight_version"), parsed.get("pause_mode", "keep")
+    info, version, mode = (
+        parsed.get("update_info"),
+        parsed.get("weight_version"),
+        parsed.get("pause_mode", "keep"),
+    )
     if not isinstance(info, dict | list):
         return f"{ROUTE}: `update_info` must be an object, or a list with an object per worker"
     if not isinstance(version, str | int) or isinstance(version, bool):
@@ -104,7 +109,5 @@ async def _start(phase: Callable[..., Awaitable[None]]) -> None:
 
 
 async def _quietly(step: Awaitable[None]) -> None:
-    try:
+    with contextlib.suppress(PhaseFailed):
         await step
-    except PhaseFailed:
-        pass

@@ -21,7 +21,9 @@
 # tool_use+12@3e-5, MAX_STEPS its --max-steps), loop
 # (benchmarks/loop_throughput.py, issue 34: tidal rl against vLLM alone and TRL; its parts in PARTS, default
 # "offline tidal trl", LOOP_ARGS added to its command; no ENV arguments), or both side by side on the one GPU
-# (each then measures under the other's load: say so with their numbers). Every call names the same BENCH.
+# (each then measures under the other's load: say so with their numbers), or loop_then_real_models: the loop
+# benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
+# BENCH.
 set -euo pipefail
 stage=${1:?copy, start or follow}
 shift || true
@@ -29,7 +31,7 @@ VLLM_PARTS=/root/vllm-parts
 MODEL_PARTS=/root/model-parts
 WHEELS=/root/whl
 MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf
-BENCH=${BENCH:-real_models}            # real_models, loop or both
+BENCH=${BENCH:-real_models}            # real_models, loop, both or loop_then_real_models
 PARTS=${PARTS:-offline tidal trl}      # loop only; "offline tidal|trl": two loop_throughput.py side by side
 LOOP_ARGS=${LOOP_ARGS:-}               # loop only: more loop_throughput.py flags
 MAX_STEPS=${MAX_STEPS:-}               # real_models only: every RL run's max_steps
@@ -42,8 +44,8 @@ for ((i = 2; i <= ${#LOOPS[@]}; i++)); do LT_WORKS="$LT_WORKS $LT_WORK$i"; done
 case "$BENCH" in
 real_models) WORKS="$RM_WORK" ;;
 loop) WORKS="$LT_WORKS" ;;
-both) WORKS="$RM_WORK $LT_WORKS" ;;
-*) echo "BENCH is real_models, loop or both, not $BENCH" >&2; exit 2 ;;
+both | loop_then_real_models) WORKS="$RM_WORK $LT_WORKS" ;;
+*) echo "BENCH is real_models, loop, both or loop_then_real_models, not $BENCH" >&2; exit 2 ;;
 esac
 
 export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site
@@ -84,9 +86,10 @@ print(f"{run.parent.name}/{run.name}: step {last['step']} reward {last.get('rewa
 EOF
 }
 
+SEQUENCE=/root/sequence  # loop_then_real_models: the driver of the sequence, its pid and log
 running() {  # true while a started driver still runs
     local work
-    for work in $WORKS; do
+    for work in $WORKS $SEQUENCE; do
         [ -f "$work/driver.pid" ] && kill -0 "$(cat "$work/driver.pid")" 2>/dev/null && return 0
     done
     return 1
@@ -110,6 +113,25 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
     [ -f "$RM_WORK/driver.log" ] && cp "$RM_WORK/driver.log" "$OUT/real_models_driver.log"
     cp "$RM_OUT"/* "$LT_OUT"/* "$OUT"/ 2>/dev/null || true
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv || true
+}
+
+start_sequence() {  # the loop benchmark alone, then real_models: in their own session, so they outlive the call
+    mkdir -p "$SEQUENCE"
+    BENCH_STARTED=$(date +%s) START_OFFSET=$SECONDS setsid nohup bash "$0" _sequence "$@" > "$SEQUENCE/driver.log" 2>&1 < /dev/null &
+    echo $! > "$SEQUENCE/driver.pid"
+}
+
+sequence() {  # (the `_sequence` stage) start_loop, wait for every loop driver, then start_real_models
+    local work pid
+    start_loop
+    for work in $LT_WORKS; do
+        pid=$(cat "$work/driver.pid")
+        while kill -0 "$pid" 2>/dev/null; do sleep 5; done
+    done
+    echo "$(date +%T) loop done; real_models with $((BENCH_DEADLINE - SECONDS)) s left"
+    start_real_models "$@"
+    pid=$(cat "$RM_WORK/driver.pid")
+    while kill -0 "$pid" 2>/dev/null; do sleep 5; done
 }
 
 start_real_models() {
@@ -153,8 +175,13 @@ start)
     real_models) start_real_models "$@" ;;
     loop) start_loop ;;
     both) start_real_models "$@"; start_loop ;;
+    loop_then_real_models) start_sequence "$@" ;;
     esac
     follow
+    ;;
+_sequence)  # started by start_sequence: SECONDS counts from the `start` call's own start
+    SECONDS=$(( $(date +%s) - BENCH_STARTED + ${START_OFFSET:-0} ))
+    sequence "$@"
     ;;
 follow)
     follow

@@ -12,7 +12,9 @@ guard has run them and the value check already); a load that still fails midway 
 before it, and says `WEIGHTS_BROKEN` (the guard then reports the server unhealthy) if that fails too.
 """
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,8 @@ from tidal.transport.weight_checks import (
 from tidal.transport.weights import check_weights_dir
 
 FILESYSTEM_BACKEND = "filesystem"
+# under vLLM's logger, so that its handler (the server's output) shows the load times
+logger = logging.getLogger("vllm.tidal.filesystem")
 
 
 @dataclass
@@ -105,8 +109,10 @@ class FilesystemWeightTransferEngine(WeightTransferEngine[FilesystemInitInfo, Fi
         problem = check_weights_dir(directory) or update_problem(directory, reference, check_finite=False)
         if problem:
             raise ValueError(problem)
+        start = time.perf_counter()
         load_or_restore(self._load, directory, self._serving())
         self._served = directory
+        logger.info("tidal filesystem: loaded %s in %.1f ms", directory, 1000 * (time.perf_counter() - start))
 
     def _load(self, directory: Path) -> None:
         from vllm.model_executor.model_loader.reload import (

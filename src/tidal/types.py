@@ -125,7 +125,12 @@ class Rollout:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready, the token lists themselves (not `asdict`'s deep copies: the orchestrator's state holds
+        every group that ended ahead of its step, saved on its event loop at every step)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["metrics"] = dict(self.metrics)
+        out["routed_experts"] = None if self.routed_experts is None else asdict(self.routed_experts)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Rollout:
@@ -141,7 +146,7 @@ class Group:
     rollouts: list[Rollout]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"task_id": self.task_id, "env": self.env, "rollouts": [r.to_dict() for r in self.rollouts]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Group:

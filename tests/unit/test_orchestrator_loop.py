@@ -257,7 +257,7 @@ def test_a_reward_that_holds_the_event_loop_shows_in_the_lag_metrics_and_a_warni
     orch.lag._samples = samples  # _log takes them again
     assert max(samples) >= 0.3, samples
     assert percentile(samples, 50) < 0.3, samples  # most wake-ups were on time
-    policy = SimpleNamespace(version=0, update_seconds=0.0, num_updates=0)
+    policy = SimpleNamespace(version=0, update_seconds=0.0, num_updates=0, phase_seconds={})
     orch._log(0, groups, stats, policy, elapsed=1.0, waited=0.0, extra={})  # type: ignore[arg-type]
     logged = [
         json.loads(line) for line in (tmp_path / "orchestrator" / "metrics.jsonl").read_text().splitlines()

@@ -1,6 +1,8 @@
 """RL samples and packing: alignment of targets/logprobs, per-sample positions, rank balance, message round trips."""
 
 import dataclasses
+import json
+import math
 import random
 
 import pytest
@@ -14,7 +16,7 @@ from tidal.orchestrator.batching import (
     pack_for_ranks,
 )
 from tidal.transport.rollouts import decode, encode
-from tidal.types import Group, MicroBatch, Rollout, TrainBatch, TrainSample
+from tidal.types import Group, MicroBatch, Rollout, RoutedExperts, TrainBatch, TrainSample
 
 PAD = 0
 
@@ -213,7 +215,11 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     assert Group.from_dict(g.to_dict()) == g
     batch = make_train_batches(1, make_train_samples([g], [[1.0]]), 1, 4, 1, PAD, {"reward/mean": 0.5})[0]
     assert batch.to_dict() == dataclasses.asdict(batch)  # the wire format, without asdict's deep copies
+    assert g.to_dict() == dataclasses.asdict(g) and g.rollouts[0].to_dict() == dataclasses.asdict(g.rollouts[0])
+    routed = dataclasses.replace(g.rollouts[0], routed_experts=RoutedExperts.from_raw(b"\x01\x02", 1, 2, 1))
+    assert routed.to_dict() == dataclasses.asdict(routed) and Rollout.from_dict(routed.to_dict()) == routed
     assert decode(encode(batch)) == batch
+    assert json.loads(encode(batch)) == json.loads(json.dumps(batch.to_dict()))  # msgspec writes what json did
     torch.save(batch.to_dict(), tmp_path / "b.pt")
     loaded = TrainBatch.from_dict(torch.load(tmp_path / "b.pt", weights_only=True))
     assert loaded == batch
@@ -226,3 +232,14 @@ def test_samples_longer_than_seq_len_are_dropped_and_counted_not_cut():
     assert kept == [short, exact] and dropped == 1
     [[mb]] = pack_for_ranks(kept, world_size=1, seq_len=4, micro_batch_size=2, pad_id=PAD)  # packs, no error
     assert mb.num_loss_tokens == short.loss_mask[1:].count(1) + exact.loss_mask[1:].count(1)
+
+
+def test_a_batch_with_nan_or_infinity_still_round_trips():
+    """msgspec writes JSON, which has no NaN or infinity (it would write null, which the trainer cannot
+    read); such a batch is written by json.dumps, and the trainer masks those tokens."""
+    g = Group("t", "test", [rollout([1], [2, 3], [-0.1, float("-inf")], [1, 1], reward=0.5)])
+    batch = make_train_batches(1, make_train_samples([g], [[float("nan")]]), 1, 4, 1, PAD)[0]
+    back = decode(encode(batch))
+    assert math.isinf(back.micro_batches[0].inference_logprobs[0][1])
+    assert math.isnan(back.micro_batches[0].advantages[0][0])
+    assert b"NaN" in encode(batch) and b"-Infinity" in encode(batch)

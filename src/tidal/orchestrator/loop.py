@@ -504,7 +504,7 @@ def step_metrics(
         "time/weight_updates_total": policy.update_seconds,
         "weights/updates_total": policy.num_updates,
         # inside the servers (tidal's one-request update route): what the round trips above cost beyond it
-        **{f"time/weight_update_{k}_total": v for k, v in policy.client.weights.phase_seconds.items()},
+        **{f"time/weight_update_{k}_total": v for k, v in policy.phase_seconds.items()},
         "rollouts/replica_switches": stats.num_replica_switches,
         **tool_metrics(rollouts),
     }

@@ -42,6 +42,12 @@ class PolicyWatcher:
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds per update phase inside the servers, summed (`WeightFanOut.phase_seconds`)."""
+        weights = getattr(self.client, "weights", None)
+        return dict(weights.phase_seconds) if weights is not None else {}
+
     async def start(self) -> None:
         await self.check_once()
         self._task = asyncio.create_task(self._loop())

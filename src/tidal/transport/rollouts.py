@@ -6,10 +6,14 @@
 - `zmq`: the orchestrator binds a ROUTER socket and serves batches from memory; each trainer rank connects
   with a DEALER, asks for (step, rank) and blocks until it is there. For runs without shared storage.
 
-Batches are JSON (no pickle: nothing received can execute code).
+Batches are JSON (no pickle: nothing received can execute code), written by msgspec: `json.dumps` of a
+256-sample step held the orchestrator's event loop for ~0.09 s on a 2-core machine, msgspec ~0.01 s. JSON
+has no NaN or infinity, which msgspec would write as null: a batch holding one (the trainer masks such
+tokens) is written by `json.dumps`, as before, and read back by `json.loads`.
 """
 
 import json
+import math
 import re
 import shutil
 import threading
@@ -18,18 +22,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from tidal.config.rl import FilesystemTransport, ZMQTransport
 from tidal.types import TrainBatch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ENCODER = msgspec.json.Encoder()
 
 
 def encode(batch: TrainBatch) -> bytes:
-    return json.dumps(batch.to_dict(), separators=(",", ":")).encode()
+    data = batch.to_dict()
+    if not all_finite(batch):
+        return json.dumps(data, separators=(",", ":")).encode()  # NaN/Infinity, which msgspec cannot write
+    return _ENCODER.encode(data)
+
+
+def all_finite(batch: TrainBatch) -> bool:
+    """Whether every float of `batch` is finite (a row's sum is finite only if each of its values is, and
+    logprobs and advantages are far from overflowing a sum)."""
+    rows = (row for m in batch.micro_batches for row in (*m.inference_logprobs, *m.advantages))
+    return all(math.isfinite(sum(row)) for row in rows) and all(
+        math.isfinite(v) for v in batch.metrics.values() if isinstance(v, float)
+    )
 
 
 def decode(data: bytes) -> TrainBatch:
-    return TrainBatch.from_dict(json.loads(data))
+    try:
+        parsed = msgspec.json.decode(data)
+    except msgspec.DecodeError:  # written by json.dumps: holds NaN or Infinity
+        parsed = json.loads(data)
+    return TrainBatch.from_dict(parsed)
 
 
 class BatchSender(Protocol):

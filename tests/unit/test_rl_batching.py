@@ -215,11 +215,15 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     assert Group.from_dict(g.to_dict()) == g
     batch = make_train_batches(1, make_train_samples([g], [[1.0]]), 1, 4, 1, PAD, {"reward/mean": 0.5})[0]
     assert batch.to_dict() == dataclasses.asdict(batch)  # the wire format, without asdict's deep copies
-    assert g.to_dict() == dataclasses.asdict(g) and g.rollouts[0].to_dict() == dataclasses.asdict(g.rollouts[0])
+    assert g.to_dict() == dataclasses.asdict(g) and g.rollouts[0].to_dict() == dataclasses.asdict(
+        g.rollouts[0]
+    )
     routed = dataclasses.replace(g.rollouts[0], routed_experts=RoutedExperts.from_raw(b"\x01\x02", 1, 2, 1))
     assert routed.to_dict() == dataclasses.asdict(routed) and Rollout.from_dict(routed.to_dict()) == routed
     assert decode(encode(batch)) == batch
-    assert json.loads(encode(batch)) == json.loads(json.dumps(batch.to_dict()))  # msgspec writes what json did
+    assert json.loads(encode(batch)) == json.loads(
+        json.dumps(batch.to_dict())
+    )  # msgspec writes what json did
     torch.save(batch.to_dict(), tmp_path / "b.pt")
     loaded = TrainBatch.from_dict(torch.load(tmp_path / "b.pt", weights_only=True))
     assert loaded == batch

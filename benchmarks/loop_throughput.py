@@ -605,13 +605,16 @@ CUDA_IPC_FLAGS = ["--trainer.publish.type", "cuda_ipc", "--inference.weights.loa
 (the converted model is served unquantized, as loaded)."""
 
 
-def run_tidal(args: argparse.Namespace, name: str = "loop", extra: Sequence[str] = ()) -> dict[str, Any]:
+def run_tidal(
+    args: argparse.Namespace, name: str = "loop", extra: Sequence[str] = (), part: str = "tidal"
+) -> dict[str, Any]:
     port = free_port()
     run_dir = args.workdir / name
     argv = [sys.executable, "-m", "tidal", "rl", "@", args.config, *rl_flags(args), *extra,
             "--output-dir", str(run_dir / "rl"), "--max-steps", str(args.max_steps),
             "--inference.server.port", str(port)]  # fmt: skip
-    run = launch_rl(argv, run_dir, port, args.timeout, args.profile_startup)
+    profile = args.profile_startup if part in args.profile_parts else 0.0
+    run = launch_rl(argv, run_dir, port, args.timeout, profile)
     log = run_dir / "rl" / "logs" / "inference.log"
     if log.exists():
         run["startup_marks"] = startup_profile(log.read_text(errors="replace"), run["launched_at"])
@@ -953,7 +956,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument(
         "--profile-startup", type=float, default=0.0,
-        help="py-spy over each tidal run's first S seconds (where py-spy is installed): <run>/startup.speedscope.json",
+        help="py-spy over the first S seconds of the --profile-parts runs (where py-spy is installed): "
+        "<run>/startup.speedscope.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=["tidal", "tidal_cuda_ipc"],
+        help="the parts py-spy samples (default tidal_cuda_ipc: the `tidal` part's start-up stays unprofiled)",
     )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("outputs/bench/loop_throughput"))
     parser.add_argument("--out", type=Path, required=True)
@@ -1036,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "offline": lambda: run_offline(args, orchestrator),
         "tidal": lambda: run_tidal(args),
-        "tidal_cuda_ipc": lambda: run_tidal(args, "loop_cuda_ipc", CUDA_IPC_FLAGS),
+        "tidal_cuda_ipc": lambda: run_tidal(args, "loop_cuda_ipc", CUDA_IPC_FLAGS, "tidal_cuda_ipc"),
         "trl": lambda: run_trl_comparison(args, orchestrator, save_trl),
     }
     keys = {"offline": "vllm_offline", "tidal": "tidal", "tidal_cuda_ipc": "tidal_cuda_ipc", "trl": "trl"}

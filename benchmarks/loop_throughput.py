@@ -475,7 +475,8 @@ def _has_cuda() -> bool:
 
 class StartupProfile:
     """py-spy (where installed) sampling `tidal rl` and every process under it for its first `seconds`: a
-    speedscope file with each process's stacks over time, to show where the start-up goes."""
+    speedscope file with each thread's stacks over time, idle ones included (a thread waiting on a child
+    process, a socket or the GPU is where the start-up waits), to show where the start-up goes."""
 
     def __init__(self, out: Path, seconds: float, rate: int = 25):
         self.out, self.seconds, self.rate = out, seconds, rate
@@ -496,7 +497,7 @@ class StartupProfile:
         )
         if self.pid is None or self.seconds <= 0 or binary is None:
             return
-        argv = [binary, "record", "--pid", str(self.pid), "--subprocesses", "--nonblocking",
+        argv = [binary, "record", "--pid", str(self.pid), "--subprocesses", "--nonblocking", "--idle",
                 "--rate", str(self.rate), "--duration", str(int(self.seconds)), "--format", "speedscope",
                 "-o", str(self.out)]  # fmt: skip
         with self.out.with_suffix(".log").open("w") as log:

@@ -110,7 +110,7 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     lines += [f"{key} = {json.dumps(value)}" for key, value in spec["sampling"].items()]
     for env in spec["env"]:
         lines += ["", "[[env]]", f"name = {json.dumps(env['name'])}"]
-        kwargs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.get("kwargs", {}).items())
+        kwargs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in without_bwrap(env.get("kwargs", {})).items())
         lines.append(f"kwargs = {{{kwargs}}}")
     eval_config.write_text("\n".join(lines) + "\n")
     settings = tomllib.loads(rl_config.read_text())
@@ -129,6 +129,16 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     if "dtype" in settings.get("model", {}):
         args += ["--model.dtype", settings["model"]["dtype"]]
     return args
+
+
+def without_bwrap(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An environment's kwargs with `sandbox = "process"` where they ask for bwrap and bwrap cannot run here
+    (as `Recipe.sandbox_fallback` does for the RL run: the base model's eval must run where its RL run runs)."""
+    from tidal.envs import bwrap
+
+    if kwargs.get("sandbox") != "bwrap" or bwrap.probe() is None:
+        return kwargs
+    return {**kwargs, "sandbox": "process"}
 
 
 def toml_inline(value: Any) -> str:

@@ -4,6 +4,7 @@ user's own JSONL corpus."""
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -147,3 +148,16 @@ def test_a_steps_tool_metrics_average_over_the_rollouts_that_called_tools():
     got = tool_metrics([rollout(searched), rollout(other), rollout({"reward/sorted_agreement": 1.0})])
     assert got == {"tools/num_tool_calls": 3.0, "tools/tool_seconds": pytest.approx(0.3)}
     assert tool_metrics([rollout({})]) == {}
+
+
+def test_the_index_keeps_jax_off_the_gpu_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bm25s imports JAX where it is installed and runs a top-k on JAX's default device: on a GPU machine
+    XLA then took 75% of the GPU's memory, and the trainer beside vLLM ran out of memory (H100, 2026-12-05)."""
+    from tidal.envs.search import import_bm25s
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    import_bm25s()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # asked for: kept
+    import_bm25s()
+    assert os.environ["JAX_PLATFORMS"] == "cuda"

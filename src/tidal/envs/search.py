@@ -13,6 +13,7 @@ retrieval benchmark).
 
 import functools
 import json
+import os
 import random
 import re
 from collections.abc import Callable
@@ -183,11 +184,24 @@ def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
 
 
+def import_bm25s() -> Any:
+    """`bm25s`, with JAX kept on the CPU in this process.
+
+    Where JAX is installed, importing bm25s imports it and runs a top-k on JAX's default device. On a GPU
+    machine that starts JAX on the GPU, and XLA takes 75% of the GPU's memory at once: on an H100 it left
+    the trainer sharing that GPU with vLLM out of memory (2026-12-05, benchmarks/README.md). BM25 here runs
+    on numpy; a JAX_PLATFORMS set before this is kept."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 class Index:
     """BM25 over a corpus's titles and texts (`bm25s`, English stopwords), and the documents by id."""
 
     def __init__(self, docs: list[Document]):
-        import bm25s
+        bm25s = import_bm25s()
 
         self.docs = docs
         self.by_id = {doc.doc_id: doc for doc in docs}
@@ -196,8 +210,7 @@ class Index:
         self.retriever.index(tokens, show_progress=False)
 
     def search(self, query: str, k: int) -> list[Document]:
-        import bm25s
-
+        bm25s = import_bm25s()
         tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
         if not tokens.vocab:  # a query of stopwords only matches nothing
             return []

@@ -310,7 +310,9 @@ def test_chaos_six_kills_at_random_steps_every_step_trained_once_and_no_rollout_
     # every kill is a failure in events.jsonl, followed by its recovery
     failures, recoveries = run.events("failure"), run.events("recovery")
     # (a replica's failure may name its `tidal inference`, which exits once its killed server is gone)
-    assert [e["role"] for e in failures] == [role for role, _, _ in run.kills]
+    roles, planned = [e["role"] for e in failures], [role for role, _, _ in run.kills]
+    # the two replicas go at the same moment (CHAOS_PLAN): either may be noticed first
+    assert sorted(roles[:2]) == sorted(planned[:2]) and roles[2:] == planned[2:]
     killed = [(role, pid) for role, pid, _ in run.kills if not is_replica(role)]
     assert [(e["role"], e["pid"]) for e in failures if not is_replica(e["role"])] == killed
     assert all(e["action"] != "stop" for e in failures) and not any(

@@ -108,11 +108,12 @@ def test_off_policy_lag_never_exceeds_the_bound(level, sync_run, async_run):
     assert all(m["masked_fraction"] < 0.5 for m in trainer)
     assert (out / "plots" / "rl.png").stat().st_size > 10_000
     assert f"step {STEPS - 1} [{STEPS}/{STEPS}]" in result.stdout  # steps count from 0, as in metrics.jsonl
+    # each update, run by the server in one request (tidal.inference.load_route), is one line of its log
     pauses = (out / "logs" / "inference.log").read_text().count
     if level == 2:  # `auto` kept requests: every update froze them instead of draining them
-        assert pauses("/pause?mode=keep") >= 1 and pauses("/pause?mode=wait") == 0
+        assert pauses("(pause mode keep)") >= 1 and pauses("(pause mode wait)") == 0
     else:
-        assert pauses("/pause?mode=wait") >= 1
+        assert pauses("(pause mode wait)") >= 1
     report(f"max_async_level={level}", out)
 
 

@@ -53,6 +53,9 @@ CHECK_FINITE_ENV = "TIDAL_CHECK_FINITE"
 DEV_ROUTES_ENV = "TIDAL_DEV_ROUTES"  # "1": `server.dev_routes`
 NUM_WORKERS_ENV = "TIDAL_NUM_WORKERS"  # the server's model workers (tensor × data parallel)
 logger = logging.getLogger(__name__)
+# under vLLM's logger, so that its handler (the server's output) shows each update, as vLLM's access log
+# showed each of the five calls the route replaces
+update_log = logging.getLogger("vllm.tidal.load_weights")
 
 PUBLIC_ROUTES = frozenset(
     {
@@ -213,8 +216,13 @@ class AdminGuard:
         try:
             seconds = await load_route.load_weights(call, update, version, mode)
         except load_route.PhaseFailed as exc:
+            update_log.warning(
+                "tidal: weight update to version %s (pause mode %s) failed: %s", version, mode, exc
+            )
             await _reply(send, exc.status, str(exc), kind="WeightUpdateFailed")
             return
+        phases = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in seconds.items())
+        update_log.info("tidal: weights version %s loaded (pause mode %s): %s", version, mode, phases)
         payload = json.dumps({"weight_version": version, "seconds": seconds}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -28,6 +28,7 @@ from tidal.inference.disagg import empty_store
 from tidal.inference.errors import InferenceError, RequestRejected
 from tidal.inference.guard import TOKEN_HEADER
 from tidal.inference.load_route import ROUTE as LOAD_ROUTE
+from tidal.inference.load_route import update_session
 from tidal.inference.pool import HTTP_ERRORS, ServerPool, attempt, json_or_raise
 from tidal.inference.routing import ServerState
 from tidal.inference.types import ServerVersion, WeightUpdateReport
@@ -59,13 +60,13 @@ class ServerAdmin:
         self._without_weight_info: set[str] = set()
         self._without_load_route: set[str] = set()
 
-    async def _post(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def post(self, server: ServerState, path: str, body: dict[str, Any] | None = None) -> Any:
         response = await self.pool.request("POST", server.url + path, body, headers=self._headers)
         return json_or_raise(response, server.url)
 
     async def post_pause(self, server: ServerState, mode: PauseMode) -> None:
         """New requests queue until `resume`; `wait` lets in-flight ones finish first, `keep` freezes them."""
-        await self._post(server, f"/pause?mode={mode}")
+        await self.post(server, f"/pause?mode={mode}")
 
     async def post_load_weights(
         self, server: ServerState, path: str, version: int, mode: PauseMode
@@ -84,26 +85,15 @@ class ServerAdmin:
         return {str(k): float(v) for k, v in seconds.items()}
 
     async def post_resume(self, server: ServerState) -> None:
-        await self._post(server, "/resume")
-
-    async def post_start_weight_update(self, server: ServerState) -> None:
-        await self._post(server, "/start_weight_update")
-
-    async def post_update_weights(self, server: ServerState, path: str) -> None:
-        await self._post(server, "/update_weights", {"update_info": {"path": path}})
-
-    async def post_finish_weight_update(self, server: ServerState, version: int | None = None) -> None:
-        """Close the update session; with `version`, the weights it loaded are that version."""
-        body = None if version is None else {"weight_version": str(version)}
-        await self._post(server, "/finish_weight_update", body)
+        await self.post(server, "/resume")
 
     async def post_load_lora_adapter(self, server: ServerState, name: str, path: str) -> None:
         # load_inplace: loading a name the server already has (a server that only looked down) is not an error
         body = {"lora_name": name, "lora_path": path, "load_inplace": True}
-        await self._post(server, "/v1/load_lora_adapter", body)
+        await self.post(server, "/v1/load_lora_adapter", body)
 
     async def post_unload_lora_adapter(self, server: ServerState, name: str) -> None:
-        await self._post(server, "/v1/unload_lora_adapter", {"lora_name": name})
+        await self.post(server, "/v1/unload_lora_adapter", {"lora_name": name})
 
     async def get_weight_version(self, server: ServerState) -> int | None:
         """The version the server reports; None where vLLM has no `/weight_info` (0.26 and older). A server
@@ -327,25 +317,14 @@ class WeightFanOut:
         return results
 
     async def _load_weights_on(self, server: ServerState, path: str, version: int) -> None:
-        """One server's update session: start, load `path`, finish as `version` (the server is paused)."""
-        try:
-            await self.admin.post_start_weight_update(server)
-        except (InferenceError, *HTTP_ERRORS):
-            # vLLM refuses a second session while one is open: a client that died mid-update (a killed
-            # orchestrator, restarted since) left it so. Close it and start again; a server that is down
-            # fails the retry too.
-            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
-                await self.admin.post_finish_weight_update(server)
-            await self.admin.post_start_weight_update(server)
-        try:
-            await self.admin.post_update_weights(server, path)
-        except BaseException:
-            # Close the worker's update session (filesystem engine: nothing was loaded yet) so the next
-            # update can start; the version stays the old one.
-            with contextlib.suppress(InferenceError, *HTTP_ERRORS):
-                await self.admin.post_finish_weight_update(server)
-            raise
-        await self.admin.post_finish_weight_update(server, version)
+        """One server's update session, call by call from here (the server is paused): the sequence tidal's
+        guard runs for a server with the one-request route (`load_route.update_session`)."""
+
+        async def call(phase: str, route: str, body: dict[str, Any] | None) -> None:
+            await self.admin.post(server, route, body)
+
+        update = {"update_info": {"path": path}}
+        await update_session(call, update, str(version), (InferenceError, *HTTP_ERRORS))
 
     async def reclaim(self) -> None:
         """Take the servers over from a client that died mid-update (a killed orchestrator, restarted): resume

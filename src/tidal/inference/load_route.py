@@ -71,43 +71,50 @@ def parse_body(body: bytes) -> tuple[dict[str, Any], str, str] | str:
     return {"update_info": info}, str(version), mode
 
 
+SessionCall = Callable[[str, str, dict[str, Any] | None], Awaitable[None]]
+"""One call of an update session: (phase name, route, JSON body or None); raises when the server refused."""
+
+
+async def update_session(
+    call: SessionCall, update: dict[str, Any], version: str, failures: tuple[type[BaseException], ...]
+) -> None:
+    """Start, update, finish as `version`, on a paused server; `failures`: what `call` raises for a refused
+    call. This server's guard runs it (`load_weights`), and so does the client, over HTTP, for a server
+    without the route (`tidal.inference.fanout`).
+
+    A session left open (a client that died mid-update) makes the start fail: it is closed, and the start
+    made again. A failed update closes the session without a version (nothing was loaded, or the workers
+    restored the old weights), so the next update can start; the version stays the old one."""
+    try:
+        await call("start", "/start_weight_update", None)
+    except failures:
+        with contextlib.suppress(*failures):
+            await call("finish", "/finish_weight_update", None)
+        await call("start", "/start_weight_update", None)
+    try:
+        await call("update", "/update_weights", update)
+    except BaseException:
+        with contextlib.suppress(*failures):
+            await call("finish", "/finish_weight_update", None)
+        raise
+    await call("finish", "/finish_weight_update", {"weight_version": version})
+
+
 async def load_weights(call: Call, update: dict[str, Any], version: str, mode: str) -> dict[str, float]:
-    """Pause, start, update, finish as `version`, resume: each phase's seconds. Raises PhaseFailed for the
-    first phase that failed (resume included), after resuming when the pause went through."""
+    """Pause, the update session (`update_session`), resume: each phase's seconds. Raises PhaseFailed for
+    the first phase that failed (resume included), after resuming when the pause went through."""
     seconds: dict[str, float] = {}
 
-    async def phase(name: str, path: str, query: str = "", body: dict[str, Any] | None = None) -> None:
+    async def phase(name: str, path: str, body: dict[str, Any] | None, query: str = "") -> None:
         start = time.perf_counter()
         status, reply = await call(path, query, b"" if body is None else json.dumps(body).encode())
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
         if status >= 300:
             raise PhaseFailed(name, status, reply)
 
-    await phase("pause", "/pause", f"mode={mode}")
+    await phase("pause", "/pause", None, f"mode={mode}")
     try:
-        await _start(phase)
-        try:
-            await phase("update", "/update_weights", body=update)
-        except PhaseFailed:
-            # close the session (nothing was loaded, or the workers restored the old weights) so the next
-            # update can start; the version stays the old one
-            await _quietly(phase("finish", "/finish_weight_update"))
-            raise
-        await phase("finish", "/finish_weight_update", body={"weight_version": version})
+        await update_session(phase, update, version, (PhaseFailed,))
     finally:
-        await phase("resume", "/resume")
+        await phase("resume", "/resume", None)
     return seconds
-
-
-async def _start(phase: Callable[..., Awaitable[None]]) -> None:
-    """Open the update session; one left open by a client that died mid-update is closed first."""
-    try:
-        await phase("start", "/start_weight_update")
-    except PhaseFailed:
-        await _quietly(phase("finish", "/finish_weight_update"))
-        await phase("start", "/start_weight_update")
-
-
-async def _quietly(step: Awaitable[None]) -> None:
-    with contextlib.suppress(PhaseFailed):
-        await step

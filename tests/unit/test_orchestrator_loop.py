@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -172,7 +173,8 @@ def test_the_orchestrator_tokenizer_falls_back_to_eos_for_padding(tmp_path):
 
 
 def logged_metrics(orch: Orchestrator, step: int, groups, stats) -> dict:
-    orch._log(step, groups, stats, PolicyWatcher(None, orch.out), 1.0, 0.0, {})
+    client = SimpleNamespace(weights=SimpleNamespace(phase_seconds={}))  # no update has run yet
+    orch._log(step, groups, stats, PolicyWatcher(client, orch.out), 1.0, 0.0, {})  # type: ignore[arg-type]
     orch.metrics.close()
     lines = (orch.out / "orchestrator" / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1])
@@ -228,7 +230,6 @@ def test_a_reward_that_holds_the_event_loop_shows_in_the_lag_metrics_and_a_warni
     tmp_path, tokenizer_dir, capsys
 ):
     import time
-    from types import SimpleNamespace
 
     from tidal.orchestrator.lag import lag_metrics, percentile
 

@@ -2,8 +2,8 @@
 
 vLLM's RL routes take five calls per update (pause, start, update, finish, resume), each a round trip from
 the orchestrator. On one GPU the orchestrator's event loop is busy with hundreds of streaming requests, so
-each of those awaits queues behind them: on an H100 the sequence took about 0.25 s while the load itself
-took 20 ms (`benchmarks/results/loop_throughput_h100_round3.json`). Here the guard runs the same five calls
+each of those awaits queues behind them: on an H100 the sequence took over ten times the load itself
+(`benchmarks/results/loop_throughput_h100_round3.json`). Here the guard runs the same five calls
 against vLLM's own app, back to back in the server's process, and answers once, with each phase's seconds.
 
 Body: `{"update_info": {...}, "weight_version": "<n>", "pause_mode": "keep" | "wait" | "abort"}`. The

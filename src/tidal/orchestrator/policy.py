@@ -45,8 +45,7 @@ class PolicyWatcher:
     @property
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per update phase inside the servers, summed (`WeightFanOut.phase_seconds`)."""
-        weights = getattr(self.client, "weights", None)
-        return dict(weights.phase_seconds) if weights is not None else {}
+        return dict(self.client.weights.phase_seconds)
 
     async def start(self) -> None:
         await self.check_once()

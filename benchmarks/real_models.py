@@ -108,9 +108,13 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     eval_config.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"num_tasks = {spec['num_tasks']}", "k = 1", "", "[sampling]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in spec["sampling"].items()]
+    from tidal.envs import bwrap
+
+    bwrap_problem = bwrap.probe()
     for env in spec["env"]:
         lines += ["", "[[env]]", f"name = {json.dumps(env['name'])}"]
-        kwargs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in without_bwrap(env.get("kwargs", {})).items())
+        found = without_bwrap(env.get("kwargs", {}), bwrap_problem)
+        kwargs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in found.items())
         lines.append(f"kwargs = {{{kwargs}}}")
     eval_config.write_text("\n".join(lines) + "\n")
     settings = tomllib.loads(rl_config.read_text())
@@ -131,12 +135,11 @@ def heldout_eval_args(rl_config: Path, model: str, out: Path, port: int) -> list
     return args
 
 
-def without_bwrap(kwargs: dict[str, Any]) -> dict[str, Any]:
+def without_bwrap(kwargs: dict[str, Any], bwrap_problem: str | None) -> dict[str, Any]:
     """An environment's kwargs with `sandbox = "process"` where they ask for bwrap and bwrap cannot run here
-    (as `Recipe.sandbox_fallback` does for the RL run: the base model's eval must run where its RL run runs)."""
-    from tidal.envs import bwrap
-
-    if kwargs.get("sandbox") != "bwrap" or bwrap.probe() is None:
+    (`bwrap_problem`: `bwrap.probe()`'s reason, None where it runs): the RL run's recipe
+    (`Recipe.sandbox_fallback`) and the base model's eval beside it run where the other runs."""
+    if kwargs.get("sandbox") != "bwrap" or bwrap_problem is None:
         return kwargs
     return {**kwargs, "sandbox": "process"}
 
@@ -259,8 +262,8 @@ class Recipe:
             return []
         self.notes["sandbox"] = f"process, not the recipe's bwrap: {problem}"
         for env in envs:
-            if env.get("kwargs", {}).get("sandbox") == "bwrap":
-                env["kwargs"]["sandbox"] = "process"
+            if "kwargs" in env:
+                env["kwargs"] = without_bwrap(env["kwargs"], problem)
         return ["--orchestrator.env", toml_inline(envs)]
 
     def result(self, code: int | None, stopped: bool) -> dict[str, Any]:

@@ -48,7 +48,7 @@ both | loop_then_real_models) WORKS="$RM_WORK $LT_WORKS" ;;
 *) echo "BENCH is real_models, loop, both or loop_then_real_models, not $BENCH" >&2; exit 2 ;;
 esac
 
-export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site
+export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site PATH=/tmp/site/bin:$PATH  # the wheels' scripts (py-spy)
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export TIDAL_CACHE_DIR=/root/tidal-cache
 

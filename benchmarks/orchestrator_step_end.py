@@ -2,8 +2,8 @@
 (json.dumps against msgspec, `tidal.transport.rollouts.encode`), the trainer's decoding, and the saved
 state's groups (`dataclasses.asdict` against `Group.to_dict`), on one synthetic step of real sizes.
 
-While these run no turn of any episode continues and no weight-update call proceeds (`event_loop/lag_max_s`
-in the orchestrator's metrics peaked at 0.33-0.47 s once a step on an H100, issue 34). The step: 32 groups × 8
+While these run no turn of any episode continues and no weight-update call proceeds (the stall shows as
+`event_loop/lag_max_s` in the orchestrator's metrics, once a step; issue 34). The step: 32 groups × 8
 rollouts, prompts of 57 tokens and completions of 100-300 (SmolLM2's alphabet_sort), packed for one rank
 into micro-batches of 8 rows of 2048; vocabulary 49,152. Each side is the median of `--repeats` runs.
 

@@ -113,9 +113,9 @@ def test_verifiers_mistakes_are_one_line(modules):
 
 
 def test_check_env_binds_arguments_without_building(modules):
-    check_env(EnvSpec(name="hello_ep", kwargs={"num_examples": 2}))
+    check_env(EnvSpec(name="hello_ep", kwargs={"num_examples": 2}), "tidal-testing/tiny-qwen3")
     with pytest.raises(UserError, match="unexpected keyword argument 'nope'"):
-        check_env(EnvSpec(name="hello_ep", kwargs={"nope": 2}))
+        check_env(EnvSpec(name="hello_ep", kwargs={"nope": 2}), "tidal-testing/tiny-qwen3")
 
 
 def test_ambiguous_entry_points_are_errors(modules):

@@ -94,19 +94,20 @@ def test_bad_settings_are_one_line(kwargs, problem):
         ShapesEnv(**kwargs)
 
 
-def test_the_training_commands_refuse_an_environment_with_images_in_one_line():
+def test_the_training_commands_take_pictures_only_where_the_model_trains_on_them():
     spec = EnvSpec(name="shapes")
     with pytest.raises(
-        UserError, match="'shapes' gives images.*training on pictures is not supported"
+        UserError, match="'shapes' gives images, but model 'tidal-testing/tiny-qwen3' has no vision tower"
     ) as caught:
-        check_env(spec)  # what `tidal rl` checks before it starts anything
+        check_env(spec, "tidal-testing/tiny-qwen3")  # what `tidal rl` checks before it starts anything
     assert "\n" not in str(caught.value)
-    with pytest.raises(UserError, match="gives images"):
+    check_env(spec, "tidal-testing/tiny-idefics3")  # a vision-language model it trains
+    with pytest.raises(UserError, match="`tidal sft` does not train on pictures"):
         load_conversations(BuiltinDataset(type="builtin", name="shapes"))  # `tidal sft`'s built-in data
-    with pytest.raises(UserError, match="gives images"):
-        orchestrator_env(OrchestratorConfig(env=[spec]))  # `tidal orchestrator` alone
+    with pytest.raises(UserError, match="gives images, but model"):
+        orchestrator_env(OrchestratorConfig(env=[spec]))  # `tidal orchestrator` alone, a text model
     assert build_env(spec).gives_images  # `tidal eval` builds it (and checks the model: test_vlm)
-    check_env(EnvSpec(name="alphabet_sort"))  # a text environment passes
+    check_env(EnvSpec(name="alphabet_sort"), "tidal-testing/tiny-qwen3")  # a text environment passes
 
 
 def _data_url(picture: Image.Image) -> str:

@@ -23,6 +23,9 @@ class ModelConfig(Config):
     """Attention kernel passed to transformers."""
     trust_remote_code: bool = False
     """Allow model code from the hub (only for models that need it)."""
+    train_vision: bool = False
+    """A vision-language model: train its vision tower too. By default it stays frozen (the language model
+    and the connector train); a model without one refuses `true`."""
 
     def served_dtype(self, publish_dtype: str = "auto") -> str:
         """The one rule for the dtype weights are served and published in: an explicit publish dtype, else

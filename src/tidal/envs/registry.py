@@ -118,29 +118,32 @@ def load_env(name: str, **kwargs: Any) -> Environment:
     return resolve_env(name).build(**kwargs)
 
 
-def check_env(spec: "EnvSpec") -> None:
-    """Everything about `spec` that can fail without building it: the name, the import, the arguments."""
+def check_env(spec: "EnvSpec", model_name: str) -> None:
+    """Everything about `spec` that can fail without building it: the name, the import, the arguments, and
+    pictures for a model `model_name` that cannot train on them."""
     resolved = resolve_env(spec.name)
     bind_kwargs(resolved, dict(spec.kwargs))
-    refuse_images(spec.name, resolved.factory)
+    check_pictures(spec.name, resolved.factory, model_name)
 
 
-def refuse_images(name: str, target: Any) -> None:
-    """A one-line `UserError` for an environment (class or instance) whose prompts carry pictures, where a
-    command trains on them: rollouts with pictures run (`tidal eval`), but batches and the trainer carry text
-    only so far, and a text-only template would drop the pictures silently."""
-    if getattr(target, "gives_images", False) is True:
-        raise UserError(
-            f"environment {name!r} gives images: `tidal eval` evaluates a vision-language model on it, but "
-            "training on pictures is not supported yet (README, Vision-language models)"
-        )
+def check_pictures(name: str, target: Any, model_name: str) -> None:
+    """A one-line `UserError` for an environment (class or instance) whose prompts carry pictures, where the
+    model cannot train on them (no vision tower: a text template would drop them silently; or a
+    vision-language model type tidal does not train yet)."""
+    if getattr(target, "gives_images", False) is not True:
+        return
+    from tidal.models.vision import training_problem
+
+    problem = training_problem(model_name)
+    if problem is not None:
+        raise UserError(f"environment {name!r} gives images, but {problem}")
 
 
-def check_envs(named: "list[tuple[str, EnvSpec]]") -> None:
+def check_envs(named: "list[tuple[str, EnvSpec]]", model_name: str) -> None:
     """`check_env` of each (config key, spec); the first problem is a `UserError` naming its key."""
     for key, spec in named:
         try:
-            check_env(spec)
+            check_env(spec, model_name)
         except UserError as exc:
             hint = ""
             if "online_eval.env" in key and "unexpected keyword argument 'seed'" in str(exc):

@@ -116,7 +116,9 @@ def main(config: RLConfig) -> int:
     from tidal.envs.registry import check_envs
 
     # a wrong name, import or argument: one line before any server starts, not a traceback after vLLM's startup
-    check_envs([(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()])
+    check_envs(
+        [(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()], config.model.name
+    )
     from tidal.models import prepare_model_files
 
     prepare_model_files(config.model.name, lambda line: print(f"{clock()} tidal rl: {line}", flush=True))

@@ -1,8 +1,15 @@
-"""Whether a model sees pictures: its config has a vision tower (`vision_config`), as every vision-language
-model transformers and vLLM know declares (Qwen2.5-VL, Qwen3-VL, Idefics3/SmolVLM, Gemma 3, …)."""
+"""Vision-language models: whether a model sees pictures (its config has a vision tower, `vision_config`, as
+every vision-language model transformers and vLLM know declares), and its processor turning a prompt's
+pictures into the image tokens and arrays the trainer feeds it (`setup_pictures`)."""
 
+import base64
+import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from tidal.types import PackedArray, Pictures
 
 
 def sees_images(model_path: str) -> bool:
@@ -30,3 +37,157 @@ def _config_file(model_path: str) -> Path | None:
         return Path(cached) if isinstance(cached, str) else Path(hf_hub_download(model_path, "config.json"))
     except Exception:  # noqa: BLE001 - no network, no such repo, not a repo id: not ours to report
         return None
+
+
+IDEFICS3_TYPES = ("idefics3", "smolvlm")
+"""Model types whose pictures tidal trains on: Idefics3's architecture (SmolVLM). Qwen2.5-VL and Qwen3-VL need
+their multimodal RoPE positions under packing, which comes next (docs/vlm.md)."""
+
+
+PICTURE_TOKENS = ("<image>", "<|image_pad|>", "<|video_pad|>")
+"""The tokens a vision-language model's inputs put picture features at (Idefics3 / SmolVLM, Qwen-VL)."""
+
+
+def picture_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the PICTURE_TOKENS `tokenizer` has (none for a text model's)."""
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[t] for t in PICTURE_TOKENS if t in vocab)
+
+
+def check_reply(completion_ids: Sequence[int], picture_ids: frozenset[int]) -> None:
+    """A ValueError when a model's reply holds a picture token: the model would take it for a picture's place
+    (in training, and in vLLM's next turn), and no picture comes with it."""
+    wrote = next((t for t in completion_ids if t in picture_ids), None)
+    if wrote is not None:
+        raise ValueError(f"the reply holds picture token id {wrote}, which only a picture may fill")
+
+
+def model_type(model_path: str) -> str:
+    """The `model_type` of the config.json at `model_path` (a directory or hub id); "" when unreadable."""
+    config = _config_file(model_path)
+    try:
+        return str(json.loads(config.read_text()).get("model_type", "")) if config else ""
+    except (OSError, ValueError):
+        return ""
+
+
+class PictureInputs:
+    """A vision-language model's processor, used the way vLLM uses it: each picture placeholder the chat
+    template wrote into a prompt's ids becomes the picture's image tokens, and the picture becomes the arrays
+    the vision tower takes (`Pictures`). Idefics3 / SmolVLM: the processor's text for one `<image>`
+    (`<fake_token_around_image><global-img><image>…<fake_token_around_image>`, tiles included)."""
+
+    placeholder = "<image>"
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.placeholder_id = int(processor.tokenizer.convert_tokens_to_ids(self.placeholder))
+
+    def expand(self, prompt_ids: Sequence[int], images: Sequence[str]) -> tuple[list[int], Pictures]:
+        """The prompt's ids with every placeholder expanded, and its pictures' arrays in order. A ValueError
+        when the placeholders and pictures differ in number or a picture is not a data URL."""
+        ids, _, pictures = self.expand_masked(prompt_ids, None, images)
+        return ids, pictures
+
+    def expand_masked(
+        self, ids: Sequence[int], mask: Sequence[int] | None, images: Sequence[str]
+    ) -> tuple[list[int], list[int], Pictures]:
+        """`expand`, carrying a per-token `mask` along (0 on every image token; [] when `mask` is None)."""
+        slots = [i for i, token in enumerate(ids) if token == self.placeholder_id]
+        if len(slots) != len(images):
+            raise ValueError(
+                f"the prompt has {len(slots)} picture placeholder(s) ({self.placeholder}) for {len(images)} "
+                "picture(s)"
+            )
+        out: list[int] = []
+        out_mask: list[int] = []
+        parts: list[Pictures] = []
+        start = 0
+        for number, (slot, url) in enumerate(zip(slots, images, strict=True), start=1):
+            tokens, pictures = self.one_picture(decode_picture(url, number))
+            out += list(ids[start:slot]) + tokens
+            if mask is not None:
+                out_mask += list(mask[start:slot]) + [0] * len(tokens)
+            parts.append(pictures)
+            start = slot + 1
+        out += ids[start:]
+        if mask is not None:
+            out_mask += mask[start:]
+        joined = Pictures.concat(parts)
+        if joined is None:
+            raise ValueError("no pictures to expand")
+        return out, out_mask, joined
+
+    def one_picture(self, image: Any) -> tuple[list[int], Pictures]:
+        out = self.processor(
+            text=[self.placeholder], images=[[image]], return_tensors="np", add_special_tokens=False
+        )
+        values = out["pixel_values"][0].astype("float32")  # [tiles, 3, H, W]
+        mask = out.get("pixel_attention_mask")
+        return [int(t) for t in out["input_ids"][0]], Pictures(
+            count=1,
+            pixel_values=PackedArray.from_numpy(values),
+            pixel_attention_mask=None if mask is None else PackedArray.from_numpy(mask[0].astype(bool)),
+        )
+
+
+def training_problem(model_name: str) -> str | None:
+    """Why the model `model_name` cannot train on pictures (no vision tower, or a type tidal does not train
+    on yet), in words; None when it can."""
+    from tidal.models.names import resolve_model_name
+
+    path = resolve_model_name(model_name)
+    if not sees_images(path):
+        return f"model {model_name!r} has no vision tower (no vision_config in its config)"
+    kind = model_type(path)
+    if kind not in IDEFICS3_TYPES:
+        return (
+            f"model {model_name!r} is a {kind or 'unknown'} vision-language model: tidal trains on pictures "
+            f"with {' and '.join(IDEFICS3_TYPES)} models so far (docs/vlm.md)"
+        )
+    return None
+
+
+def setup_pictures(model_name: str, trust_remote_code: bool = False) -> PictureInputs:
+    """The picture inputs of the model `model_name` trains with; a UserError when it cannot train on
+    pictures (`training_problem`) or its processor does not load."""
+    from tidal.errors import UserError, first_line
+    from tidal.models.names import resolve_model_name
+
+    problem = training_problem(model_name)
+    if problem is not None:
+        raise UserError(problem)
+    path = resolve_model_name(model_name)
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model {model_name!r}: cannot load its processor: {first_line(exc)}") from None
+    return PictureInputs(processor)
+
+
+def decode_picture(url: str, number: int) -> Any:
+    """The RGB image of a data URL; a ValueError naming picture `number` for anything else (training needs
+    the picture itself: an http(s) picture would be fetched twice, by vLLM and here, and could differ)."""
+    from PIL import Image
+
+    if not url.startswith("data:"):
+        raise ValueError(
+            f"picture {number}: training needs the picture itself (a data URL or a PIL image), not {url[:40]!r}"
+        )
+    payload = url.partition(",")[2]
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(payload))) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"picture {number}: cannot be read as an image ({exc})") from None
+
+
+def forward_pictures(kind: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch's picture tensors (`MicroBatch.picture_tensors`) as the forward of a model of type
+    `kind` takes them: Idefics3 wants [batch, images, …], and all of a micro-batch's pictures go in one
+    batch entry (the model fills image tokens in flattened row order)."""
+    if kind in IDEFICS3_TYPES:
+        return {name: t.unsqueeze(0) for name, t in tensors.items()}
+    return tensors

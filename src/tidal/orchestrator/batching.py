@@ -4,7 +4,7 @@ A micro-batch's rows are padded only to its longest row (rounded up to `pad_mult
 `tidal.types.padded_width`), not to seq_len: the trainer's forward then costs what the real tokens cost.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
@@ -12,6 +12,7 @@ from tidal.types import (
     PAD_MULTIPLE,
     Group,
     MicroBatch,
+    Pictures,
     Rollout,
     RoutedExperts,
     TrainBatch,
@@ -19,18 +20,34 @@ from tidal.types import (
     padded_width,
 )
 
+ExpandPictures = Callable[[list[int], list[str]], tuple[list[int], Pictures]]
+"""(prompt ids with picture placeholders, the pictures) → (the ids with each placeholder expanded into the
+picture's image tokens, the pictures' arrays): the model's processor (tidal.models.vision.PictureInputs)."""
 
-def sample_from_rollout(rollout: Rollout, advantage: float) -> TrainSample:
-    """Concatenate prompt and completion; only the completion's trainable tokens carry loss and logprobs."""
-    num_prompt = len(rollout.prompt_ids)
+
+def sample_from_rollout(
+    rollout: Rollout, advantage: float, expand_pictures: ExpandPictures | None = None
+) -> TrainSample:
+    """Concatenate prompt and completion; only the completion's trainable tokens carry loss and logprobs.
+    A rollout with pictures gets its prompt's placeholders expanded as vLLM expanded them (ValueError
+    without `expand_pictures`)."""
+    prompt, pictures = rollout.prompt_ids, None
+    if rollout.images:
+        if expand_pictures is None:
+            raise ValueError(
+                f"rollout {rollout.task_id!r} has pictures, but the run has no picture processor"
+            )
+        prompt, pictures = expand_pictures(rollout.prompt_ids, rollout.images)
+    num_prompt = len(prompt)
     return TrainSample(
-        input_ids=rollout.prompt_ids + rollout.completion_ids,
+        input_ids=prompt + rollout.completion_ids,
         loss_mask=[0] * num_prompt + [int(m) for m in rollout.completion_mask],
         inference_logprobs=[0.0] * num_prompt + [float(lp) for lp in rollout.completion_logprobs],
         advantage=float(advantage),
         policy_version=rollout.policy_version,
         rollout_id=rollout.rollout_id,
         routed_experts=rollout.routed_experts,
+        pictures=pictures,
     )
 
 
@@ -39,20 +56,37 @@ def make_train_samples(
     advantages: Sequence[Sequence[float]] | None = None,
     kind: AdvantageKind = "mean",
     eps: float = DEFAULT_EPS,
+    expand_pictures: ExpandPictures | None = None,
 ) -> list[TrainSample]:
     """One sample per usable (not failed) rollout.
 
     `advantages[i][j]` for `groups[i].rollouts[j]` (as `filter_groups` returns them); when omitted they are
-    computed per group with `kind` and `eps`, failed rollouts skipped.
+    computed per group with `kind` and `eps`, failed rollouts skipped. `expand_pictures` runs once per
+    distinct prompt and pictures (a group's rollouts share them).
     """
+    if expand_pictures is not None:
+        expand_pictures = _once_per_prompt(expand_pictures)
     samples: list[TrainSample] = []
     for i, group in enumerate(groups):
         if advantages is None:
             pairs = zip(usable_rollouts(group), group_advantages(group, kind, eps), strict=True)
         else:
             pairs = zip(group.rollouts, advantages[i], strict=True)
-        samples += [sample_from_rollout(r, a) for r, a in pairs if not r.failed]
+        samples += [sample_from_rollout(r, a, expand_pictures) for r, a in pairs if not r.failed]
     return samples
+
+
+def _once_per_prompt(expand: ExpandPictures) -> ExpandPictures:
+    done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], Pictures]] = {}
+
+    def once(prompt_ids: list[int], images: list[str]) -> tuple[list[int], Pictures]:
+        key = (tuple(prompt_ids), tuple(images))
+        if key not in done:
+            done[key] = expand(prompt_ids, images)
+        ids, pictures = done[key]
+        return list(ids), pictures
+
+    return once
 
 
 def drop_too_long(samples: Sequence[TrainSample], seq_len: int) -> tuple[list[TrainSample], int]:
@@ -171,6 +205,7 @@ def build_micro_batch(
         row.pad(width, pad_id)
         built.append(row)
     routed_experts, routed_mask = pack_routes(rows, width)
+    pictures = Pictures.concat([s.pictures for samples in rows for s in samples if s.pictures is not None])
     return MicroBatch(
         input_ids=[r.input_ids for r in built],
         position_ids=[r.position_ids for r in built],
@@ -183,6 +218,7 @@ def build_micro_batch(
         rollout_ids=[sample.rollout_id for samples in rows for sample in samples],
         routed_experts=routed_experts,
         routed_mask=routed_mask,
+        pictures=pictures,
     )
 
 

@@ -28,7 +28,12 @@ from tidal.inference.errors import InferenceError
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
-from tidal.orchestrator.batching import drop_too_long, make_train_batches, make_train_samples
+from tidal.orchestrator.batching import (
+    ExpandPictures,
+    drop_too_long,
+    make_train_batches,
+    make_train_samples,
+)
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -65,11 +70,22 @@ class OrchestratorState:
 
 def build_env(config: OrchestratorConfig) -> Environment:
     """One environment, or an EnvMix over several by weight (task order seeded by the run's seed)."""
-    from tidal.envs.registry import build_envs, refuse_images, resolve_env
+    from tidal.envs.registry import build_envs, check_pictures, resolve_env
 
-    for spec in config.env:  # `tidal rl` refuses them before it starts anything; `tidal orchestrator` here
-        refuse_images(spec.name, resolve_env(spec.name).factory)
+    for spec in config.env:  # `tidal rl` checks them before it starts anything; `tidal orchestrator` here
+        check_pictures(spec.name, resolve_env(spec.name).factory, config.model.name)
     return build_envs(config.env, seed=config.seed)
+
+
+def setup_expand(config: OrchestratorConfig) -> ExpandPictures | None:
+    """The model's processor expanding a prompt's pictures into its image tokens and arrays, when an
+    environment of the run gives pictures; None for a text run (no processor loaded)."""
+    from tidal.envs.registry import resolve_env
+    from tidal.models.vision import setup_pictures
+
+    if not any(getattr(resolve_env(s.name).factory, "gives_images", False) is True for s in config.env):
+        return None
+    return setup_pictures(config.model.name, config.model.trust_remote_code).expand
 
 
 class Orchestrator:
@@ -84,6 +100,7 @@ class Orchestrator:
         # built at the first online eval, reused, closed at the end
         self.eval_envs: dict[str, Environment] = {}
         self.tokenizer = load_tokenizer(config.model)
+        self.expand_pictures = setup_expand(config)
         self.state = OrchestratorState()
         self.tracker = StalenessTracker(config.max_async_level)
         self.state_dir = run_layout.orchestrator_states_dir(self.out)
@@ -156,7 +173,11 @@ class Orchestrator:
             evaluated = await self._online_eval(client, step, policy.version)
         groups, advantages, stats = await self._collect(client, policy, step)
         b = cfg.batch
-        samples, too_long = drop_too_long(make_train_samples(groups, advantages), b.seq_len)
+        try:
+            samples = make_train_samples(groups, advantages, expand_pictures=self.expand_pictures)
+        except ValueError as exc:  # an environment's pictures that its prompt's placeholders do not match
+            raise UserError(f"orchestrator.env: {exc}") from None
+        samples, too_long = drop_too_long(samples, b.seq_len)
         self._warn_too_long(step, too_long, len(samples))
         try:
             batches = make_train_batches(

@@ -17,6 +17,7 @@ from tidal.envs.base import Environment, Episode, EpisodeWork, Task, score_episo
 from tidal.envs.mix import env_name
 from tidal.inference.errors import is_infrastructure_error
 from tidal.inference.generation import GenerationClient
+from tidal.models.vision import check_reply, picture_token_ids
 from tidal.rollout.guard import run_alone, scores_inline
 from tidal.rollout.sampler import ClientSampler, rollout_id, rollout_seed
 from tidal.types import Group, Rollout
@@ -61,7 +62,7 @@ async def run_group(
             error = _failure_name(exc, task)
             failed = [failed_rollout(env, task, sampler.versions, error) for _ in range(group_size)]
             return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(failed, position))
-        rollouts = await _settle(env, member, task, sampler, planned, timeout)
+        rollouts = await _settle(env, member, task, sampler, planned, timeout, _picture_ids(tokenizer))
     finally:
         sampler.end_sessions()
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(rollouts, position))
@@ -74,16 +75,22 @@ async def _settle(
     sampler: ClientSampler,
     planned: list[Episode | EpisodeWork],
     timeout: float,
+    picture_ids: frozenset[int],
 ) -> list[Rollout]:
-    """Every planned rollout sampled (works, concurrently) and scored, each failing alone."""
+    """Every planned rollout sampled (works, concurrently) and scored, each failing alone; one whose turns
+    after a prompt with pictures hold a picture token (`picture_ids`) fails."""
+
+    async def checked(episode: Episode) -> Episode:
+        if episode.images:  # model turns and environment turns alike: no picture comes after the prompt
+            check_reply(episode.completion_ids, picture_ids)
+        return await score_episode(member, task, episode)
 
     def scoring(episode: Episode, timeout: float | None) -> Awaitable[Rollout]:
-        work = functools.partial(score_episode, member, task, episode)
-        return _fails_alone(work, env, task, sampler.versions, timeout)
+        return _fails_alone(functools.partial(checked, episode), env, task, sampler.versions, timeout)
 
     async def sampling(index: int, work: EpisodeWork) -> Rollout:
         async def episode() -> Episode:
-            return await score_episode(member, task, await work())
+            return await checked(await work())
 
         fork = sampler.forks.get(index)
         try:
@@ -107,6 +114,11 @@ async def _settle(
             )
         )
     )
+
+
+@functools.cache
+def _picture_ids(tokenizer: Any) -> frozenset[int]:
+    return picture_token_ids(tokenizer)
 
 
 def _named(rollouts: list[Rollout], position: int) -> list[Rollout]:
@@ -146,6 +158,7 @@ def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[in
         task_id=task.task_id,
         metrics=episode.summary_metrics(),
         routed_experts=episode.routed_experts,
+        images=list(episode.images),
     )
 
 

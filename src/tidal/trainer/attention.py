@@ -97,7 +97,7 @@ CHECK_SHAPE = (4, 2, 64)
 
 def attention_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim) of `model`'s attention, from its HF config."""
-    config: Any = model.config
+    config: Any = model.config.get_text_config()  # a vision-language model's language model
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
@@ -171,6 +171,8 @@ def unsupported_attention(model: torch.nn.Module) -> str | None:
         found.append(f"dropout = {config.attention_dropout} (attention_dropout)")
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
         found.append("s_aux (attention sinks)")
+    if getattr(config, "vision_config", None) is not None:  # one attention setting covers both towers
+        found.append("a vision tower (its attention is over a picture's patches, not packed documents)")
     return " and ".join(found) or None
 
 

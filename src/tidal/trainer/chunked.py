@@ -237,12 +237,14 @@ class TokenScorer(torch.nn.Module):
         with_entropy: bool = False,
         token_mask: torch.Tensor | None = None,
         routes: Routes | None = None,
+        pictures: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids, targets [rows, seq] → logprobs [rows, seq], entropy [rows, seq] or None.
 
         token_mask [rows, seq] (True: a real token, False: padding) keeps padding out of MoE routing
         statistics and the load-balancing loss; None counts every token. `routes`: the experts inference
-        routed these tokens to, which MoE layers then use (routing replay, tidal.trainer.moe).
+        routed these tokens to, which MoE layers then use (routing replay, tidal.trainer.moe). `pictures`:
+        a vision-language model's inputs for the image tokens of the rows (`MicroBatch.picture_tensors`).
         """
         seq = input_ids.shape[1]
         cp = self.context_parallel
@@ -265,7 +267,7 @@ class TokenScorer(torch.nn.Module):
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
         collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
         with collect, self._compute():
-            inputs = self._inputs(decoder, input_ids)
+            inputs = self._inputs(decoder, input_ids, pictures)
             hidden = decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
         states, weight, bias = self._in_compute_dtype(hidden.last_hidden_state, head.weight, head.bias)
@@ -293,9 +295,18 @@ class TokenScorer(torch.nn.Module):
         device = next(self.lm.parameters()).device.type
         return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
 
-    def _inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _inputs(
+        self, decoder: torch.nn.Module, input_ids: torch.Tensor, pictures: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
         """The decoder's inputs: the token ids, or under autocast their embeddings in the compute dtype (an
-        embedding lookup is not autocast: fp32 rows would make the whole residual stream fp32)."""
+        embedding lookup is not autocast: fp32 rows would make the whole residual stream fp32). A model that
+        sees pictures takes the ids (it finds its image tokens by id) and the pictures' inputs."""
+        if hasattr(self.lm.config, "vision_config"):
+            from tidal.models.vision import forward_pictures
+
+            kind = str(self.lm.config.model_type)  # type: ignore[union-attr]
+            return {"input_ids": input_ids, **forward_pictures(kind, pictures or {})}
+        assert not pictures, "pictures given to a model without a vision tower"
         if self.autocast_dtype is None:
             return {"input_ids": input_ids}
         embed = decoder.get_input_embeddings()  # type: ignore[operator]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.types import PAD_MULTIPLE, padded_width
+from tidal.types import PAD_MULTIPLE, Pictures, padded_width
 
 IGNORE_INDEX = -100
 
@@ -24,6 +24,8 @@ class TokenizedSample:
 
     input_ids: list[int]
     loss_mask: list[int]
+    pictures: Pictures | None = None
+    """A vision-language model's conversation: its pictures, whose image tokens `input_ids` holds expanded."""
 
 
 @dataclass
@@ -39,6 +41,8 @@ class PackedRow:
     labels: list[int] = field(default_factory=list)
     num_padding: int = 0
     """Padding tokens at the row's end (not real tokens: MoE routing statistics leave them out)."""
+    pictures: list[Pictures] = field(default_factory=list)
+    """The pictures of the row's samples, in the order of their image tokens."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -85,14 +89,17 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) ->
 
 def pack_samples(samples: Sequence[TokenizedSample], seq_len: int) -> tuple[list[PackedRow], int]:
     """First-fit pack samples into rows of at most `seq_len` tokens, unpadded (`pad_rows` pads a
-    micro-batch's); returns rows and #samples truncated."""
+    micro-batch's); returns rows and #samples truncated. A longer sample with pictures is left out instead
+    (and counted): a cut could split a picture's image tokens from its features."""
     rows: list[PackedRow] = []
     num_truncated = 0
     for sample in samples:
         ids, mask = sample.input_ids, sample.loss_mask
         if len(ids) > seq_len:
-            ids, mask = ids[:seq_len], mask[:seq_len]
             num_truncated += 1
+            if sample.pictures is not None:
+                continue
+            ids, mask = ids[:seq_len], mask[:seq_len]
         row = next((r for r in rows if len(r) + len(ids) <= seq_len), None)
         if row is None:
             row = PackedRow()
@@ -103,6 +110,8 @@ def pack_samples(samples: Sequence[TokenizedSample], seq_len: int) -> tuple[list
         row.labels += [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [
             IGNORE_INDEX
         ]
+        if sample.pictures is not None:
+            row.pictures.append(sample.pictures)
     return rows, num_truncated
 
 
@@ -120,6 +129,7 @@ def pad_row(row: PackedRow, width: int, pad_id: int) -> PackedRow:
         row.position_ids + list(range(last, last + pad)),
         row.labels + [IGNORE_INDEX] * pad,
         row.num_padding + pad,
+        row.pictures,
     )
 
 
@@ -192,3 +202,8 @@ def collate(rows: Sequence[PackedRow]) -> dict[str, Any]:
         # True on real tokens, False on the padding at each row's end
         "token_mask": torch.tensor([[i < r.num_real_tokens for i in range(len(r))] for r in rows]),
     }
+
+
+def collate_pictures(rows: Sequence[PackedRow]) -> Pictures | None:
+    """The pictures of a micro-batch's rows in the order of their image tokens (rows in order); None: text."""
+    return Pictures.concat([p for r in rows for p in r.pictures])

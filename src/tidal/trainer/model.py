@@ -1,4 +1,5 @@
-"""Load an HF causal LM and its tokenizer by config (hub id, local dir or the tiny test model)."""
+"""Load an HF causal LM (or a vision-language model, its vision tower frozen unless asked) by config: a hub id,
+a local dir or a tiny test model."""
 
 import torch
 
@@ -28,11 +29,17 @@ def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.M
     model.dtype is what inference serves and weights are published in (`served_dtype`); the trainer's
     parameters, gradients and optimizer update stay fp32 (`parallelize` sets the compute dtype).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tidal.models.vision import sees_images
 
     path = resolve_model_name(config.name)
+    vision = sees_images(path)
+    if config.train_vision and not vision:
+        raise UserError(f"model.train_vision: model {config.name!r} has no vision tower (no vision_config)")
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             path,
             dtype=_DTYPES[master_dtype],
             attn_implementation=config.attn_implementation,
@@ -41,7 +48,29 @@ def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.M
     except (OSError, ValueError) as exc:
         raise UserError(f"model.name = {config.name!r}: cannot load model: {first_line(exc)}") from None
     model.config.use_cache = False
+    if vision and not config.train_vision:
+        freeze_vision_tower(model)
     return model
+
+
+VISION_TOWERS = ("vision_model", "visual", "vision_tower")
+"""Where vision-language models keep their vision encoder, under the causal LM's base model (Idefics3 and
+SmolVLM: vision_model; Qwen-VL: visual; LLaVA-style: vision_tower)."""
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop the vision encoder's parameters from training (the connector into the language model trains);
+    the number of parameters frozen. A vision-language model whose encoder is not found: ValueError."""
+    base = getattr(model, str(getattr(model, "base_model_prefix", "model")), model)
+    for name in VISION_TOWERS:
+        tower = getattr(base, name, None)
+        if isinstance(tower, torch.nn.Module):
+            frozen = 0
+            for param in tower.parameters():
+                param.requires_grad_(False)
+                frozen += param.numel()
+            return frozen
+    raise ValueError(f"{type(model).__name__}: no vision encoder at {' or '.join(VISION_TOWERS)}")
 
 
 def export_dtype(config: ModelConfig) -> torch.dtype | None:

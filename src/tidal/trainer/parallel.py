@@ -473,12 +473,18 @@ def _ensure_process_group(info: DistInfo) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
 
 
+LAYER_PATHS = ("model.layers", "model.text_model.layers", "model.language_model.layers")
+"""Where a causal LM keeps its decoder layers: a text model's, Idefics3's and Qwen-VL's language model's."""
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
-    return list(layers)
+    for path in LAYER_PATHS:
+        found: Any = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if found is not None:
+            return list(found)
+    raise ValueError(f"{type(model).__name__}: cannot find decoder layers at {' or '.join(LAYER_PATHS)}")
 
 
 def all_reduce_sum(value: float, info: DistInfo) -> float:

@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from tidal import run_layout
 from tidal.config.sft import SFTConfig
+from tidal.envs.chat import IMAGE_PART_TYPES, message_images
 from tidal.errors import UserError
+from tidal.models.vision import PictureInputs, setup_pictures, training_problem
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.data import (
@@ -27,6 +29,7 @@ from tidal.trainer.data import (
     PackedRow,
     TokenizedSample,
     collate,
+    collate_pictures,
     pack_samples,
     pad_rows,
     shard_rows,
@@ -72,21 +75,39 @@ class StepBatch:
 class SFTData:
     """Sampler + lazily tokenised conversations -> packed, rank-sharded batches. State: the sampler position."""
 
-    def __init__(self, config: SFTConfig, conversations: list[Conversation], tokenizer: Any, info: DistInfo):
+    def __init__(
+        self,
+        config: SFTConfig,
+        conversations: list[Conversation],
+        tokenizer: Any,
+        info: DistInfo,
+        pictures: PictureInputs | None = None,
+    ):
         self.config = config
         self.conversations = conversations
         self.tokenizer = tokenizer
         self.info = info
+        self.pictures = pictures
+        """The model's processor, where conversations carry pictures (`setup_sft_pictures`)."""
         self.sampler = EpochSampler(len(conversations), config.seed, config.data.shuffle)
         self._cache: dict[int, TokenizedSample] = {}
 
     def _sample(self, index: int) -> TokenizedSample:
         if index not in self._cache:
             try:
-                self._cache[index] = tokenize_conversation(self.tokenizer, self.conversations[index])
+                self._cache[index] = self._tokenize(self.conversations[index])
             except ValueError as exc:
                 raise UserError(f"data.train: conversation {index}: {exc}") from None
         return self._cache[index]
+
+    def _tokenize(self, conversation: Conversation) -> TokenizedSample:
+        sample = tokenize_conversation(self.tokenizer, conversation)
+        images = message_images(conversation)
+        if not images:
+            return sample
+        assert self.pictures is not None  # setup_sft_pictures made one for conversations with pictures
+        ids, mask, pictures = self.pictures.expand_masked(sample.input_ids, sample.loss_mask, images)
+        return TokenizedSample(ids, mask, pictures)
 
     def next_batch(self) -> StepBatch:
         data = self.config.data
@@ -120,7 +141,7 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     scorer, logger, say = t.scorer, t.logger, t.say
     tokenizer = t.tokenizer
-    data = SFTData(config, conversations, tokenizer, info)
+    data = SFTData(config, conversations, tokenizer, info, setup_sft_pictures(config, conversations))
 
     state = TrainState(model, optimizer, scheduler, data.sampler.state_dict)
     # SFT records carry the number of steps completed with them: 1, 2, ...
@@ -162,6 +183,25 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     return 0
 
 
+def setup_sft_pictures(config: SFTConfig, conversations: list[Conversation]) -> PictureInputs | None:
+    """The model's processor when a conversation carries pictures (a UserError naming the first such
+    conversation where the model cannot train on them); None for text data."""
+    with_pictures = next((i for i, c in enumerate(conversations) if _has_pictures(c)), None)
+    if with_pictures is None:
+        return None
+    problem = training_problem(config.model.name)
+    if problem is not None:
+        raise UserError(f"data.train: conversation {with_pictures} has pictures, but {problem}")
+    return setup_pictures(config.model.name, config.model.trust_remote_code)
+
+
+def _has_pictures(conversation: Conversation) -> bool:
+    return any(
+        isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PART_TYPES for p in m["content"])
+        for m in conversation
+    )
+
+
 def train_step(
     scorer: TokenScorer,
     optimizer: torch.optim.Optimizer,
@@ -183,9 +223,11 @@ def train_step(
     for rows in micro_batches(scorer, batch.micro_batches):
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         labels = inputs["labels"]  # [b, s]
+        pictures = collate_pictures(rows)
         logprobs, _ = scorer(
-            inputs["input_ids"], inputs["position_ids"], labels, token_mask=inputs["token_mask"]
-        )  # [b, s]
+            inputs["input_ids"], inputs["position_ids"], labels, token_mask=inputs["token_mask"],
+            pictures=None if pictures is None else pictures.tensors(info.device),
+        )  # fmt: skip  # [b, s]
         nll = -torch.where(labels != IGNORE_INDEX, logprobs, 0.0).sum()
         loss = nll * scale
         if scorer.moe is not None:

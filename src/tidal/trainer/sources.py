@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.common import BuiltinDataset, FileDataset, HFDataset
-from tidal.config.env_names import BUILTIN_ENVS
+from tidal.envs.chat import IMAGE_PART_TYPES
 from tidal.errors import UserError, first_line
 
 Conversation = list[dict[str, Any]]
@@ -16,10 +16,7 @@ VALID_ROLES = frozenset(ROLES)
 def load_conversations(source: FileDataset | HFDataset | BuiltinDataset) -> list[Conversation]:
     if isinstance(source, BuiltinDataset):
         from tidal.envs.demonstrations import generate_demonstrations
-        from tidal.envs.registry import refuse_images, resolve_env
 
-        if source.name in BUILTIN_ENVS:  # an unknown name gets generate_demonstrations' own message
-            refuse_images(source.name, resolve_env(source.name).factory)
         return generate_demonstrations(
             source.name, source.split, source.num_examples, source.seed, dict(source.kwargs)
         )
@@ -31,7 +28,46 @@ def load_conversations(source: FileDataset | HFDataset | BuiltinDataset) -> list
         rows = [(f"{where}: row {i + 1}", row) for i, row in enumerate(_read_hf(source))]
     if not rows:
         raise UserError(f"{where}: no conversations in it (an empty dataset)")
-    return [_check_messages(row, source.messages_field, at) for at, row in rows]
+    base = source.path.parent if isinstance(source, FileDataset) else None
+    return [_with_pictures(_check_messages(row, source.messages_field, at), base, at) for at, row in rows]
+
+
+def _with_pictures(messages: Conversation, base: Path | None, where: str) -> Conversation:
+    """The conversation with every picture as a data URL: a part `{"type": "image", "path": …}` (relative to
+    the data file's folder) is read in; a missing, broken or oversized picture is a one-line error."""
+    from tidal.envs.chat import message_images
+
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            continue
+        for k, part in enumerate(content):
+            if part.get("type") in IMAGE_PART_TYPES and "path" in part:
+                content[k] = {
+                    "type": "image_url",
+                    "image_url": {"url": _read_picture(base, part["path"], where)},
+                }
+    try:
+        message_images(messages)  # every picture readable, none over the size limit
+    except ValueError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    return messages
+
+
+def _read_picture(base: Path | None, path: Any, where: str) -> str:
+    """The picture file `path` (relative to `base`, the data file's folder) as a data URL."""
+    import base64
+
+    file = Path(str(path))
+    if base is not None and not file.is_absolute():
+        file = base / file
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{where}: picture {str(path)!r}: cannot read {file}: {exc.strerror}") from None
+    suffix = file.suffix.lower().lstrip(".") or "png"
+    kind = {"jpg": "jpeg"}.get(suffix, suffix)
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode("ascii")
 
 
 Located = list[tuple[str, Any]]
@@ -106,8 +142,28 @@ def _check_messages(row: Any, field: str, where: str) -> Conversation:
         if not isinstance(message, dict) or message.get("role") not in VALID_ROLES:
             role = message.get("role") if isinstance(message, dict) else None
             raise UserError(f"{where}: {field}[{j}].role: {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise UserError(f"{where}: {field}[{j}].content must be a string")
+        problem = _content_problem(message.get("content"))
+        if problem is not None:
+            raise UserError(f"{where}: {field}[{j}].content {problem}")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message to train on")
     return messages
+
+
+def _content_problem(content: Any) -> str | None:
+    """What is wrong with a message's content, which is a string, or a list of OpenAI content parts (text
+    and pictures: `{"type": "image_url", "image_url": {"url": "data:image/png;base64,…"}}`, or an image
+    path as `{"type": "image", "path": "pictures/1.png"}`); None when it is fine."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return "must be a string or a non-empty list of content parts"
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind not in IMAGE_PART_TYPES:
+            return (
+                f"part {k}: a content part is text or a picture ({', '.join(IMAGE_PART_TYPES)}), not {kind!r}"
+            )
+    return None

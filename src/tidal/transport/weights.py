@@ -121,8 +121,9 @@ def save_hf_checkpoint(
 
 
 def write_static_files(directory: Path, hf_config: Any, tokenizer: Any, dtype: Any = None) -> None:
-    """A checkpoint's files besides its weights: config (its dtype the one written), tokenizer, generation
-    config (greedy, the tokenizer's EOS and padding)."""
+    """A checkpoint's files besides its weights: config (its dtype the one written), tokenizer (a
+    vision-language model's processor too, from the model it was loaded from), generation config (greedy,
+    the tokenizer's EOS and padding)."""
     from transformers import GenerationConfig
 
     if dtype is not None:
@@ -130,6 +131,10 @@ def write_static_files(directory: Path, hf_config: Any, tokenizer: Any, dtype: A
         hf_config.dtype = dtype
     hf_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    if getattr(hf_config, "vision_config", None) is not None:  # vLLM and `tidal eval` need its processor too
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(hf_config._name_or_path).save_pretrained(directory)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     ).save_pretrained(directory)

@@ -1,0 +1,221 @@
+"""Pictures in the training path, with the tiny local VLM (tidal.models.tiny_vlm): the orchestrator's expansion
+of a prompt's placeholders is the processor's, packed micro-batches carry each sample's pictures in token
+order, and the trainer's forward over packed rows gives every sample the logprobs transformers gives it
+alone. The vision tower is frozen by default."""
+
+import base64
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from tidal.config.common import ModelConfig
+from tidal.envs.base import render_prompt
+from tidal.envs.chat import message_images
+from tidal.envs.shapes import ShapesEnv
+from tidal.errors import UserError
+from tidal.models.tiny_vlm import TINY_VLM_MODEL_NAME
+from tidal.models.vision import decode_picture, setup_pictures
+from tidal.orchestrator.batching import build_micro_batch, make_train_samples
+from tidal.testing import resolve_model_name
+from tidal.trainer.chunked import TokenScorer
+from tidal.trainer.model import load_model
+from tidal.types import Group, MicroBatch, PackedArray, Pictures, Rollout
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    return setup_pictures(TINY_VLM_MODEL_NAME)
+
+
+def _url(colour: tuple[int, int, int], size: int = 70) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _prompt(pictures, n: int) -> tuple[list[int], list[str]]:
+    content = [{"type": "image_url", "image_url": {"url": _url((40 * k, 200, 30))}} for k in range(n)]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": "How many?"}]}]
+    return render_prompt(pictures.processor.tokenizer, messages), message_images(messages)
+
+
+def test_expansion_is_the_processors_on_the_whole_prompt(pictures):
+    from transformers import AutoProcessor
+
+    task = ShapesEnv().task(0)
+    tokenizer = pictures.processor.tokenizer
+    prompt, images = render_prompt(tokenizer, task.messages), message_images(task.messages)
+    ids, got = pictures.expand(prompt, images)
+    processor = AutoProcessor.from_pretrained(resolve_model_name(TINY_VLM_MODEL_NAME))
+    whole = processor(
+        text=[tokenizer.decode(prompt)],
+        images=[[decode_picture(u, 1) for u in images]],
+        return_tensors="np",
+        add_special_tokens=False,
+    )
+    assert ids == whole["input_ids"][0].tolist() and len(ids) > len(prompt)
+    assert got.count == 1 and got.pixel_values.shape == list(whole["pixel_values"][0].shape)
+    assert (got.pixel_values.to_numpy() == whole["pixel_values"][0]).all()
+
+    two, urls = _prompt(pictures, 2)
+    ids2, got2 = pictures.expand(two, urls)
+    assert got2.count == 2 and got2.pixel_values.shape[0] == 2
+    with pytest.raises(ValueError, match="1 picture placeholder.*for 2 picture"):
+        pictures.expand(prompt, [images[0], images[0]])
+    with pytest.raises(ValueError, match="picture 1: training needs the picture itself"):
+        pictures.expand(prompt, ["https://example.com/a.png"])
+
+
+def test_packed_micro_batches_carry_pictures_in_token_order_through_json(pictures):
+    groups = []
+    for n in (1, 2):
+        prompt, urls = _prompt(pictures, n)
+        rollouts = [
+            Rollout(prompt, [7, 8, 9], [-1.0] * 3, [1, 1, 1], float(k), 0, 0, "shapes", f"t{n}", images=urls)
+            for k in range(2)
+        ]
+        groups.append(Group(f"t{n}", "shapes", rollouts))
+    calls = []
+
+    def counted(ids, urls):
+        calls.append(len(urls))
+        return pictures.expand(ids, urls)
+
+    samples = make_train_samples(groups, expand_pictures=counted)
+    assert calls == [1, 2]  # once per distinct prompt, not per rollout
+    assert [s.pictures.count for s in samples] == [1, 1, 2, 2]
+    micro = build_micro_batch([samples[:1], samples[2:3]], 512, 0)
+    back = MicroBatch.from_dict(json.loads(json.dumps(micro.to_dict())))
+    assert back.pictures == micro.pictures and back.pictures.count == 3
+    image_id = pictures.placeholder_id
+    in_rows = sum(row.count(image_id) for row in back.input_ids)
+    per_picture = samples[0].input_ids.count(image_id)
+    assert in_rows == 3 * per_picture
+    tensors = back.picture_tensors()
+    assert tensors["pixel_values"].shape[0] == 3 and tensors["pixel_attention_mask"].dtype == torch.bool
+    with pytest.raises(ValueError, match="has pictures, but the run has no picture processor"):
+        make_train_samples(groups)
+
+
+def test_packed_arrays_join_only_alike():
+    import numpy as np
+
+    a = PackedArray.from_numpy(np.zeros((2, 3), dtype=np.float32))
+    b = PackedArray.from_numpy(np.ones((1, 3), dtype=np.float32))
+    assert PackedArray.concat([a, b]).to_numpy().tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 1]]
+    with pytest.raises(ValueError, match="differ in dtype or trailing shape"):
+        PackedArray.concat([a, PackedArray.from_numpy(np.ones((1, 4), dtype=np.float32))])
+    with pytest.raises(ValueError, match="not float64"):
+        PackedArray.from_numpy(np.ones(2))
+    assert Pictures.concat([]) is None
+
+
+def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(pictures):
+    model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME))
+    tower = model.model.vision_model
+    assert not any(p.requires_grad for p in tower.parameters())  # frozen by default
+    assert all(p.requires_grad for p in model.model.connector.parameters())
+    scorer = TokenScorer(model).eval()
+    samples = []
+    for k, n in enumerate((1, 2, 1)):
+        prompt, urls = _prompt(pictures, n)
+        done = [10 + k, 11, 12 + k, 13]
+        rollout = Rollout(prompt, done, [-1.0] * 4, [1] * 4, 1.0, 0, 0, "shapes", "t", images=urls)
+        samples += make_train_samples(
+            [Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures.expand
+        )
+    micro = build_micro_batch([samples[:2], samples[2:]], 1024, 0)  # two samples share the first row
+    t = micro.to_tensors()
+    with torch.no_grad():
+        packed, _ = scorer(
+            t["input_ids"], t["position_ids"], t["target_ids"], pictures=micro.picture_tensors()
+        )
+    for index, sample in enumerate(samples):
+        alone = build_micro_batch([[sample]], 1024, 0)
+        a = alone.to_tensors()
+        inputs = {k: v.unsqueeze(0) for k, v in alone.picture_tensors().items()}
+        with torch.no_grad():
+            logits = model(input_ids=a["input_ids"], **inputs).logits
+        want = torch.log_softmax(logits.float(), -1).gather(-1, a["target_ids"].unsqueeze(-1)).squeeze(-1)
+        row = 0 if index < 2 else 1
+        got = packed[row][torch.tensor(micro.sample_ids[row]) == index]
+        assert len(got) == len(sample)
+        assert torch.allclose(got[:-1], want[0, : len(sample) - 1], atol=1e-5), (
+            (got[:-1] - want[0, :-1]).abs().max()
+        )
+    # the pictures reach the model: the first sample's ids with another picture score differently
+    _, red = pictures.one_picture(decode_picture(_url((250, 0, 0)), 1))
+    first = build_micro_batch([[samples[0]]], 1024, 0)
+    repainted = MicroBatch.from_dict({**first.to_dict(), "pictures": red.to_dict()})
+    f, r = first.to_tensors(), repainted.to_tensors()
+    with torch.no_grad():
+        base, _ = scorer(f["input_ids"], f["position_ids"], f["target_ids"], pictures=first.picture_tensors())
+        moved, _ = scorer(
+            r["input_ids"], r["position_ids"], r["target_ids"], pictures=repainted.picture_tensors()
+        )
+    assert (base - moved).abs().max() > 1e-4
+
+
+def test_vision_tower_trains_on_request_and_a_text_model_refuses_it():
+    model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME, train_vision=True))
+    assert all(p.requires_grad for p in model.model.vision_model.parameters())
+    with pytest.raises(
+        UserError, match="model.train_vision: model 'tidal-testing/tiny-qwen3' has no vision tower"
+    ):
+        load_model(ModelConfig(name="tidal-testing/tiny-qwen3", train_vision=True))
+
+
+def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(pictures, tmp_path):
+    from tidal.config.common import FileDataset
+    from tidal.trainer.data import IGNORE_INDEX, collate_pictures, pack_samples, pad_rows, tokenize_conversation
+    from tidal.trainer.sft import SFTData
+    from tidal.trainer.sources import load_conversations
+
+    Image.new("RGB", (60, 60), (250, 0, 0)).save(tmp_path / "red.png")
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    rows = [
+        {"messages": [
+            {"role": "user", "content": [{"type": "image", "path": "red.png"}, {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": "red"},
+        ]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello"}]},
+    ]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    conversations = load_conversations(FileDataset(path=data))
+    assert conversations[0][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+
+    tokenizer = pictures.processor.tokenizer
+    text = tokenize_conversation(tokenizer, conversations[0])
+    ids, mask, got = pictures.expand_masked(text.input_ids, text.loss_mask, message_images(conversations[0]))
+    grown = len(ids) - len(text.input_ids)
+    assert grown > 0 and got.count == 1 and len(mask) == len(ids)
+    learnt = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert learnt == [t for t, m in zip(text.input_ids, text.loss_mask, strict=True) if m]
+    assert tokenizer.decode(learnt) == " red<|im_end|>"
+
+    from tidal.trainer.data import TokenizedSample
+
+    with_picture = TokenizedSample(ids, mask, got)
+    plain = tokenize_conversation(tokenizer, conversations[1])
+    packed, cut = pack_samples([with_picture, plain, with_picture], len(ids) + len(plain.input_ids))
+    assert cut == 0 and len(packed) == 2 and [len(r.pictures) for r in packed] == [1, 1]
+    assert collate_pictures(pad_rows(packed, 1024, 0)).count == 2
+    assert sum(label != IGNORE_INDEX for label in packed[0].labels) == sum(mask) + sum(plain.loss_mask)
+    short, cut = pack_samples([with_picture, plain], len(ids) - 1)  # too long: left out, not cut
+    assert cut == 1 and [len(r.pictures) for r in short] == [0] and len(short[0]) == len(plain.input_ids)
+
+    for bad, problem in (("broken.png", "picture 1: cannot be read as an image"), ("gone.png", "cannot read")):
+        rows[0]["messages"][0]["content"][0] = {"type": "image", "path": bad}
+        data.write_text(json.dumps(rows[0]) + "\n")
+        with pytest.raises(UserError, match=f"train.jsonl:1: .*{problem}") as caught:
+            load_conversations(FileDataset(path=data))
+        assert "\n" not in str(caught.value)
+    rows[0]["messages"][0]["content"] = [{"type": "audio"}]
+    data.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(UserError, match=r"messages\[0\].content part 0: a content part is text or a picture"):
+        load_conversations(FileDataset(path=data))
+    assert SFTData  # the SFT source that does this per conversation (tested end to end in test_vlm)

@@ -173,6 +173,7 @@ class Pictures:
     def from_dict(cls, data: dict[str, Any] | None) -> Pictures | None:
         if data is None:
             return None
+
         def array(name: str) -> PackedArray | None:
             value = data.get(name)
             return None if value is None else PackedArray(**value)

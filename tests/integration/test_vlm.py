@@ -157,7 +157,9 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
         "--max-steps", "3", "--inference.server.port", port, "--max-async-level", "0", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    orchestrator = [json.loads(line) for line in (rl / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
+    orchestrator = [
+        json.loads(line) for line in (rl / "orchestrator" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in orchestrator] == [0, 1, 2]
     # a rollout fails only where the barely trained model wrote the picture token itself (named in the log)
     failed = sum(r["rollouts/failed"] for r in orchestrator)

@@ -102,8 +102,8 @@ def test_the_training_commands_take_pictures_only_where_the_model_trains_on_them
         check_env(spec, "tidal-testing/tiny-qwen3")  # what `tidal rl` checks before it starts anything
     assert "\n" not in str(caught.value)
     check_env(spec, "tidal-testing/tiny-idefics3")  # a vision-language model it trains
-    with pytest.raises(UserError, match="`tidal sft` does not train on pictures"):
-        load_conversations(BuiltinDataset(type="builtin", name="shapes"))  # `tidal sft`'s built-in data
+    demos = load_conversations(BuiltinDataset(type="builtin", name="shapes", num_examples=2))  # `tidal sft`'s
+    assert message_images(demos[0]) and demos[0][-1]["role"] == "assistant"
     with pytest.raises(UserError, match="gives images, but model"):
         orchestrator_env(OrchestratorConfig(env=[spec]))  # `tidal orchestrator` alone, a text model
     assert build_env(spec).gives_images  # `tidal eval` builds it (and checks the model: test_vlm)

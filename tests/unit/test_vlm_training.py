@@ -170,8 +170,13 @@ def test_vision_tower_trains_on_request_and_a_text_model_refuses_it():
 
 def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(pictures, tmp_path):
     from tidal.config.common import FileDataset
-    from tidal.trainer.data import IGNORE_INDEX, collate_pictures, pack_samples, pad_rows, tokenize_conversation
-    from tidal.trainer.sft import SFTData
+    from tidal.trainer.data import (
+        IGNORE_INDEX,
+        collate_pictures,
+        pack_samples,
+        pad_rows,
+        tokenize_conversation,
+    )
     from tidal.trainer.sources import load_conversations
 
     Image.new("RGB", (60, 60), (250, 0, 0)).save(tmp_path / "red.png")
@@ -208,7 +213,10 @@ def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(
     short, cut = pack_samples([with_picture, plain], len(ids) - 1)  # too long: left out, not cut
     assert cut == 1 and [len(r.pictures) for r in short] == [0] and len(short[0]) == len(plain.input_ids)
 
-    for bad, problem in (("broken.png", "picture 1: cannot be read as an image"), ("gone.png", "cannot read")):
+    for bad, problem in (
+        ("broken.png", "picture 1: cannot be read as an image"),
+        ("gone.png", "cannot read"),
+    ):
         rows[0]["messages"][0]["content"][0] = {"type": "image", "path": bad}
         data.write_text(json.dumps(rows[0]) + "\n")
         with pytest.raises(UserError, match=f"train.jsonl:1: .*{problem}") as caught:
@@ -218,4 +226,3 @@ def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(
     data.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match=r"messages\[0\].content part 0: a content part is text or a picture"):
         load_conversations(FileDataset(path=data))
-    assert SFTData  # the SFT source that does this per conversation (tested end to end in test_vlm)

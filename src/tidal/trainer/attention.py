@@ -97,7 +97,8 @@ CHECK_SHAPE = (4, 2, 64)
 
 def attention_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim) of `model`'s attention, from its HF config."""
-    config: Any = model.config.get_text_config()  # a vision-language model's language model
+    whole: Any = model.config
+    config: Any = whole.get_text_config()  # a vision-language model's: its language model's
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim

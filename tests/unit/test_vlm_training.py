@@ -226,3 +226,25 @@ def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(
     data.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match=r"messages\[0\].content part 0: a content part is text or a picture"):
         load_conversations(FileDataset(path=data))
+
+
+def test_lora_with_pictures_is_one_line_before_anything_starts():
+    from tidal.config.rl import RLConfig
+    from tidal.config.sft import SFTConfig
+    from tidal.launcher.rl import refuse_lora_with_pictures
+    from tidal.trainer.sft import setup_sft_pictures
+
+    picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url((9, 9, 9))}}]}]
+    conversations = [[{"role": "user", "content": "Hi"}], [*picture, {"role": "assistant", "content": "black"}]]
+    base = {"model": {"name": TINY_VLM_MODEL_NAME}, "data": {"train": {"type": "builtin", "name": "shapes"}}}
+    assert setup_sft_pictures(SFTConfig(**base), conversations) is not None
+    with pytest.raises(UserError, match="conversation 1 has pictures, but LoRA does not train on pictures"):
+        setup_sft_pictures(SFTConfig(**base, lora={"rank": 8}), conversations)
+    with pytest.raises(UserError, match="conversation 1 has pictures, but model 'tidal-testing/tiny-qwen3'"):
+        setup_sft_pictures(SFTConfig(**{**base, "model": {"name": "tidal-testing/tiny-qwen3"}}), conversations)
+    assert setup_sft_pictures(SFTConfig(**base), conversations[:1]) is None  # text data: no processor
+
+    rl = {"model": {"name": TINY_VLM_MODEL_NAME}, "orchestrator": {"env": [{"name": "shapes"}]}}
+    refuse_lora_with_pictures(RLConfig(**rl))
+    with pytest.raises(UserError, match=r"trainer.lora: orchestrator.env.0 \('shapes'\) gives images"):
+        refuse_lora_with_pictures(RLConfig(**rl, trainer={"lora": {"rank": 8}}))

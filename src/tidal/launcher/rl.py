@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from tidal import run_layout
 from tidal.config.rl import RLConfig
+from tidal.errors import UserError
 from tidal.launcher.argv import trainer_argv
 from tidal.launcher.split import split_config
 from tidal.launcher.supervisor import Supervisor, gpu_run, replica_name
@@ -109,6 +110,21 @@ def say_if_complete(config: RLConfig) -> bool:
     return complete is not None
 
 
+def refuse_lora_with_pictures(config: RLConfig) -> None:
+    """A one-line UserError for LoRA on an environment with pictures: vLLM's LoRA requests take no pictures
+    yet, so every rollout would fail (docs/vlm.md)."""
+    from tidal.envs.registry import resolve_env
+
+    if not config.trainer.lora.enabled:
+        return
+    for key, spec in config.orchestrator.environments():
+        if getattr(resolve_env(spec.name).factory, "gives_images", False) is True:
+            raise UserError(
+                f"trainer.lora: orchestrator.{key} ({spec.name!r}) gives images, and LoRA does not train on "
+                "pictures yet: train the whole language model (no trainer.lora.rank)"
+            )
+
+
 def main(config: RLConfig) -> int:
     """A local `tidal rl` (a cluster run is submitted by tidal.deploy.run instead)."""
     if say_if_complete(config):
@@ -119,6 +135,7 @@ def main(config: RLConfig) -> int:
     check_envs(
         [(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()], config.model.name
     )
+    refuse_lora_with_pictures(config)
     from tidal.models import prepare_model_files
 
     prepare_model_files(config.model.name, lambda line: print(f"{clock()} tidal rl: {line}", flush=True))

@@ -235,13 +235,18 @@ def test_lora_with_pictures_is_one_line_before_anything_starts():
     from tidal.trainer.sft import setup_sft_pictures
 
     picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url((9, 9, 9))}}]}]
-    conversations = [[{"role": "user", "content": "Hi"}], [*picture, {"role": "assistant", "content": "black"}]]
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [*picture, {"role": "assistant", "content": "black"}],
+    ]
     base = {"model": {"name": TINY_VLM_MODEL_NAME}, "data": {"train": {"type": "builtin", "name": "shapes"}}}
     assert setup_sft_pictures(SFTConfig(**base), conversations) is not None
     with pytest.raises(UserError, match="conversation 1 has pictures, but LoRA does not train on pictures"):
         setup_sft_pictures(SFTConfig(**base, lora={"rank": 8}), conversations)
     with pytest.raises(UserError, match="conversation 1 has pictures, but model 'tidal-testing/tiny-qwen3'"):
-        setup_sft_pictures(SFTConfig(**{**base, "model": {"name": "tidal-testing/tiny-qwen3"}}), conversations)
+        setup_sft_pictures(
+            SFTConfig(**{**base, "model": {"name": "tidal-testing/tiny-qwen3"}}), conversations
+        )
     assert setup_sft_pictures(SFTConfig(**base), conversations[:1]) is None  # text data: no processor
 
     rl = {"model": {"name": TINY_VLM_MODEL_NAME}, "orchestrator": {"env": [{"name": "shapes"}]}}

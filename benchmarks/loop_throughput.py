@@ -507,13 +507,18 @@ class StartupProfile:
 
 
 def launch_rl(
-    argv: list[str], run_dir: Path, port: int, timeout: float, profile_s: float = 0.0
+    argv: list[str],
+    run_dir: Path,
+    port: int,
+    timeout: float,
+    profile_s: float = 0.0,
+    metrics_interval: float = 0.1,
 ) -> dict[str, Any]:
-    """Run `tidal rl` with the /metrics sampler and a tail of its online evals (and py-spy over its first
-    `profile_s` seconds); return what they saw."""
+    """Run `tidal rl` with the /metrics sampler (every `metrics_interval` s) and a tail of its online evals
+    (and py-spy over its first `profile_s` seconds); return what they saw."""
     run_dir.mkdir(parents=True, exist_ok=True)
     print("$", shlex.join(argv[1:]), flush=True)
-    sampler = Sampler(f"http://127.0.0.1:{port}/metrics", run_dir / "rl")
+    sampler = Sampler(f"http://127.0.0.1:{port}/metrics", run_dir / "rl", metrics_interval)
     launch, wall_start = time.monotonic(), time.time()
     evals = Tail(run_dir / "rl" / "orchestrator" / "online_eval.jsonl", wall_start)
     watchers = [sampler, evals, StartupProfile(run_dir / "startup.speedscope.json", profile_s)]
@@ -608,7 +613,7 @@ def run_tidal(
             "--output-dir", str(run_dir / "rl"), "--max-steps", str(args.max_steps),
             "--inference.server.port", str(port)]  # fmt: skip
     profile = args.profile_startup if part in args.profile_parts else 0.0
-    run = launch_rl(argv, run_dir, port, args.timeout, profile)
+    run = launch_rl(argv, run_dir, port, args.timeout, profile, args.metrics_interval)
     log = run_dir / "rl" / "logs" / "inference.log"
     if log.exists():
         run["startup_marks"] = startup_profile(log.read_text(errors="replace"), run["launched_at"])
@@ -793,7 +798,7 @@ def run_trl_comparison(
     save(out)
     # then tidal, same tasks, same steps
     argv = [sys.executable, "-m", "tidal", "rl", "@", str(config_path)]
-    run = launch_rl(argv, base, port, args.timeout)
+    run = launch_rl(argv, base, port, args.timeout, metrics_interval=args.metrics_interval)
     evals: list[tuple[float, int, float]] = []
     for record_ in online_evals(base / "rl"):
         found = env_report(record_, env_name)
@@ -939,6 +944,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed offline generate calls")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bin-s", type=float, default=1.0, help="seconds per generation-rate bin")
+    parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=0.1,
+        help="seconds between reads of vLLM's /metrics during tidal rl: each read runs prometheus' process "
+        "collector inside vLLM's API server (25-57%% of one of its threads at 0.1 s in round 5's profile), "
+        "a cost vLLM alone does not pay; a longer interval measures how much of the gap it is",
+    )
     parser.add_argument("--max-points", type=int, default=600, help="points kept of each time series")
     parser.add_argument(
         "--trl-site", type=Path, default=None, help="folder trl, accelerate (datasets) were installed into"

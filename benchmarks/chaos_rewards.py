@@ -51,7 +51,9 @@ def rewards(out: Path) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=chaos.CHAOS_STEPS, help="RL steps of each run")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="RL steps of each run (the test runs CHAOS_STEPS)"
+    )
     parser.add_argument("--sft-steps", type=int, default=100)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

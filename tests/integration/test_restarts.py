@@ -155,7 +155,7 @@ run a step that finds none (an orchestrator failure of its own, which would be r
 
 # ---- the chaos test of issue 14 ----------------------------------------------------------------------
 
-CHAOS_STEPS = 50
+CHAOS_STEPS = 40
 CHAOS_SEED = 14
 CHAOS_PLAN = ("inference_1", "inference_0 server", "trainer", "reward worker", "orchestrator", "trainer")
 """The kills in order, one process each: one replica's `tidal inference` itself and, at the same moment,
@@ -164,7 +164,7 @@ trainer again, each 1-3 steps after the one before has recovered. A replica take
 to restart on these 2 cores (the range is contention), while a step of the tiny model takes about one
 second: with one replica back the run would go on for as many steps as the other takes seconds to
 return. So while both are down the test holds the trainer (SIGSTOP) until both serve again: the run then
-cannot get ahead of the plan. The last kill came at step 16 in a run on a quiet machine; 50 steps leave
+cannot get ahead of the plan. The last kill came at step 16 in a run on a quiet machine; 40 steps leave
 room for the later kills however fast the steps run."""
 
 

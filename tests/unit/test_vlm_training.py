@@ -253,3 +253,19 @@ def test_lora_with_pictures_is_one_line_before_anything_starts():
     refuse_lora_with_pictures(RLConfig(**rl))
     with pytest.raises(UserError, match=r"trainer.lora: orchestrator.env.0 \('shapes'\) gives images"):
         refuse_lora_with_pictures(RLConfig(**rl, trainer={"lora": {"rank": 8}}))
+
+
+def test_a_reply_holding_a_picture_token_is_refused(pictures):
+    from tidal.models.vision import check_reply, picture_token_ids
+
+    ids = picture_token_ids(pictures.processor.tokenizer)
+    assert ids == {pictures.placeholder_id}
+    check_reply([10, 11, 12], ids)
+    with pytest.raises(ValueError, match=f"picture token id {pictures.placeholder_id}, which only a picture"):
+        check_reply([10, pictures.placeholder_id], ids)
+    from transformers import AutoTokenizer
+
+    assert (
+        picture_token_ids(AutoTokenizer.from_pretrained(resolve_model_name("tidal-testing/tiny-qwen3")))
+        == set()
+    )

@@ -62,7 +62,7 @@ async def run_group(
             error = _failure_name(exc, task)
             failed = [failed_rollout(env, task, sampler.versions, error) for _ in range(group_size)]
             return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(failed, position))
-        rollouts = await _settle(env, member, task, sampler, planned, timeout, _picture_ids(tokenizer))
+        rollouts = await _settle(env, member, task, sampler, planned, timeout)
     finally:
         sampler.end_sessions()
     return Group(task_id=task.task_id, env=env_name(env, task), rollouts=_named(rollouts, position))
@@ -75,14 +75,13 @@ async def _settle(
     sampler: ClientSampler,
     planned: list[Episode | EpisodeWork],
     timeout: float,
-    picture_ids: frozenset[int],
 ) -> list[Rollout]:
     """Every planned rollout sampled (works, concurrently) and scored, each failing alone; one whose turns
-    after a prompt with pictures hold a picture token (`picture_ids`) fails."""
+    after a prompt with pictures hold a picture token (`picture_token_ids`) fails."""
 
     async def checked(episode: Episode) -> Episode:
         if episode.images:  # model turns and environment turns alike: no picture comes after the prompt
-            check_reply(episode.completion_ids, picture_ids)
+            check_reply(episode.completion_ids, _picture_ids(sampler.tokenizer))
         return await score_episode(member, task, episode)
 
     def scoring(episode: Episode, timeout: float | None) -> Awaitable[Rollout]:
@@ -116,9 +115,16 @@ async def _settle(
     )
 
 
-@functools.cache
+_PICTURE_IDS: dict[int, frozenset[int]] = {}
+"""Picture token ids by tokenizer (its id(): the run's one tokenizer lives as long as the process), read once
+and only for rollouts with pictures: a text run never walks its vocabulary."""
+
+
 def _picture_ids(tokenizer: Any) -> frozenset[int]:
-    return picture_token_ids(tokenizer)
+    key = id(tokenizer)
+    if key not in _PICTURE_IDS:
+        _PICTURE_IDS[key] = picture_token_ids(tokenizer)
+    return _PICTURE_IDS[key]
 
 
 def _named(rollouts: list[Rollout], position: int) -> list[Rollout]:

@@ -123,14 +123,20 @@ def check_env(spec: "EnvSpec", model_name: str) -> None:
     pictures for a model `model_name` that cannot train on them."""
     resolved = resolve_env(spec.name)
     bind_kwargs(resolved, dict(spec.kwargs))
-    check_pictures(spec.name, resolved.factory, model_name)
+    check_pictures(spec.name, model_name)
 
 
-def check_pictures(name: str, target: Any, model_name: str) -> None:
-    """A one-line `UserError` for an environment (class or instance) whose prompts carry pictures, where the
-    model cannot train on them (no vision tower: a text template would drop them silently; or a
-    vision-language model type tidal does not train yet)."""
-    if getattr(target, "gives_images", False) is not True:
+def gives_images(name: str) -> bool:
+    """Whether environment `name`'s prompts carry pictures (its class says `gives_images = True`), without
+    building it."""
+    return getattr(resolve_env(name).factory, "gives_images", False) is True
+
+
+def check_pictures(name: str, model_name: str) -> None:
+    """A one-line `UserError` for an environment whose prompts carry pictures, where the model cannot train
+    on them (no vision tower: a text template would drop them silently; or a vision-language model type
+    tidal does not train yet)."""
+    if not gives_images(name):
         return
     from tidal.models.vision import training_problem
 

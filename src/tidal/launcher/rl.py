@@ -113,12 +113,12 @@ def say_if_complete(config: RLConfig) -> bool:
 def refuse_lora_with_pictures(config: RLConfig) -> None:
     """A one-line UserError for LoRA on an environment with pictures: vLLM's LoRA requests take no pictures
     yet, so every rollout would fail (docs/vlm.md)."""
-    from tidal.envs.registry import resolve_env
+    from tidal.envs.registry import gives_images
 
     if not config.trainer.lora.enabled:
         return
     for key, spec in config.orchestrator.environments():
-        if getattr(resolve_env(spec.name).factory, "gives_images", False) is True:
+        if gives_images(spec.name):
             raise UserError(
                 f"trainer.lora: orchestrator.{key} ({spec.name!r}) gives images, and LoRA does not train on "
                 "pictures yet: train the whole language model (no trainer.lora.rank)"

@@ -70,20 +70,20 @@ class OrchestratorState:
 
 def build_env(config: OrchestratorConfig) -> Environment:
     """One environment, or an EnvMix over several by weight (task order seeded by the run's seed)."""
-    from tidal.envs.registry import build_envs, check_pictures, resolve_env
+    from tidal.envs.registry import build_envs, check_pictures
 
     for spec in config.env:  # `tidal rl` checks them before it starts anything; `tidal orchestrator` here
-        check_pictures(spec.name, resolve_env(spec.name).factory, config.model.name)
+        check_pictures(spec.name, config.model.name)
     return build_envs(config.env, seed=config.seed)
 
 
 def setup_expand(config: OrchestratorConfig) -> ExpandPictures | None:
     """The model's processor expanding a prompt's pictures into its image tokens and arrays, when an
     environment of the run gives pictures; None for a text run (no processor loaded)."""
-    from tidal.envs.registry import resolve_env
+    from tidal.envs.registry import gives_images
     from tidal.models.vision import setup_pictures
 
-    if not any(getattr(resolve_env(s.name).factory, "gives_images", False) is True for s in config.env):
+    if not any(gives_images(spec.name) for spec in config.env):
         return None
     return setup_pictures(config.model.name, config.model.trust_remote_code).expand
 

@@ -15,6 +15,9 @@
 #   5. carry .gpu/model/slice5:                      bash benchmarks/real_models_h200.sh start ENV...
 #      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark(s) in their own session
 #      so that they outlive the call, and follows them)
+#   (MODEL_ASSET=qwen: Qwen2.5-Coder-0.5B-Instruct, 469 MiB, the recipes' `_qwen05b` configs; its slices from
+#    `carry_model.py split qwen2.5-coder-0.5b --out .gpu/qwen --sizes 11 11 11 49.5 55.5 55.5 55.5 55.5 55.5 55.5`
+#    take eleven calls: slices 1-3 beside the vLLM parts, 4 beside .gpu/whl, 5-10 alone, 11 with `start`)
 #   6. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
 # BENCH picks what `start` runs: real_models (default; ENV... are its --envs, e.g. alphabet_sort:short@1e-4 or
@@ -30,7 +33,12 @@ shift || true
 VLLM_PARTS=/root/vllm-parts
 MODEL_PARTS=/root/model-parts
 WHEELS=/root/whl
-MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_ASSET=${MODEL_ASSET:-smollm2}    # smollm2 (slices in .gpu/model) or qwen (Qwen2.5-Coder-0.5B, in .gpu/qwen)
+case "$MODEL_ASSET" in
+smollm2) MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf SUFFIX=smollm2 SLICES=.gpu/model ;;
+qwen) MODEL=/root/models/qwen2.5-coder-0.5b-instruct.gguf SUFFIX=qwen05b SLICES=.gpu/qwen ;;
+*) echo "MODEL_ASSET is smollm2 or qwen, not $MODEL_ASSET" >&2; exit 2 ;;
+esac
 BENCH=${BENCH:-real_models}            # real_models, loop, both or loop_then_real_models
 PARTS=${PARTS:-offline tidal trl}      # loop only; "offline tidal|trl": two loop_throughput.py side by side
 LOOP_ARGS=${LOOP_ARGS:-}               # loop only: more loop_throughput.py flags
@@ -55,7 +63,7 @@ export TIDAL_CACHE_DIR=/root/tidal-cache
 copy_parts() {
     mkdir -p "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
     for d in .gpu/vllm/part*; do [ -d "$d" ] && cp "$d"/* "$VLLM_PARTS"/; done
-    for d in .gpu/model/slice*; do [ -d "$d" ] && cp "$d"/* "$MODEL_PARTS"/; done
+    for d in "$SLICES"/slice*; do [ -d "$d" ] && cp "$d"/* "$MODEL_PARTS"/; done
     for d in .gpu/whl*; do [ -d "$d" ] && cp "$d"/*.whl "$WHEELS"/; done
     ls -l "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
     for m in pandas datasets accelerate peft pyarrow transformers huggingface_hub; do  # what the machine has
@@ -138,7 +146,7 @@ start_real_models() {
     mkdir -p "$RM_WORK" "$RM_OUT"
     local steps=()
     [ -n "$MAX_STEPS" ] && steps=(--max-steps "$MAX_STEPS")
-    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix smollm2 --envs "$@" "${steps[@]}" \
+    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix "$SUFFIX" --envs "$@" "${steps[@]}" \
         --workdir "$RM_WORK" --out "$RM_OUT/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
         --raw "$RM_OUT/real_models_raw.tar.gz" > "$RM_WORK/driver.log" 2>&1 < /dev/null &
     echo $! > "$RM_WORK/driver.pid"

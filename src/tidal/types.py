@@ -8,6 +8,7 @@ Plain dataclasses of Python lists and numbers, so they pickle, JSON-encode and s
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -162,17 +163,35 @@ class Pictures:
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The model inputs as tensors on `device` (float32, int64, bool), by argument name."""
+        return Pictures.join_tensors([self], device)
+
+    @staticmethod
+    def join_tensors(
+        parts: Sequence[Pictures], device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """The model inputs of several samples' pictures, in order, as one tensor per argument name on
+        `device`; {} for none. Joined here, where the model runs, rather than re-encoded where batches are
+        packed (the orchestrator's event loop)."""
+        if not parts:
+            return {}
+        import numpy as np
         import torch
 
-        return {name: torch.from_numpy(a.to_numpy().copy()).to(device) for name, a in self.arrays().items()}
+        names = set(parts[0].arrays())
+        if any(set(p.arrays()) != names for p in parts):
+            raise ValueError("the samples' pictures carry different model inputs")
+        joined = {name: np.concatenate([p.arrays()[name].to_numpy() for p in parts]) for name in names}
+        return {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Pictures | None:
-        if data is None:
-            return None
+        return None if data is None else cls.from_json(data)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Pictures:
 
         def array(name: str) -> PackedArray | None:
             value = data.get(name)
@@ -311,9 +330,10 @@ class MicroBatch:
     where `routed_mask` is 0); None: no sample of the micro-batch has routes."""
     routed_mask: list[list[int]] = field(default_factory=list)
     """[rows][width]: 1 where `routed_experts` holds a route (empty when it is None)."""
-    pictures: Pictures | None = None
-    """The pictures of every sample, rows in order and samples in row order: the order of their image tokens
-    in the flattened rows, which is the order the model puts picture features in. None: text only."""
+    pictures: list[Pictures] = field(default_factory=list)
+    """The pictures of each sample that has some, rows in order and samples in row order: the order of their
+    image tokens in the flattened rows, which is the order the model puts picture features in. Empty: text.
+    Kept per sample (the trainer joins them, `picture_tensors`), so packing never decodes them."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -324,7 +344,7 @@ class MicroBatch:
         every element, 0.4 s of the orchestrator's event loop for a 256-sample step)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["routed_experts"] = None if self.routed_experts is None else asdict(self.routed_experts)
-        out["pictures"] = None if self.pictures is None else self.pictures.to_dict()
+        out["pictures"] = [p.to_dict() for p in self.pictures]
         return out
 
     @classmethod
@@ -333,14 +353,14 @@ class MicroBatch:
             **{
                 **data,
                 "routed_experts": RoutedExperts.from_dict(data.get("routed_experts")),
-                "pictures": Pictures.from_dict(data.get("pictures")),
+                "pictures": [Pictures.from_json(p) for p in data.get("pictures") or []],
             }
         )
 
     def picture_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The pictures' model inputs as tensors on `device` (float32, int64, bool), by argument name; {}
         for text."""
-        return {} if self.pictures is None else self.pictures.tensors(device)
+        return Pictures.join_tensors(self.pictures, device)
 
     def routes_tensors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
         """(experts [rows · seq, layers, k] int64, mask [rows · seq] bool) for routing replay; None without."""

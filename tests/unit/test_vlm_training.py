@@ -89,7 +89,9 @@ def test_packed_micro_batches_carry_pictures_in_token_order_through_json(picture
     assert [s.pictures.count for s in samples] == [1, 1, 2, 2]
     micro = build_micro_batch([samples[:1], samples[2:3]], 512, 0)
     back = MicroBatch.from_dict(json.loads(json.dumps(micro.to_dict())))
-    assert back.pictures == micro.pictures and back.pictures.count == 3
+    # kept per sample, as each sample's expansion made them: packing decodes nothing
+    assert back.pictures == micro.pictures and [p.count for p in back.pictures] == [1, 2]
+    assert micro.pictures[0] is samples[0].pictures
     image_id = pictures.placeholder_id
     in_rows = sum(row.count(image_id) for row in back.input_ids)
     per_picture = samples[0].input_ids.count(image_id)
@@ -149,7 +151,7 @@ def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(
     # the pictures reach the model: the first sample's ids with another picture score differently
     _, red = pictures.one_picture(decode_picture(_url((250, 0, 0)), 1))
     first = build_micro_batch([[samples[0]]], 1024, 0)
-    repainted = MicroBatch.from_dict({**first.to_dict(), "pictures": red.to_dict()})
+    repainted = MicroBatch.from_dict({**first.to_dict(), "pictures": [red.to_dict()]})
     f, r = first.to_tensors(), repainted.to_tensors()
     with torch.no_grad():
         base, _ = scorer(f["input_ids"], f["position_ids"], f["target_ids"], pictures=first.picture_tensors())
@@ -208,7 +210,9 @@ def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(
     plain = tokenize_conversation(tokenizer, conversations[1])
     packed, cut = pack_samples([with_picture, plain, with_picture], len(ids) + len(plain.input_ids))
     assert cut == 0 and len(packed) == 2 and [len(r.pictures) for r in packed] == [1, 1]
-    assert collate_pictures(pad_rows(packed, 1024, 0)).count == 2
+    joined = collate_pictures(pad_rows(packed, 1024, 0))
+    assert joined["pixel_values"].shape[0] == 2 * got.pixel_values.shape[0]
+    assert torch.equal(joined["pixel_values"][: got.pixel_values.shape[0]], got.tensors()["pixel_values"])
     assert sum(label != IGNORE_INDEX for label in packed[0].labels) == sum(mask) + sum(plain.loss_mask)
     short, cut = pack_samples([with_picture, plain], len(ids) - 1)  # too long: left out, not cut
     assert cut == 1 and [len(r.pictures) for r in short] == [0] and len(short[0]) == len(plain.input_ids)

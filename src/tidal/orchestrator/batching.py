@@ -205,7 +205,7 @@ def build_micro_batch(
         row.pad(width, pad_id)
         built.append(row)
     routed_experts, routed_mask = pack_routes(rows, width)
-    pictures = Pictures.concat([s.pictures for samples in rows for s in samples if s.pictures is not None])
+    pictures = [s.pictures for samples in rows for s in samples if s.pictures is not None]
     return MicroBatch(
         input_ids=[r.input_ids for r in built],
         position_ids=[r.position_ids for r in built],

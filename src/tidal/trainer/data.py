@@ -204,6 +204,7 @@ def collate(rows: Sequence[PackedRow]) -> dict[str, Any]:
     }
 
 
-def collate_pictures(rows: Sequence[PackedRow]) -> Pictures | None:
-    """The pictures of a micro-batch's rows in the order of their image tokens (rows in order); None: text."""
-    return Pictures.concat([p for r in rows for p in r.pictures])
+def collate_pictures(rows: Sequence[PackedRow], device: Any = "cpu") -> dict[str, Any]:
+    """The picture inputs of a micro-batch's rows, in the order of their image tokens (rows in order), as
+    tensors on `device` by forward argument name; {} for text."""
+    return Pictures.join_tensors([p for r in rows for p in r.pictures], device)

@@ -225,10 +225,9 @@ def train_step(
     for rows in micro_batches(scorer, batch.micro_batches):
         inputs = {k: v.to(info.device) for k, v in collate(rows).items()}
         labels = inputs["labels"]  # [b, s]
-        pictures = collate_pictures(rows)
         logprobs, _ = scorer(
             inputs["input_ids"], inputs["position_ids"], labels, token_mask=inputs["token_mask"],
-            pictures=None if pictures is None else pictures.tensors(info.device),
+            pictures=collate_pictures(rows, info.device),
         )  # fmt: skip  # [b, s]
         nll = -torch.where(labels != IGNORE_INDEX, logprobs, 0.0).sum()
         loss = nll * scale

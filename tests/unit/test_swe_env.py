@@ -5,6 +5,7 @@ call), the demonstration, the turn budget, and a user's repositories."""
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -205,5 +206,33 @@ def test_the_fallback_refuses_an_interpreter_its_own_user_cannot_reach(tmp_path,
     closed.chmod(0o700)
     monkeypatch.setattr(repo_sandbox.sys, "executable", str(python))
     monkeypatch.setattr(repo_sandbox.os, "geteuid", lambda: 0)
-    with pytest.raises(ValueError, match="cannot reach the interpreter"):
+    monkeypatch.setenv("PATH", str(closed / "bin"))  # no python3 open to others on PATH either
+    with pytest.raises(ValueError, match="cannot reach the interpreter .* and no python3 on PATH"):
         RepoSandbox(mode="process")
+    open_bin = tmp_path / "open" / "bin"
+    open_bin.mkdir(parents=True)
+    (open_bin / "python3").write_text("")
+    (open_bin / "python3").chmod(0o755)
+    (tmp_path / "open").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{closed / 'bin'}{os.pathsep}{open_bin}")
+    if repo_sandbox.open_to_others(str(tmp_path)):  # pytest's own tmp root may be closed above it
+        assert RepoSandbox(mode="process").python == str(open_bin / "python3")
+
+
+def test_the_fallback_as_root_runs_the_bash_tool_and_the_hidden_tests_in_a_workspace_its_user_reaches():
+    """Without bubblewrap, as root (a container; the GPU machines): the commands run as a user of their own,
+    who must reach both an interpreter (tidal's may sit under a closed /root) and the repository (mkdtemp
+    makes 0700 directories). Found on an H100 where every hidden test "failed" and every episode scored 0."""
+    box = RepoSandbox(timeout=5, mode="process")
+    repo = generate_repo(0)
+    passed, total = run_hidden_tests(repo, {}, box)
+    assert 0 < passed < total  # the seeded bug fails some hidden tests, not all
+    assert run_hidden_tests(repo, repo.fix, box) == (total, total)
+    from tidal.envs.repo_sandbox import workspace
+
+    with workspace("tidal-test-") as path:
+        path.mkdir()
+        (path / "hello.py").write_text("print('hi from', __name__)")
+        result = box.run_sync(path, "python hello.py && touch made && ls")
+        assert result.returncode == 0, result.output
+        assert "hi from __main__" in result.output and "made" in result.output

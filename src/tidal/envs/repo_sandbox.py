@@ -12,13 +12,20 @@ the process limit holds and nothing else of the machine's is writable.
 
 `python` and `python3` on the command's PATH are the interpreter tidal runs on (the repository's code and
 tests need nothing beyond the standard library). Under the fallback as root, the command's own user must be
-able to reach that interpreter: one under a 0700 home directory (pyenv in /root) is refused at construction.
+able to reach that interpreter; where it cannot (pyenv under a 0700 /root), the first `python3` on PATH
+that it can reach stands in, and with none the sandbox is refused at construction. That user must also
+reach the repository: `workspace()` makes the directories it lives in, passable by others (0711, no
+listing); a repository elsewhere under a closed directory is a one-line error of the command, never a run
+that fails unseen (every hidden test would fail, and every episode score 0).
 """
 
+import contextlib
 import os
+import shutil
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tidal.envs import bwrap
@@ -56,12 +63,8 @@ class RepoSandbox:
         self.timeout, self.max_output = timeout, max_output
         self.mode = resolve_mode(mode)
         self.python = os.path.realpath(sys.executable)
-        if self.mode == "process" and os.geteuid() == 0 and not open_to_others(self.python):
-            raise ValueError(
-                f"the command sandbox runs as a user of its own, who cannot reach the interpreter {self.python} "
-                "(a directory on its path is closed to others): install bubblewrap, or run tidal on a Python "
-                "that others can read"
-            )
+        if self.mode == "process" and os.geteuid() == 0:
+            self.python = reachable_python(self.python)
         announce(self.mode)
         self.limits = bwrap.Limits(
             cpu_seconds=int(timeout) + 1, memory_mb=memory_mb, max_processes=max_processes, max_file_mb=16
@@ -76,6 +79,11 @@ class RepoSandbox:
         uid = bwrap.run_as_uid()
         if uid is not None:
             _give(repo, uid)
+            if self.mode != "bwrap" and not open_to_others(str(repo)):
+                raise PermissionError(
+                    f"the command sandbox's user cannot reach {repo}: a directory above it is closed to others "
+                    "(make repositories with repo_sandbox.workspace(), or point TMPDIR at an open directory)"
+                )
         python = self.python
         if self.mode == "bwrap":
             argv = [
@@ -107,6 +115,31 @@ class RepoSandbox:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+
+
+@contextlib.contextmanager
+def workspace(prefix: str) -> Iterator[Path]:
+    """A fresh `<tmp>/<prefix>…/repo` path (not created yet) that the sandbox's own user can reach: the
+    directory above it lets others pass (0711) but not list it. Removed afterwards, with what is in it."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as root:
+        os.chmod(root, 0o711)  # mkdtemp makes it 0700: as root, the sandboxed user could not enter the repo
+        yield Path(root) / "repo"
+
+
+def reachable_python(own: str) -> str:
+    """`own` if a user of no group can run it, else the first `python3` on PATH that one can (the
+    repositories need only the standard library); ValueError with neither."""
+    if open_to_others(own):
+        return own
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("python3", path=folder) if folder else None
+        if found and open_to_others(os.path.realpath(found)):
+            return os.path.realpath(found)
+    raise ValueError(
+        f"the command sandbox runs as a user of its own, who cannot reach the interpreter {own} (a directory "
+        "on its path is closed to others), and no python3 on PATH is open to it: install bubblewrap, or a "
+        "python3 that others can run"
+    )
 
 
 def open_to_others(path: str) -> bool:

@@ -17,8 +17,8 @@ which did).
 
 import contextvars
 import functools
+import logging
 import secrets
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 from tidal.envs.base import Episode, Sampler, Task
 from tidal.envs.multiturn import Message
 from tidal.envs.repo_sandbox import RepoSandbox
+from tidal.envs.repo_sandbox import workspace as repo_workspace
 from tidal.envs.reward_pool import call_off_loop
 from tidal.envs.sandbox import Execution
 from tidal.envs.splits import SplitTasks, check_split
@@ -47,6 +48,8 @@ from tidal.envs.tools import (
     truncate,
     with_tool_system_prompt,
 )
+
+logger = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = (
     "You fix bugs in a Python repository. Use the tools to look at the code and run the tests, change the "
@@ -162,8 +165,7 @@ class SweEnv(ToolEnv):
     # ---- the episode's repository ----------------------------------------------------------------------
 
     async def rollout(self, task: Task, sampler: Sampler) -> Episode:
-        with tempfile.TemporaryDirectory(prefix="tidal-swe-") as root:
-            workspace = Path(root) / "repo"
+        with repo_workspace("tidal-swe-") as workspace:
             write_files(workspace, self.repo(task).files)
             token = _WORKSPACE.set(workspace)
             try:
@@ -230,8 +232,7 @@ class SweEnv(ToolEnv):
         messages: list[Message] = with_tool_system_prompt(task.messages, schemas)
         ((path, fixed),) = repo.fix.items()
         check = f"{repo.test_command} 2>&1 | tail -n 1"  # "OK": a result that does not vary with timing
-        with tempfile.TemporaryDirectory(prefix="tidal-swe-demo-") as root:
-            workspace = Path(root) / "repo"
+        with repo_workspace("tidal-swe-demo-") as workspace:
             write_files(workspace, repo.files)
             steps = [
                 ("read_file", {"path": path}, _read(workspace, path)),
@@ -309,8 +310,7 @@ def run_hidden_tests(repo: Repo, changes: dict[str, str], box: RepoSandbox) -> t
     """(passed, total) of the hidden tests on a fresh copy of `repo` with `changes` applied (a reward worker
     calls it: synchronous). A run that crashes or times out passes none of them."""
     nonce = secrets.token_hex(8)
-    with tempfile.TemporaryDirectory(prefix="tidal-swe-tests-") as root:
-        workspace = Path(root) / "repo"
+    with repo_workspace("tidal-swe-tests-") as workspace:
         write_files(workspace, {**repo.files, **changes, **repo.hidden_tests})
         runner = workspace / f".tidal_hidden_{nonce}.py"
         runner.write_text(hidden_runner(nonce, sorted(repo.hidden_tests)))
@@ -318,9 +318,25 @@ def run_hidden_tests(repo: Repo, changes: dict[str, str], box: RepoSandbox) -> t
     counted = read_result(result.output, nonce)
     total = _count_hidden(repo)
     if counted is None:
+        if not result.timed_out:  # the agent's code can crash the runner; so can a broken sandbox: show it
+            _crashed(repo.repo_id, result.returncode, result.output)
         return 0, total
     passed, seen = counted
     return min(passed, total), max(total, seen) if seen else total
+
+
+_CRASHES_SHOWN = [0]
+"""Crashed hidden-test runs logged by this process: the first few, each with the end of its output."""
+
+
+def _crashed(repo_id: str, returncode: int | None, output: str) -> None:
+    if _CRASHES_SHOWN[0] >= 3:
+        return
+    _CRASHES_SHOWN[0] += 1
+    tail = " | ".join(output.strip().splitlines()[-3:])[:400]
+    logger.warning(
+        "swe: the hidden tests of %s ended without a result (exit %s): %s", repo_id, returncode, tail
+    )
 
 
 def _count_hidden(repo: Repo) -> int:

@@ -89,6 +89,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker on cores of its own (its share of the machine's), which every process its
+    tests start inherits: tidal sizes its threads and vLLM's core binding from the process's cores
+    (`tidal.config.deployment.usable_cores`), so two tests side by side no longer each take every core.
+    Oversubscribed, a CPU trainer's threads wait on one another at every parallel region (the reverse_text
+    example's steps took 3-8x longer beside another test)."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")),
+    )
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    index = int(worker.removeprefix("gw")) % count
+    share = set(cores[index * len(cores) // count : (index + 1) * len(cores) // count])
+    os.sched_setaffinity(0, share)
+    if "torch" in sys.modules:  # its thread pool may have been sized from every core already
+        sys.modules["torch"].set_num_threads(len(share))
+
+
 @contextlib.contextmanager
 def _cpu_turn(alone: bool) -> Iterator[None]:
     """Under xdist: hold the run's test lock shared, or exclusive for a test marked `alone` (timing asserts that

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tidal import run_layout
 from tidal.config.loader import load_config
 from tidal.config.rl import (
@@ -14,6 +15,7 @@ from tidal.config.rl import (
     RLConfig,
     ZMQTransport,
 )
+from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
 from tidal.launcher.split import run_admin_token, split_config
 from tidal.transport.rollouts import FilesystemReceiver, FilesystemSender, ZMQReceiver, ZMQSender
@@ -259,6 +261,22 @@ def test_two_replicas_on_two_cores_share_the_inference_core_unless_given_cores()
     ]
     one = split_config(RLConfig(), on_gpu=False, num_cpus=2)
     assert len(one.replicas) == 1 and one.inference.server.port == 8000
+
+
+def test_cpu_defaults_come_from_the_cores_the_run_was_given_not_the_machine(monkeypatch):
+    """A run given cores 4-7 of 8 (Slurm, a cpuset, taskset) binds vLLM to 4-5 and trains on 2 threads;
+    given core 3 alone, both use core 3 and the trainer 1 thread. os.cpu_count() would say 8 every time."""
+    from tidal.config import deployment
+    from tidal.launcher.sft import threads_per_rank
+
+    monkeypatch.setattr(deployment.os, "sched_getaffinity", lambda pid: {7, 4, 6, 5})
+    assert deployment.usable_cores() == [4, 5, 6, 7]
+    roles = split_config(RLConfig(), on_gpu=False)
+    assert roles.replicas[0].cpu.omp_threads_bind == "4-5" and roles.trainer.num_threads == 2
+    assert threads_per_rank(load_config(SFTConfig, [str(REPO / "configs/ci/sft_tiny.toml")], [])) == 4
+    monkeypatch.setattr(deployment.os, "sched_getaffinity", lambda pid: {3})
+    roles = split_config(RLConfig(), on_gpu=False)
+    assert roles.replicas[0].cpu.omp_threads_bind == "3" and roles.trainer.num_threads == 1
 
 
 def test_replica_gpu_and_core_mistakes_are_one_line_errors(tmp_path):

@@ -1,6 +1,7 @@
 """Schema of `[deployment]`: which nodes and devices run the trainer (`tidal sft`), and inference, the trainer
 and the orchestrator (`tidal rl`)."""
 
+import os
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -25,7 +26,7 @@ class TrainerDeployment(Config):
     """Port of torchrun's c10d rendezvous on the first trainer node (more than one trainer node)."""
     trainer_threads: int | None = Field(default=None, gt=0)
     """Torch threads per trainer rank on CPU runs (default: `tidal rl`: what is left after inference;
-    `tidal sft`: the cores divided among the node's ranks)."""
+    `tidal sft`: the cores divided among the node's ranks; the cores being those the process may use)."""
 
     NODE_KEYS: ClassVar[tuple[str, ...]] = ("num_trainer_nodes",)
     """The node counts that must be 1 with `type = "local"`."""
@@ -80,8 +81,9 @@ class DeploymentConfig(TrainerDeployment):
     each gets inference.vllm.tensor_parallel_size × data_parallel_size of them. With `local` it may equal
     trainer_gpus to share one GPU."""
     inference_cpus: str | None = None
-    """CPU cores for vLLM's threads on CPU runs, e.g. "0" or "0-3,6" (default: core 0 when there are few
-    cores, else the first half), split in order among the replicas (fewer cores than replicas: they share)."""
+    """CPU cores for vLLM's threads on CPU runs, e.g. "0" or "0-3,6" (default: of the cores the run may use,
+    its CPU affinity, the first when there are few, else the first half), split in order among the replicas
+    (fewer cores than replicas: they share)."""
 
     NODE_KEYS: ClassVar[tuple[str, ...]] = ("num_inference_nodes", "num_trainer_nodes")
 
@@ -130,6 +132,17 @@ def check_table_used(config: Config, table: str, deployment_type: str) -> None:
         raise ConfigProblem(
             table, f'[{table}] is only used with deployment.type = "{table}" (it is {deployment_type!r})'
         )
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity: what Slurm, a container's cpuset or `taskset`
+    gave it), in order; all of the machine's where the platform cannot say. Thread counts and vLLM's core
+    binding start from these, not from os.cpu_count(): two runs side by side on their own cores would
+    otherwise each take every core, and CPU training slows several-fold on oversubscribed cores."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 def parse_cpu_list(spec: str) -> list[int]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import run_layout
+from tidal.config.deployment import usable_cores
 from tidal.config.node import NodeFields
 from tidal.config.sft import SFTConfig
 from tidal.errors import UserError
@@ -183,7 +184,7 @@ def uses_gpus(config: SFTConfig) -> bool:
 
 def threads_per_rank(config: SFTConfig, num_cpus: int | None = None) -> int:
     """Each rank's share of this node's cores on CPU runs (what the ranks set themselves too)."""
-    cores = num_cpus or os.cpu_count() or 1
+    cores = num_cpus or len(usable_cores())
     return config.cpu_threads() or max(1, cores // config.deployment.num_trainer_ranks)
 
 

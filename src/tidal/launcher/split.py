@@ -1,14 +1,13 @@
 """Split one `tidal rl` config into the configs of its processes (pure; tested without processes):
 one per inference replica, the orchestrator, the trainer."""
 
-import os
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import run_layout
-from tidal.config.deployment import parse_cpu_list, share_cores
+from tidal.config.deployment import format_cpu_list, parse_cpu_list, share_cores, usable_cores
 from tidal.config.inference import (
     ADMIN_TOKEN_ENV,
     InferenceConfig,
@@ -71,16 +70,17 @@ def split_config(
     every interface (their admin routes need the token), the orchestrator reaches them at their node's
     address, and trainer ranks reach a zmq transport at the orchestrator node's. None: one machine, loopback.
     """
-    num_cpus = num_cpus or os.cpu_count() or 1
+    cores = list(range(num_cpus)) if num_cpus else usable_cores()
+    num_cpus = len(cores)
     placement = place(rl.deployment)
     if addresses is not None and len(addresses) != placement.num_nodes:
         raise UserError(f"deployment: {placement.num_nodes} nodes are needed, {len(addresses)} given")
     inference = _inference_for(rl, addresses)
     per_node = rl.deployment.num_replicas
-    cores = [None] * per_node if on_gpu else _replica_cpus(rl, num_cpus)
+    binds = [None] * per_node if on_gpu else _replica_cpus(rl, cores)
     trainer_host = "127.0.0.1" if addresses is None else addresses[placement.trainer_nodes[0]]
     publish = _publish_for(rl, on_gpu, trainer_host, per_node * len(placement.inference_nodes))
-    replicas, urls, replica_nodes = _place_replicas(inference, cores, publish, placement, addresses)
+    replicas, urls, replica_nodes = _place_replicas(inference, binds, publish, placement, addresses)
     replicas = with_roles(replicas, run_layout.kv_store_dir(rl.output_dir))
     transport = rl.transport
     if addresses is not None and isinstance(transport, ZMQTransport):
@@ -214,9 +214,9 @@ def _replica(base: InferenceConfig, index: int, count: int, cores: str | None) -
     return base.model_copy(update=update)
 
 
-def _replica_cpus(rl: RLConfig, num_cpus: int) -> list[str]:
+def _replica_cpus(rl: RLConfig, cores: list[int]) -> list[str]:
     """Each replica's share of the inference cores, in order; with fewer cores than replicas they share."""
-    spec = _inference_cpus(rl, num_cpus)
+    spec = _inference_cpus(rl, cores)
     count = rl.deployment.num_replicas
     if count == 1:
         return [spec]
@@ -293,13 +293,14 @@ def _weights_for(rl: RLConfig) -> WeightUpdateConfig:
     return weights
 
 
-def _inference_cpus(rl: RLConfig, num_cpus: int) -> str:
-    """vLLM's OpenMP threads get their own cores: on few cores, core 0; else the first half."""
+def _inference_cpus(rl: RLConfig, cores: list[int]) -> str:
+    """vLLM's OpenMP threads get their own cores of the run's (`usable_cores`): on few cores, the first;
+    else the first half."""
     if rl.deployment.inference_cpus is not None:
         return rl.deployment.inference_cpus
-    if num_cpus <= 2:
-        return "0"
-    return f"0-{num_cpus // 2 - 1}"
+    if len(cores) <= 2:
+        return str(cores[0])
+    return format_cpu_list(cores[: len(cores) // 2])
 
 
 def _trainer_threads(rl: RLConfig, num_cpus: int) -> int:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tidal.config.deployment import usable_cores
 from tidal.config.moe import MoEConfig
 from tidal.config.perf import PerfConfig
 from tidal.trainer.attention import (
@@ -112,7 +113,7 @@ def join_distributed(info: DistInfo) -> None:
 def set_num_threads(num_threads: int | None, info: DistInfo) -> int:
     """Give each process an explicit CPU thread budget; oversubscribed cores slow CPU training ~10x."""
     if num_threads is None:
-        num_threads = max(1, (os.cpu_count() or 1) // info.local_world_size)
+        num_threads = max(1, len(usable_cores()) // info.local_world_size)
     torch.set_num_threads(num_threads)
     return num_threads
 

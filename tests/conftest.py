@@ -89,6 +89,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+_AFFINITY: dict[str, set[int]] = {}
+"""Under xdist: the machine's cores (`every`) and this worker's (`share`), set by pytest_configure."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, each worker on cores of its own (its share of the machine's), which every process its
     tests start inherits: tidal sizes its threads and vLLM's core binding from the process's cores
@@ -106,6 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     index = int(worker.removeprefix("gw")) % count
     share = set(cores[index * len(cores) // count : (index + 1) * len(cores) // count])
+    _AFFINITY.update(every=set(cores), share=share)
     os.sched_setaffinity(0, share)
     if "torch" in sys.modules:  # its thread pool may have been sized from every core already
         sys.modules["torch"].set_num_threads(len(share))
@@ -135,8 +140,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Setup, call and teardown of each test within its turn (fixtures that start processes included)."""
     if not os.environ.get("PYTEST_XDIST_TESTRUNUID"):
         return (yield)
-    with _cpu_turn(alone=item.get_closest_marker("alone") is not None):
+    alone = item.get_closest_marker("alone") is not None
+    with _cpu_turn(alone), _every_core(alone):
         return (yield)
+
+
+@contextlib.contextmanager
+def _every_core(alone: bool) -> Iterator[None]:
+    """A test that runs alone gets every core back for the processes it starts (its timing asserts were set
+    with the machine to itself), and the worker its own share after."""
+    if not alone or not _AFFINITY:
+        yield
+        return
+    os.sched_setaffinity(0, _AFFINITY["every"])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, _AFFINITY["share"])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -180,7 +180,11 @@ class Pictures:
         names = set(parts[0].arrays())
         if any(set(p.arrays()) != names for p in parts):
             raise ValueError("the samples' pictures carry different model inputs")
-        joined = {name: np.concatenate([p.arrays()[name].to_numpy() for p in parts]) for name in names}
+        decoded: dict[int, dict[str, Any]] = {}  # samples sharing one Pictures object decode it once
+        for part in parts:
+            if id(part) not in decoded:
+                decoded[id(part)] = {name: array.to_numpy() for name, array in part.arrays().items()}
+        joined = {name: np.concatenate([decoded[id(p)][name] for p in parts]) for name in names}
         return {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -344,16 +348,30 @@ class MicroBatch:
         every element, 0.4 s of the orchestrator's event loop for a 256-sample step)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["routed_experts"] = None if self.routed_experts is None else asdict(self.routed_experts)
-        out["pictures"] = [p.to_dict() for p in self.pictures]
+        # a group's samples share one prompt's Pictures object (orchestrator.batching): each goes out once,
+        # and `picture_order` says which one every sample has
+        index_of: dict[int, int] = {}
+        sent: list[dict[str, Any]] = []
+        order: list[int] = []
+        for pictures in self.pictures:
+            if id(pictures) not in index_of:
+                index_of[id(pictures)] = len(sent)
+                sent.append(pictures.to_dict())
+            order.append(index_of[id(pictures)])
+        out["pictures"], out["picture_order"] = sent, order
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MicroBatch:
+        fields_ = dict(data)
+        sent = [Pictures.from_json(p) for p in fields_.pop("pictures", None) or []]
+        order = fields_.pop("picture_order", None)
+        pictures = sent if order is None else [sent[index] for index in order]
         return cls(
             **{
-                **data,
+                **fields_,
                 "routed_experts": RoutedExperts.from_dict(data.get("routed_experts")),
-                "pictures": [Pictures.from_json(p) for p in data.get("pictures") or []],
+                "pictures": pictures,
             }
         )
 

@@ -115,5 +115,9 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
     batch = json.loads((rl / "rollouts" / "step_0" / "rank_0.json").read_text())
     for micro in batch["micro_batches"]:
         image_tokens = sum(row.count(image_id) for row in micro["input_ids"])
-        assert micro["pictures"] is not None and image_tokens == 4 * micro["pictures"]["count"]
-        assert micro["pictures"]["count"] == micro["num_samples"]
+        counts = [micro["pictures"][index]["count"] for index in micro["picture_order"]]  # one per sample
+        assert len(counts) == micro["num_samples"] and set(counts) == {1}
+        assert image_tokens == 4 * sum(counts)
+    # a group's samples share their prompt's picture: a micro-batch writes each picture once
+    written = sum(len(micro["pictures"]) for micro in batch["micro_batches"])
+    assert written < sum(micro["num_samples"] for micro in batch["micro_batches"])

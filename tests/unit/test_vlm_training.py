@@ -92,6 +92,13 @@ def test_packed_micro_batches_carry_pictures_in_token_order_through_json(picture
     # kept per sample, as each sample's expansion made them: packing decodes nothing
     assert back.pictures == micro.pictures and [p.count for p in back.pictures] == [1, 2]
     assert micro.pictures[0] is samples[0].pictures
+    # one group's samples share their prompt's pictures: they travel once, and are decoded once
+    shared = build_micro_batch([samples[:2], samples[2:]], 1024, 0)
+    sent = json.loads(json.dumps(shared.to_dict()))
+    assert len(sent["pictures"]) == 2 and sent["picture_order"] == [0, 0, 1, 1]
+    again = MicroBatch.from_dict(sent)
+    assert again.pictures[0] is again.pictures[1] and again.pictures == shared.pictures
+    assert again.picture_tensors()["pixel_values"].shape[0] == 6  # 1 + 1 + 2 + 2 pictures' tiles
     image_id = pictures.placeholder_id
     in_rows = sum(row.count(image_id) for row in back.input_ids)
     per_picture = samples[0].input_ids.count(image_id)

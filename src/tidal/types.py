@@ -237,6 +237,10 @@ class Rollout:
     images: list[str] = field(default_factory=list)
     """The prompt's pictures in order (data URLs), one per image placeholder in `prompt_ids`, which holds
     the placeholders as the chat template wrote them; the trainer's ids expand them (`TrainSample`)."""
+    policy_versions: list[int] = field(default_factory=list)
+    """The weight version behind each model call of the episode, in order (one per turn; an in-flight
+    update within a call counts its older version): its age at every turn. `policy_version` is their
+    minimum, `policy_version_max` their maximum."""
 
     def __post_init__(self) -> None:
         num = len(self.completion_ids)

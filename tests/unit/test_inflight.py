@@ -50,6 +50,10 @@ def test_groups_for_the_next_steps_start_as_far_as_the_policy_allows():
     assert wide.room(step=0, version=0, kept=0, in_flight=3, drawn=3) == 2
     # a group started under policy 2 may train step 3 at level 1, not step 4
     assert RULE.may_carry(launched=2, next_step=3) and not RULE.may_carry(launched=2, next_step=4)
+    # max_off_policy_steps = 2: it still carries into step 4, though nothing starts further ahead for it
+    patient = LaunchRule(num_prompts=8, max_in_flight=32, max_async_level=1, limit=32, max_off_policy_steps=2)
+    assert patient.may_carry(launched=2, next_step=4) and not patient.may_carry(launched=2, next_step=5)
+    assert patient.steps_ahead(step=3, version=3) == RULE.steps_ahead(step=3, version=3) == 1
 
 
 def test_nothing_starts_for_a_step_past_the_last():

@@ -14,6 +14,7 @@ import pytest
 
 from tidal.config.rl import OrchestratorConfig
 from tidal.envs.base import Episode, SingleTurnEnv, Task
+from tidal.envs.multiturn import MultiTurnEnv
 from tidal.errors import UserError
 from tidal.inference.types import Completion, GenerateRequest, Generation
 from tidal.models.tiny import build_tokenizer
@@ -319,3 +320,84 @@ def test_online_eval_rollouts_are_kept_for_the_first_and_final_eval_by_default(t
     write_rollouts(path, records)
     [line] = path.read_text().splitlines()
     assert json.loads(line)["task_id"] == "math/3" and json.loads(line)["messages"][0]["content"] == "7"
+
+
+class TwoTurns(MultiTurnEnv):
+    """Two model turns an episode (the environment answers the first once); every rollout scores 1."""
+
+    name = "two_turns"
+    max_turns = 2
+
+    def __init__(self):
+        super().__init__(rewards=[(lambda task, episode: 1.0, 1.0)])
+
+    def num_tasks(self) -> int:
+        return 1000
+
+    def task(self, index: int) -> Task:
+        return Task(task_id=f"two_turns/{index}", messages=[{"role": "user", "content": f"task {index}"}])
+
+    async def env_response(self, task, episode):
+        return [{"role": "user", "content": "and again"}]
+
+
+class UpdatedAfterFirstCall(FakeClient):
+    """Serves version 1 for its first request, then version 2: the first episode spans an update."""
+
+    async def generate(self, request: GenerateRequest, session_id: str | None = None) -> Generation:
+        self.version = 1 if self.num_requests == 0 else 2
+        return await super().generate(request, session_id)
+
+
+@pytest.mark.parametrize("max_off_policy_steps", [None, 2])
+def test_an_episode_whose_oldest_turn_is_past_the_bound_is_dropped_and_counted(
+    tmp_path, tokenizer_dir, max_off_policy_steps
+):
+    """Step 3 at max_async_level 1: an episode of the first group had its turns from versions [1, 2]. Its
+    oldest token is two versions old, past the exact bound (1): the group is dropped and counted, and the
+    step refills. With max_off_policy_steps = 2 it trains."""
+    config = OrchestratorConfig.model_validate(
+        {
+            "output_dir": str(tmp_path),
+            "model": {"name": str(tokenizer_dir)},
+            "max_async_level": 1,
+            "max_off_policy_steps": max_off_policy_steps,
+            "batch": {"num_prompts": 2, "group_size": 2, "seq_len": 128, "zero_signal": "keep"},
+            "client": {"max_in_flight": 1},  # one group at a time: the first one meets the update
+        }
+    )
+    orch = Orchestrator(config)
+    orch.env = TwoTurns()
+    client = UpdatedAfterFirstCall()
+    policy = PolicyWatcher(client, orch.out)  # type: ignore[arg-type]  # not started
+    policy.version = 2  # step 3 may start: 3 − 1 ≤ 2
+    groups, _, stats = asyncio.run(asyncio.wait_for(orch._collect(client, policy, 3), timeout=10))
+    versions = {g.task_id: sorted(r.policy_versions for r in g.rollouts) for g in groups}
+    if max_off_policy_steps is None:  # the whole group goes: its advantages need every member
+        assert versions == {"two_turns/1": [[2, 2], [2, 2]], "two_turns/2": [[2, 2], [2, 2]]}
+        assert stats.num_stale_rollouts == 2 and orch.tracker.num_dropped_groups == 1
+    else:
+        assert versions == {"two_turns/0": [[1, 2], [2, 2]], "two_turns/1": [[2, 2], [2, 2]]}
+        spanning = min(groups[0].rollouts, key=lambda r: r.policy_version)
+        assert (spanning.policy_version, spanning.policy_version_max) == (1, 2)
+        assert stats.num_stale_rollouts == 0 and orch.tracker.num_dropped_groups == 0
+
+
+def test_max_off_policy_steps_below_max_async_level_is_one_line_before_anything_starts(
+    tmp_path, tokenizer_dir
+):
+    from tidal.config.loader import load_config
+    from tidal.config.rl import RLConfig
+    from tidal.orchestrator.loop import staleness_bound
+
+    with pytest.raises(
+        UserError, match=r"orchestrator\.max_off_policy_steps: 1 is below max_async_level \(2\)"
+    ):
+        load_config(RLConfig, [], [("max_async_level", 2), ("orchestrator.max_off_policy_steps", 1)])
+    alone = OrchestratorConfig.model_validate(
+        {"model": {"name": str(tokenizer_dir)}, "max_async_level": 2, "max_off_policy_steps": 1}
+    )
+    with pytest.raises(UserError, match="max_off_policy_steps: 1 is below max_async_level") as info:
+        staleness_bound(alone)
+    assert info.value.exit_code == 2
+    assert staleness_bound(alone.model_copy(update={"max_off_policy_steps": None})) == 2

@@ -229,6 +229,21 @@ def heldout_spec(spec: EnvSpec, num_tasks: int) -> EvalEnvSpec:
     return EvalEnvSpec(name=spec.name, label=spec.label, kwargs=kwargs)
 
 
+def check_off_policy_steps(max_off_policy_steps: int | None, max_async_level: int, prefix: str = "") -> int:
+    """The staleness bound the orchestrator drops groups by: `max_off_policy_steps`, unset
+    `max_async_level`; ConfigProblem when it is below `max_async_level`."""
+    if max_off_policy_steps is None:
+        return max_async_level
+    if max_off_policy_steps < max_async_level:
+        raise ConfigProblem(
+            f"{prefix}max_off_policy_steps",
+            f"{max_off_policy_steps} is below max_async_level ({max_async_level}): groups started at the "
+            "run-ahead limit would all be dropped",
+            also=("max_async_level",),
+        )
+    return max_off_policy_steps
+
+
 def fit_keep_last(
     transport: "FilesystemTransport | ZMQTransport", max_async_level: int
 ) -> "FilesystemTransport | ZMQTransport":
@@ -278,6 +293,13 @@ class OrchestratorConfig(RLRunConfig):
 
     max_async_level: int = Field(default=1, ge=0)
     """Rollouts from policy version v may train step n only if n − v ≤ this (0: fully synchronous)."""
+    max_off_policy_steps: int | None = Field(default=None, ge=0)
+    """Drop a group (counted: rollouts/dropped_stale) when the oldest token of its rollouts comes from a policy
+    more than this many versions before the step it would train. Unset: `max_async_level`, the exact bound.
+    `max_async_level` says how far generation runs ahead of training; this says how old a group may be when
+    its step trains. Larger than `max_async_level`, groups that waited (carried across steps, or episodes
+    whose turns span several versions) still train, further off-policy. Never smaller: a group started at
+    the run-ahead limit would be dropped."""
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
@@ -565,6 +587,7 @@ class RLConfig(RLRunConfig):
                 also=("max_steps",),
             )
         check_publish_combinations(self)
+        check_off_policy_steps(self.orchestrator.max_off_policy_steps, self.max_async_level, "orchestrator.")
         if self.inference.disaggregation is not None:
             check_disaggregated_rl(self)
         check_max_model_len(self)

@@ -40,6 +40,10 @@ class LaunchRule:
     """New tasks a step may draw for its own groups (refills of dropped groups included)."""
     last_step: int | None = None
     """The run's last step (max_steps − 1): nothing starts for a step past it (None: no end)."""
+    max_off_policy_steps: int | None = None
+    """How many versions old a group may be when a step trains it (None: `max_async_level`): what decides
+    whether a group still running at the end of a step carries into the next. Starting groups ahead still
+    looks `max_async_level` steps ahead."""
 
     def steps_ahead(self, step: int, version: int) -> int:
         """Later steps, after `step`, that a group started now under `version` may still train."""
@@ -73,7 +77,8 @@ class LaunchRule:
 
     def may_carry(self, launched: int, next_step: int) -> bool:
         """Whether a group started under policy `launched` may still train `next_step`."""
-        return next_step - launched <= self.max_async_level
+        bound = self.max_async_level if self.max_off_policy_steps is None else self.max_off_policy_steps
+        return next_step - launched <= bound
 
 
 @dataclass

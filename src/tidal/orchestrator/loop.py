@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal import run_layout
-from tidal.config.rl import OrchestratorConfig
+from tidal.config.base import ConfigProblem
+from tidal.config.rl import OrchestratorConfig, check_off_policy_steps
 from tidal.envs.base import Environment, Task
 from tidal.envs.reward_pool import reward_workers
 from tidal.errors import RunStop, UserError
@@ -51,6 +52,16 @@ from tidal.transport.rollouts import setup_sender
 from tidal.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
+
+
+def staleness_bound(config: OrchestratorConfig) -> int:
+    """How many versions old a group may be when its step trains (`max_off_policy_steps`, unset
+    `max_async_level`); a one-line error when it is below `max_async_level` (`tidal rl` refuses that before
+    anything starts; `tidal orchestrator` alone, here)."""
+    try:
+        return check_off_policy_steps(config.max_off_policy_steps, config.max_async_level)
+    except ConfigProblem as problem:
+        raise UserError(f"{problem.key}: {problem}", exit_code=2) from None
 
 
 @dataclass
@@ -102,7 +113,8 @@ class Orchestrator:
         self.tokenizer = load_tokenizer(config.model)
         self.expand_pictures = setup_expand(config)
         self.state = OrchestratorState()
-        self.tracker = StalenessTracker(config.max_async_level)
+        bound = staleness_bound(config)
+        self.tracker = StalenessTracker(bound)
         self.state_dir = run_layout.orchestrator_states_dir(self.out)
         self.metrics = MetricsLogger(run_layout.orchestrator_dir(self.out) / "metrics.jsonl")
         self.samples = MetricsLogger(run_layout.samples_path(self.out))
@@ -116,6 +128,7 @@ class Orchestrator:
             max_async_level=config.max_async_level,
             limit=math.floor(b.max_tasks_factor * b.num_prompts),
             last_step=config.max_steps - 1,
+            max_off_policy_steps=bound,
         )
         self.keep_rate = KeepRate()
         self._replicas_before: list[ReplicaCounts] | None = None

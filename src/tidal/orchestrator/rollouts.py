@@ -165,6 +165,7 @@ def to_rollout(env: Environment, task: Task, episode: Episode, versions: list[in
         metrics=episode.summary_metrics(),
         routed_experts=episode.routed_experts,
         images=list(episode.images),
+        policy_versions=list(versions),
     )
 
 
@@ -182,4 +183,5 @@ def failed_rollout(env: Environment, task: Task, versions: list[int], error: str
         task_id=task.task_id,
         metrics={f"error/{error}": 1.0},
         failed=True,
+        policy_versions=list(versions),
     )

@@ -32,6 +32,7 @@ def sample_record(rollout: Rollout, decode: Callable[[list[int]], str]) -> dict[
         "reward": rollout.reward,
         "policy_version": rollout.policy_version,
         "policy_version_max": rollout.policy_version_max,
+        "policy_versions": list(rollout.policy_versions),
         "completion_tokens": len(rollout.completion_ids),
         "metrics": dict(rollout.metrics),
     }

@@ -214,7 +214,9 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     g = Group("t", "test", [rollout([1], [2, 3], [-0.1, -0.2], [1, 0], reward=0.5, version=2)])
     assert Group.from_dict(g.to_dict()) == g
     batch = make_train_batches(1, make_train_samples([g], [[1.0]]), 1, 4, 1, PAD, {"reward/mean": 0.5})[0]
-    assert batch.to_dict() == dataclasses.asdict(batch)  # the wire format, without asdict's deep copies
+    wire = batch.to_dict()  # the wire format, without asdict's deep copies
+    assert [m.pop("picture_order") for m in wire["micro_batches"]] == [[]]  # which picture each sample has
+    assert wire == dataclasses.asdict(batch)
     assert g.to_dict() == dataclasses.asdict(g) and g.rollouts[0].to_dict() == dataclasses.asdict(
         g.rollouts[0]
     )

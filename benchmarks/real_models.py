@@ -236,14 +236,30 @@ class Recipe:
         final = self.dir / "sft" / "final"
         return str(final) if sft_code == 0 and (final / "config.json").exists() else None
 
-    def start_rl(self, start: str) -> subprocess.Popen:
+    def rl_args(self, start: str) -> list[str]:
+        """The RL run's `tidal` arguments from `start` (the base model, or the warm-up's final/)."""
         args = ["rl", "@", str(self.rl_config), "--model.name", start, "--output-dir", str(self.dir / "rl"),
                 "--inference.server.port", str(self.port), *EXTRA]  # fmt: skip
         if self.lr:
             args += ["--trainer.optim.lr", self.lr]
         if self.max_steps:
             args += ["--max-steps", str(self.max_steps)]
-        args += self.sandbox_fallback()
+        return args + self.sandbox_fallback()
+
+    def check(self) -> None:
+        """The RL run's `tidal rl --dry-run` (from the base model) before anything starts: a config error,
+        such as `--max-steps` below the recipe's scheduler warm-up, stops the script at once instead of after
+        the warm-up (on 2026-12-06 it cost a GPU call's RL half)."""
+        shown = subprocess.run(
+            [sys.executable, "-m", "tidal", *self.rl_args(self.model), "--dry-run"],
+            cwd=REPO, capture_output=True, text=True,
+        )  # fmt: skip
+        if shown.returncode != 0:
+            lines = shown.stderr.strip().splitlines() or ["tidal rl --dry-run failed"]
+            raise SystemExit(f"real_models: {self.dir.name}: {lines[-1]}")
+
+    def start_rl(self, start: str) -> subprocess.Popen:
+        args = self.rl_args(start)
         self.commands.append("tidal " + " ".join(args))
         self.rl_started = time.monotonic()
         return tidal(args, self.dir / "rl.log")
@@ -344,6 +360,8 @@ def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
     recipes = [Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps) for env in args.envs]
     assign_ports(recipes)
+    for recipe in recipes:
+        recipe.check()
     meta = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "script": " ".join(sys.argv)}
     runs: list[dict[str, Any]] = []
     # warm-ups first, side by side; RL runs without one start at once

@@ -155,9 +155,7 @@ class Pictures:
         """The pictures of several samples, in order, as one; None for none."""
         if not parts:
             return None
-        names = set(parts[0].arrays())
-        if any(set(p.arrays()) != names for p in parts):
-            raise ValueError("the samples' pictures carry different model inputs")
+        names = _input_names(parts)
         joined = {name: PackedArray.concat([p.arrays()[name] for p in parts]) for name in names}
         return cls(count=sum(p.count for p in parts), **joined)
 
@@ -177,9 +175,7 @@ class Pictures:
         import numpy as np
         import torch
 
-        names = set(parts[0].arrays())
-        if any(set(p.arrays()) != names for p in parts):
-            raise ValueError("the samples' pictures carry different model inputs")
+        names = _input_names(parts)
         decoded: dict[int, dict[str, Any]] = {}  # samples sharing one Pictures object decode it once
         for part in parts:
             if id(part) not in decoded:
@@ -205,6 +201,14 @@ class Pictures:
         if values is None:
             raise ValueError("pictures without pixel_values")
         return cls(data["count"], values, array("pixel_attention_mask"), array("image_grid_thw"))
+
+
+def _input_names(parts: Sequence[Pictures]) -> set[str]:
+    """The model inputs every one of `parts` carries (they must carry the same ones to be joined)."""
+    names = set(parts[0].arrays())
+    if any(set(p.arrays()) != names for p in parts):
+        raise ValueError("the samples' pictures carry different model inputs")
+    return names
 
 
 @dataclass

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from tidal.config.deployment import usable_cores
 from tidal.envs.base import (
     Episode,
     RewardFn,
@@ -60,11 +61,7 @@ class RewardWorkerDied(RuntimeError):
 
 def default_num_workers() -> int:
     """Reward workers when `reward_workers` is unset: one per CPU core this process may use, at most 4."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return min(MAX_DEFAULT_WORKERS, cores)
+    return min(MAX_DEFAULT_WORKERS, len(usable_cores()))
 
 
 def unsendable(fn: RewardFn) -> str | None:

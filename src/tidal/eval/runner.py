@@ -13,7 +13,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal.config.deployment import share_cores
+from tidal.config.deployment import share_cores, usable_cores
 from tidal.config.eval import EvalConfig, EvalEnvSpec
 from tidal.config.inference import InferenceConfig
 from tidal.config.rl import ClientConfig
@@ -255,7 +254,7 @@ def replica_configs(config: EvalConfig) -> list[InferenceConfig]:
     logs = Path(config.output_dir) / "logs"
     cores: list[str | None] = [None] * count
     if count > 1 and "omp_threads_bind" not in base.cpu.model_fields_set:
-        cores = list(share_cores(sorted(os.sched_getaffinity(0)), count))
+        cores = list(share_cores(usable_cores(), count))
     replicas = []
     for index in range(count):
         server = base.server.model_copy(update={"port": base.server.port + index})

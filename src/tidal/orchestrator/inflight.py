@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from tidal.orchestrator.advantages import stale
 from tidal.types import Group
 
 
@@ -78,7 +79,7 @@ class LaunchRule:
     def may_carry(self, launched: int, next_step: int) -> bool:
         """Whether a group started under policy `launched` may still train `next_step`."""
         bound = self.max_async_level if self.max_off_policy_steps is None else self.max_off_policy_steps
-        return next_step - launched <= bound
+        return not stale(launched, next_step, bound)
 
 
 @dataclass

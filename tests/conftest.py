@@ -105,7 +105,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
+    from tidal.config.deployment import usable_cores
+
+    cores = usable_cores()
     if len(cores) < count:
         return
     index = int(worker.removeprefix("gw")) % count

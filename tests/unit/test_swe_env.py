@@ -209,13 +209,13 @@ def test_the_fallback_refuses_an_interpreter_its_own_user_cannot_reach(tmp_path,
     monkeypatch.setenv("PATH", str(closed / "bin"))  # no python3 open to others on PATH either
     with pytest.raises(ValueError, match="cannot reach the interpreter .* and no python3 on PATH"):
         RepoSandbox(mode="process")
-    open_bin = tmp_path / "open" / "bin"
-    open_bin.mkdir(parents=True)
-    (open_bin / "python3").write_text("")
-    (open_bin / "python3").chmod(0o755)
-    (tmp_path / "open").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{closed / 'bin'}{os.pathsep}{open_bin}")
-    if repo_sandbox.open_to_others(str(tmp_path)):  # pytest's own tmp root may be closed above it
+    with repo_sandbox.workspace("tidal-test-") as open_root:  # pytest's own tmp root is closed to others
+        open_bin = open_root / "bin"
+        open_bin.mkdir(parents=True)
+        open_root.chmod(0o755)
+        (open_bin / "python3").write_text("")
+        (open_bin / "python3").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{closed / 'bin'}{os.pathsep}{open_bin}")
         assert RepoSandbox(mode="process").python == str(open_bin / "python3")
 
 

@@ -12,12 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidal.config.rl import OrchestratorConfig
+from tidal.config.rl import CurriculumConfig, OrchestratorConfig
 from tidal.envs.base import Episode, SingleTurnEnv, Task
 from tidal.envs.multiturn import MultiTurnEnv
 from tidal.errors import UserError
 from tidal.inference.types import Completion, GenerateRequest, Generation
 from tidal.models.tiny import build_tokenizer
+from tidal.orchestrator.curriculum import Curriculum
 from tidal.orchestrator.loop import Orchestrator
 from tidal.orchestrator.policy import PolicyWatcher
 
@@ -401,3 +402,58 @@ def test_max_off_policy_steps_below_max_async_level_is_one_line_before_anything_
         staleness_bound(alone)
     assert info.value.exit_code == 2
     assert staleness_bound(alone.model_copy(update={"max_off_policy_steps": None})) == 2
+
+
+class EightTasks(ScriptedEnv):
+    def num_tasks(self) -> int:
+        return 8
+
+
+def curriculum_orchestrator(
+    tmp_path: Path, tokenizer_dir: Path, env, curriculum: dict | None
+) -> Orchestrator:
+    orch = orchestrator(tmp_path, tokenizer_dir, env)
+    if curriculum is not None:
+        orch.config = orch.config.model_copy(update={"curriculum": CurriculumConfig(**curriculum)})
+        orch.curriculum = Curriculum(orch.config.curriculum, env.num_tasks(), orch.config.seed)
+    return orch
+
+
+@pytest.mark.parametrize("with_curriculum", [False, True])
+def test_the_curriculum_stops_drawing_solved_tasks_and_its_state_is_saved_and_restored(
+    tmp_path, tokenizer_dir, with_curriculum
+):
+    """Tasks 0-3 are solved by every sample, 4-7 by every other one. Step 0 learns that (its first four groups
+    dropped zero-signal); in step 1 the curriculum draws only tasks with signal, uniform order draws 0-3 again."""
+    env = EightTasks(lambda task, sample: 1.0 if task < 4 or sample % 2 == 0 else 0.0)
+    setting = {"skip_after": 1} if with_curriculum else None
+    orch = curriculum_orchestrator(tmp_path, tokenizer_dir, env, setting)
+    client = FakeClient()
+
+    async def two_steps():
+        policy = PolicyWatcher(client, orch.out)  # type: ignore[arg-type]  # not started: serves version 0
+        steps = []
+        for step in (0, 1):
+            client.version = step  # each step's rollouts come from its own policy (max_async_level 0)
+            steps.append(await orch._collect(client, policy, step))  # type: ignore[arg-type]
+        return steps
+
+    (_, _, first), (groups, _, second) = asyncio.run(asyncio.wait_for(two_steps(), timeout=10))
+    assert first.num_zero_signal == 4
+    assert second.num_zero_signal == (0 if with_curriculum else 4)
+    assert second.num_completion_tokens == second.num_groups_run * 2 * 2  # groups × samples × tokens
+    metrics = logged_metrics(orch, 1, groups, second)
+    assert metrics["rollouts/tokens_per_kept_group"] == second.num_completion_tokens / 4
+    if not with_curriculum:
+        assert "curriculum/tasks_seen" not in metrics
+        return
+    assert metrics["curriculum/tasks_seen"] == 8 and metrics["curriculum/tasks_skipped"] == 4
+    orch._save_state()
+    saved = json.loads((orch.state_dir / "step_0.json").read_text())["curriculum"]
+    assert saved == orch.curriculum.state_dict() and len(saved["tasks"]) == 8
+    resumed = curriculum_orchestrator(tmp_path / "again", tokenizer_dir, env, setting)
+    resumed._load_state(orch.state_dir / "step_0.json")
+    assert resumed.curriculum is not None and resumed.curriculum.state_dict() == saved
+    assert [resumed.curriculum.pick(p) for p in range(50, 70)] == [
+        orch.curriculum.pick(p) for p in range(50, 70)
+    ]

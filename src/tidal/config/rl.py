@@ -273,6 +273,31 @@ class SamplesConfig(Config):
     """Rollouts kept per such step, taken across the step's groups (one per group first)."""
 
 
+class CurriculumConfig(Config):
+    """Which tasks a run draws, by how often the policy solves them (`[orchestrator.curriculum]`; absent:
+    the environment's tasks in order). A group teaches nothing when every sample or none passes, and a
+    step drops it after paying for its generation; the curriculum draws fewer of those.
+
+    Each task keeps a pass rate, a running estimate from its groups: the share of a group's finished
+    samples whose reward is at least `pass_reward`, blended into the estimate with weight `smoothing`. A
+    task a group fully solved, or fully failed, `skip_after` times in a row is no longer drawn. Another is
+    drawn with odds that are 1 at `target_pass_rate` and fall linearly to `min_weight` at 0 and 1; a task
+    never seen has odds 1. The state is saved with the orchestrator's (`--resume` continues it)."""
+
+    target_pass_rate: float = Field(default=0.5, gt=0, lt=1)
+    """The pass rate a drawn task is weighted toward."""
+    min_weight: float = Field(default=0.1, ge=0, le=1)
+    """Odds of drawing a task whose pass rate is 0 or 1 (and not yet skipped): between them, linear."""
+    skip_after: int | None = Field(default=2, gt=0)
+    """Skip a task once this many of its groups in a row were all solved, or all failed; None: never skip."""
+    pass_reward: float = 1.0
+    """A sample passes when its reward is at least this (partial-credit rewards: the share that counts)."""
+    smoothing: float = Field(default=0.5, gt=0, le=1)
+    """Weight of a task's newest group in its pass-rate estimate (1: that group alone)."""
+    max_draws: int = Field(default=16, gt=0)
+    """Candidates tried for one task slot; when none is accepted, the one with the best odds is taken."""
+
+
 class OrchestratorConfig(RLRunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
@@ -303,6 +328,8 @@ class OrchestratorConfig(RLRunConfig):
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
+    curriculum: CurriculumConfig | None = None
+    """Draw tasks by their pass rate (`[orchestrator.curriculum]`, see CurriculumConfig); None: in order."""
     resume_from: Literal["trainer", "latest"] = "trainer"
     """Where `resume` continues. `trainer`: the state saved with the trainer's latest checkpoint step, the
     batches after it made again (with the trainer resumed from that checkpoint: `tidal rl --resume`).

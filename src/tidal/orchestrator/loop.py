@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tidal import run_layout
@@ -35,6 +36,7 @@ from tidal.orchestrator.batching import (
     make_train_batches,
     make_train_samples,
 )
+from tidal.orchestrator.curriculum import Curriculum
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -77,6 +79,8 @@ class OrchestratorState:
     buffer: list[dict[str, Any]] = field(default_factory=list)
     """Finished groups not used yet (Group.to_dict())."""
     staleness: dict[str, int] = field(default_factory=dict)
+    curriculum: dict[str, Any] = field(default_factory=dict)
+    """Curriculum.state_dict() (empty without a curriculum)."""
 
 
 def build_env(config: OrchestratorConfig) -> Environment:
@@ -131,6 +135,11 @@ class Orchestrator:
             max_off_policy_steps=bound,
         )
         self.keep_rate = KeepRate()
+        self.curriculum = (
+            None
+            if config.curriculum is None
+            else Curriculum(config.curriculum, self.env.num_tasks(), config.seed)
+        )
         self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
@@ -354,6 +363,12 @@ class Orchestrator:
         advantages.extend(result.advantages)
 
     async def _run(self, client: InferenceClient, task: Task, position: int) -> Group:
+        group = await self._run_group(client, task, position)
+        if self.curriculum is not None:  # every group that ends, kept or dropped later, informs it
+            self.curriculum.observe(position, [r.reward for r in group.rollouts if not r.failed])
+        return group
+
+    async def _run_group(self, client: InferenceClient, task: Task, position: int) -> Group:
         cfg = self.config
         try:
             return await run_group(
@@ -376,6 +391,8 @@ class Orchestrator:
         else:
             position = self.state.position
             self.state.position += 1
+        if self.curriculum is not None:
+            return position, self.env.task(self.curriculum.pick(position))
         return position, self.env.task(position % self.env.num_tasks())
 
     def _warn_too_long(self, step: int, dropped: int, kept: int) -> None:
@@ -412,6 +429,8 @@ class Orchestrator:
         metrics.update(extra)  # online eval, per-replica counts
         metrics.update(lag_metrics(self.lag.take()))
         metrics.update(self.lag.take_gc())
+        if self.curriculum is not None:
+            metrics.update(self.curriculum.take_metrics())
         self.metrics.log(step, metrics)
         warn_if_loop_held(step, metrics, self.config.loop_lag_warn)
         if not self.config.log.prints(step, self.config.max_steps):
@@ -438,6 +457,8 @@ class Orchestrator:
 
     def _save_state(self) -> None:
         self.state.staleness = self.tracker.state_dict()
+        if self.curriculum is not None:
+            self.state.curriculum = self.curriculum.state_dict()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"step_{self.state.step}.json"
         tmp = path.with_suffix(".tmp")
@@ -470,14 +491,19 @@ class Orchestrator:
         if step > 0 and not path.exists():
             raise UserError(f"--resume: trainer checkpoint is at step {step} but {path} is missing")
         if path.exists():
-            self.state = OrchestratorState(**json.loads(path.read_text()))
-            self.tracker.load_state_dict(self.state.staleness)
+            self._load_state(path)
         self.metrics.truncate_after(step - 1)
         self.samples.truncate_after(step - 1)
         self.online_evals.truncate_after(step - 1)
         sender.discard_from(step)  # the transport's own copies (zmq keeps batches in memory)
         run_layout.discard_after_checkpoint(self.out)  # `tidal rl` did it already, before starting anyone
         print(f"orchestrator: resuming at step {step}", flush=True)
+
+    def _load_state(self, path: Path) -> None:
+        self.state = OrchestratorState(**json.loads(path.read_text()))
+        self.tracker.load_state_dict(self.state.staleness)
+        if self.curriculum is not None and self.state.curriculum:  # a run given a curriculum only now: fresh
+            self.curriculum.load_state_dict(self.state.curriculum)
 
     def _restore_latest(self) -> None:
         """Continue after the last batch sent, every batch before it kept (the trainer may be reading them)."""
@@ -488,8 +514,7 @@ class Orchestrator:
         if step > 0 and not path.exists():
             raise UserError(f"resume_from = 'latest': the state to continue from, {path}, is missing")
         if step > 0:
-            self.state = OrchestratorState(**json.loads(path.read_text()))
-            self.tracker.load_state_dict(self.state.staleness)
+            self._load_state(path)
         self.metrics.truncate_after(step - 1)
         self.samples.truncate_after(step - 1)
         self.online_evals.truncate_after(step - 1)
@@ -515,6 +540,9 @@ def step_metrics(
     lags = [step - r.policy_version for r in rollouts]
     num_tokens = sum(len(r.completion_ids) for r in rollouts)
     return {
+        # generation spent on every group the step took, dropped ones included, per group it trains on
+        "rollouts/tokens_generated": stats.num_completion_tokens,
+        "rollouts/tokens_per_kept_group": stats.num_completion_tokens / max(1, len(groups)),
         "reward/mean": reward_mean,
         "reward/std": reward_std,
         "reward/batch_mean": mean_std([r.reward for r in rollouts])[0],

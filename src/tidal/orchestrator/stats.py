@@ -26,6 +26,8 @@ class StepStats:
     num_cancelled: int = 0
     """Groups still running at the step's end that the next step may not train (their policy too old):
     cancelled, their tasks run again later. Started ahead for refills that were not needed."""
+    num_completion_tokens: int = 0
+    """Completion tokens of every rollout of the groups taken (dropped ones too): the generation spent."""
     num_replica_switches: int = 0
     """Multi-turn rollouts whose turns more than one inference replica served (prefix cache lost)."""
     env_rewards: dict[str, list[float]] = field(default_factory=dict)
@@ -41,6 +43,7 @@ class StepStats:
             self.env_rewards.setdefault(group.env, []).extend(finished)
             self.env_rollouts[group.env] += len(group.rollouts)
             self.env_failed[group.env] += len(group.rollouts) - len(finished)
+            self.num_completion_tokens += sum(len(r.completion_ids) for r in group.rollouts)
             for r in group.rollouts:
                 self.num_replica_switches += r.metrics.get("inference/replicas", 1.0) > 1
                 if r.failed:

@@ -105,19 +105,31 @@ def run_as_uid() -> int | None:
 def sandbox_prelude(limits: Limits, uid: int | None) -> str:
     """Python run first inside bwrap: the limits (set in the sandbox's user namespace, where the process
     limit counts its own processes only), then, when started as root, the switch to user `uid`."""
+    return (
+        "\n".join(["import os as _os, resource as _r", *limit_lines(limits), *user_lines(uid), "del _os, _r"])
+        + "\n"
+    )
+
+
+def limit_lines(limits: Limits, nproc_optional: bool = False) -> list[str]:
+    """Python lines (with `resource` as `_r`) setting the sandbox's rlimits on the running process. The
+    process limit is `nproc_optional` where the kernel may refuse it to this user (outside bwrap)."""
     limit = [
         ("CPU", limits.cpu_seconds, limits.cpu_seconds + 1),
         ("AS", limits.memory_mb << 20, limits.memory_mb << 20),
         ("FSIZE", limits.max_file_mb << 20, limits.max_file_mb << 20),
         ("CORE", 0, 0),
-        ("NPROC", limits.max_processes, limits.max_processes),
     ]
-    lines = ["import os as _os, resource as _r"]
-    lines += [f"_r.setrlimit(_r.RLIMIT_{name}, ({soft}, {hard}))" for name, soft, hard in limit]
-    if uid is not None:
-        lines += ["_os.setgroups([])", f"_os.setgid({uid})", f"_os.setuid({uid})"]
-    lines.append("del _os, _r")
-    return "\n".join(lines) + "\n"
+    lines = [f"_r.setrlimit(_r.RLIMIT_{name}, ({soft}, {hard}))" for name, soft, hard in limit]
+    nproc = f"_r.setrlimit(_r.RLIMIT_NPROC, ({limits.max_processes}, {limits.max_processes}))"
+    if nproc_optional:
+        return [*lines, "try:", f"    {nproc}", "except (ValueError, OSError):", "    pass"]
+    return [*lines, nproc]
+
+
+def user_lines(uid: int | None) -> list[str]:
+    """Python lines (with `os` as `_os`) switching a root process to user `uid` for good (none for None)."""
+    return [] if uid is None else ["_os.setgroups([])", f"_os.setgid({uid})", f"_os.setuid({uid})"]
 
 
 def find_bwrap() -> str | None:

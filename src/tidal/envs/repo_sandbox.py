@@ -30,15 +30,12 @@ from pathlib import Path
 
 from tidal.envs import bwrap
 from tidal.envs.sandbox import (
-    CLONE_NEWNET,
     Execution,
-    _unshare_network,
     announce,
     communicate,
+    process_prelude,
     resolve_mode,
     run_blocking,
-    set_limits,
-    unshare,
 )
 
 REPO_MOUNT = "/repo"
@@ -94,27 +91,16 @@ class RepoSandbox:
                 python, "-I", "-S", "-c", bwrap.sandbox_prelude(self.limits, uid) + _EXEC_BASH, command,
             ]  # fmt: skip
             env = _env(BIN_DIR, home="/tmp", shown_cwd=REPO_MOUNT)
-            return await communicate(argv, None, "/", env, None, self.timeout, self.max_output)
+            return await communicate(argv, None, "/", env, self.timeout, self.max_output)
         with tempfile.TemporaryDirectory(prefix="tidal-repo-bin-") as bin_dir:
             for name in ("python", "python3"):
                 os.symlink(python, os.path.join(bin_dir, name))
             os.chmod(bin_dir, 0o755)
             env = _env(bin_dir, home=str(repo), shown_cwd=str(repo))
-            return await communicate(
-                ["/bin/bash", "-c", command], None, str(repo), env, lambda: self._limit(uid), self.timeout,
-                self.max_output,
-            )  # fmt: skip
-
-    def _limit(self, uid: int | None) -> None:
-        """The fallback, in the child before exec: rlimits, a network namespace if allowed, then the user."""
-        set_limits(self.limits)
-        if uid is None:
-            _unshare_network()  # a user namespace first: an unprivileged user may not make a network one alone
-            return
-        unshare(CLONE_NEWNET)  # root needs no user namespace (and in one could no longer change its user)
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
+            # the limits, the network namespace and the user are set by a prelude in the child, not by a
+            # preexec_fn on this process's event loop (`process_prelude`); then bash takes the process over
+            argv = [python, "-I", "-S", "-c", process_prelude(self.limits, uid) + _EXEC_BASH, command]
+            return await communicate(argv, None, str(repo), env, self.timeout, self.max_output)
 
 
 @contextlib.contextmanager

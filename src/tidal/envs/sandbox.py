@@ -15,11 +15,9 @@ whatever the user can, and ctypes can still make syscalls).
 import ast
 import asyncio
 import contextlib
-import ctypes
 import logging
 import operator
 import os
-import resource
 import signal
 import sys
 import tempfile
@@ -222,12 +220,12 @@ class PythonSandbox:
         if self.mode == "bwrap":
             return await self._execute_bwrap(code)
         with tempfile.TemporaryDirectory(prefix="tidal-sandbox-") as workdir:
+            prelude = process_prelude(self.limits, uid=None)
             return await self._communicate(
-                [sys.executable, "-I", "-S", "-c", _NO_NETWORK_PRELUDE + _RUN_STDIN],
+                [sys.executable, "-I", "-S", "-c", prelude + _NO_NETWORK_PRELUDE + _RUN_STDIN],
                 code,
                 cwd=workdir,
                 env={"PATH": "/usr/bin:/bin", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"},
-                preexec_fn=self._limit,
             )
 
     async def _execute_bwrap(self, code: str) -> Execution:
@@ -238,30 +236,34 @@ class PythonSandbox:
             python, "-I", "-S", "-c", bwrap.sandbox_prelude(self.limits, bwrap.run_as_uid()) + _RUN_STDIN,
         ]  # fmt: skip
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
-        return await self._communicate(argv, code, cwd="/", env=env, preexec_fn=None)
+        return await self._communicate(argv, code, cwd="/", env=env)
 
-    async def _communicate(
-        self, argv: list[str], code: str, cwd: str, env: dict[str, str], preexec_fn: Any
-    ) -> Execution:
-        return await communicate(argv, code.encode(), cwd, env, preexec_fn, self.timeout, self.max_output)
-
-    def _limit(self) -> None:
-        """The fallback, in the child before exec: resource limits, then a network namespace if allowed."""
-        set_limits(self.limits)
-        _unshare_network()
+    async def _communicate(self, argv: list[str], code: str, cwd: str, env: dict[str, str]) -> Execution:
+        return await communicate(argv, code.encode(), cwd, env, self.timeout, self.max_output)
 
 
-def set_limits(limits: bwrap.Limits) -> None:
-    """The fallback's rlimits on this process (a child before exec): CPU, address space, file size, no core
-    files, and processes where the kernel lets this user set it."""
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-    memory = limits.memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    file_size = limits.max_file_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+def process_prelude(limits: bwrap.Limits, uid: int | None) -> str:
+    """Python run first by the fallback's child (a fresh `python -I -S -c`): its rlimits (the process limit
+    where the kernel lets this user set it), a network namespace where the kernel allows one (root: a network
+    one; a user: a user namespace first, since an unprivileged user may not make a network one alone), then,
+    given `uid` (tidal runs as root), that user for good.
+
+    This is not a `preexec_fn`: with one, subprocess forks the whole parent (the orchestrator, with torch
+    loaded) and waits, on the event loop's thread, while the child runs Python up to its exec. 128 episodes'
+    tool calls held the loop 2-7 s at once that way (every request in flight waited). Without one, the child
+    is vforked and exec'd at once, and this runs in it."""
+    flags = CLONE_NEWNET if uid is not None else CLONE_NEWUSER | CLONE_NEWNET
+    lines = [
+        "import os as _os, resource as _r, ctypes as _c",
+        *bwrap.limit_lines(limits, nproc_optional=True),
+        "try:",  # where the kernel refuses namespaces, the limits alone (as `announce` says)
+        f"    _c.CDLL(None, use_errno=True).unshare({flags})",
+        "except (OSError, AttributeError):",
+        "    pass",
+        *bwrap.user_lines(uid),
+        "del _os, _r, _c",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def run_blocking(work: Coroutine[Any, Any, T]) -> T:
@@ -280,7 +282,6 @@ async def communicate(
     stdin: bytes | None,
     cwd: str,
     env: dict[str, str],
-    preexec_fn: Any,
     timeout: float,
     max_output: int,
 ) -> Execution:
@@ -294,7 +295,6 @@ async def communicate(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=preexec_fn,
     )
     kept = bytearray()
     timed_out = False
@@ -328,16 +328,6 @@ async def _exchange(
 
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-
-
-def unshare(flags: int) -> None:
-    """Enter new namespaces (`CLONE_*` flags) where the kernel allows it; nothing where it does not."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).unshare(flags)
-
-
-def _unshare_network() -> None:
-    unshare(CLONE_NEWUSER | CLONE_NEWNET)
 
 
 def _kill_group(pid: int) -> None:

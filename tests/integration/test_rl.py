@@ -47,6 +47,10 @@ def rl_args(out, async_level: int, *extra: str) -> list[str]:
     ]
 
 
+CURRICULUM = ["--orchestrator.curriculum.skip-after", "2"]
+"""A difficulty curriculum (issue 38), for the run that is resumed."""
+
+
 def metrics(out, role: str) -> list[dict]:
     return read_metrics(out / role / "metrics.jsonl")
 
@@ -203,9 +207,11 @@ def test_sigkill_of_the_vllm_server_stops_the_run_leaving_no_vllm_process_and_re
     """The vLLM API server dies mid-run: the launcher names inference (not the orchestrator that then fails
     to reach it), and 5 s after the launcher exits no process of the server's group (engine core, workers)
     and none of the server's descendants seen before the kill is alive. `--resume` then trains the rest of
-    the run with the losses of the uninterrupted one."""
+    the run with the losses of the uninterrupted one, and the difficulty curriculum it runs continues from its
+    saved state (issue 38): its final state has seen every group of all six steps, not only the resumed ones.
+    (Every task it draws here is new to it, so its picks are the uniform order's and the losses still match.)"""
     out = tmp_path / "inference_killed"
-    args = [*rl_args(out, 0), "--inference.server.port", "18541"]
+    args = [*rl_args(out, 0, *CURRICULUM), "--inference.server.port", "18541"]
     # without restarts: restarted, the server would not stop the run (tests/integration/test_restarts.py)
     args += ["--restarts.max-restarts", "0"]
     launcher = start_rl_until_trained(out, args, num_steps=3)  # of STEPS: at level 0 it then waits for it
@@ -238,11 +244,14 @@ def test_sigkill_of_the_vllm_server_stops_the_run_leaving_no_vllm_process_and_re
     assert "orchestrator" not in first and "Traceback" not in stderr, stderr
     assert (out / "plots" / "rl.png").exists()  # a failed run is drawn too: its steps so far
 
-    result = run_tidal(*rl_args(out, 0, "--resume"), timeout=900)
+    result = run_tidal(*rl_args(out, 0, *CURRICULUM, "--resume"), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # lists, not dicts keyed by step: a step logged twice (the redo of a resumed run) must show
     for role in ("trainer", "orchestrator"):
         assert [m["step"] for m in metrics(out, role)] == list(range(STEPS)), role
+    final = json.loads((run_layout.orchestrator_states_dir(out) / f"step_{STEPS}.json").read_text())
+    observed = sum(groups for _, groups, _ in final["curriculum"]["tasks"].values())
+    assert observed == sum(m["rollouts/groups_run"] for m in metrics(out, "orchestrator")) == STEPS * 4
     resumed = [m["loss"] for m in metrics(out, "trainer")]
     reference = [m["loss"] for m in metrics(sync_run[0], "trainer")]
     for step in range(2, STEPS):  # from the first interval checkpoint (ckpt.interval = 2) on

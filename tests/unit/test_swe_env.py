@@ -244,3 +244,20 @@ def test_the_fallback_as_root_runs_the_bash_tool_and_the_hidden_tests_in_a_works
         assert [line.split(":")[0].strip() for line in interfaces] == ["lo"], result.output
         assert result.returncode != 0 and "Permission denied" in result.output
         assert not Path("/etc/tidal-x").exists()
+
+
+def test_all_or_nothing_pays_for_the_fix_and_nothing_for_leaving_the_repository_alone():
+    """The share of hidden tests pays a do-nothing agent what the unchanged repository passes; RL on a real
+    model learnt exactly that (benchmarks/results/swe_rl_smollm2_h100.json). `all_or_nothing` pays 0 for it."""
+    submit_only = [tool_call_text("submit", {})]
+    for all_or_nothing, unchanged in ((False, "share"), (True, 0.0)):
+        env = SweEnv(timeout=5, all_or_nothing=all_or_nothing)
+        task = env.task(1)
+        idle = asyncio.run(run_episode(env, task, Agent(submit_only)))
+        passed, total = run_hidden_tests(env.repo(task), {}, env.box)
+        assert idle.reward == (passed / total if unchanged == "share" else 0.0)
+        assert 0 < passed < total
+        demo = env.demonstration(task)
+        assert demo is not None
+        fixed = asyncio.run(run_episode(env, task, Agent([m["content"] for m in demo if m["role"] == "assistant"])))
+        assert fixed.reward == 1.0

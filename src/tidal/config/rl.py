@@ -329,7 +329,8 @@ class OrchestratorConfig(RLRunConfig):
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
     curriculum: CurriculumConfig | None = None
-    """Draw tasks by their pass rate (`[orchestrator.curriculum]`, see CurriculumConfig); None: in order."""
+    """Draw tasks by their running pass rate: skip those solved or failed `skip_after` groups in a row, weight
+    the rest toward `target_pass_rate` (README, "Difficulty curriculum"). Unset: the tasks in order."""
     resume_from: Literal["trainer", "latest"] = "trainer"
     """Where `resume` continues. `trainer`: the state saved with the trainer's latest checkpoint step, the
     batches after it made again (with the trainer resumed from that checkpoint: `tidal rl --resume`).

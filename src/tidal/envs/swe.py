@@ -82,8 +82,14 @@ def inside(repo: Path, name: str) -> Path:
 
 
 class SweEnv(ToolEnv):
-    """Reward: share of the hidden tests passing after the agent's changes; tools: bash, read_file,
-    write_file, str_replace, submit."""
+    """Reward: share of the hidden tests passing after the agent's changes (`all_or_nothing`: 1 when every
+    one passes, else 0); tools: bash, read_file, write_file, str_replace, submit.
+
+    The share pays for leaving the repository alone: a seeded bug fails only some hidden tests, so an agent
+    that changes nothing scores what the unchanged repository passes (about 0.74 on the generated ones).
+    RL from a warm-up that fixed 72% of held-out repositories learnt, in 20 steps, to change nothing (pass@1
+    0.72 → 0.01; benchmarks/results/swe_rl_smollm2_h100.json): sampled edits that broke the module scored
+    below that. `all_or_nothing` pays only for a fix, as the RL recipes set it."""
 
     name = "swe"
     max_turns = 12
@@ -100,6 +106,7 @@ class SweEnv(ToolEnv):
         sandbox: str = "auto",
         max_output: int = 2000,
         max_context_tokens: int | None = None,
+        all_or_nothing: bool = False,
     ):
         if max_turns < 1 or timeout <= 0 or memory_mb <= 0 or max_output < 100:
             raise ValueError("swe: need max_turns ≥ 1, timeout > 0, memory_mb > 0 and max_output ≥ 100")
@@ -109,6 +116,7 @@ class SweEnv(ToolEnv):
         self.max_context_tokens = max_context_tokens
         self.box = RepoSandbox(timeout=timeout, memory_mb=memory_mb, max_output=max_output, mode=sandbox)
         self.max_turns, self.max_output = max_turns, max_output
+        self.all_or_nothing = all_or_nothing
         self.tool_timeout = timeout + 5  # the sandbox's own timeout fires first
         self.split = check_split(split, "swe")
         self.num_examples = num_examples
@@ -212,7 +220,7 @@ class SweEnv(ToolEnv):
         await super().score(task, episode)
         repo = self.repo(task)
         passed, total = await call_off_loop(run_hidden_tests, repo, episode.info.get("changes", {}), self.box)
-        episode.reward = passed / total if total else 0.0
+        episode.reward = hidden_reward(passed, total, self.all_or_nothing)
         episode.metrics.update(
             {
                 "swe/hidden_passed": float(passed),
@@ -337,6 +345,15 @@ def _crashed(repo_id: str, returncode: int | None, output: str) -> None:
     logger.warning(
         "swe: the hidden tests of %s ended without a result (exit %s): %s", repo_id, returncode, tail
     )
+
+
+def hidden_reward(passed: int, total: int, all_or_nothing: bool) -> float:
+    """The episode's reward from its hidden tests: the share passing, or 1/0 for all of them or not."""
+    if not total:
+        return 0.0
+    if all_or_nothing:
+        return float(passed == total)
+    return passed / total
 
 
 def _count_hidden(repo: Repo) -> int:

@@ -238,7 +238,9 @@ def test_the_fallback_as_root_runs_the_bash_tool_and_the_hidden_tests_in_a_works
         assert "hi from __main__" in result.output and "made" in result.output
         # what the child's prelude set before bash took over: its own user, the limits, its own network
         # namespace (only loopback), and no way to write outside the repository
-        result = box.run_sync(path, "id -u; ulimit -v; ulimit -t; tail -n +3 /proc/self/net/dev; touch /etc/tidal-x")
+        result = box.run_sync(
+            path, "id -u; ulimit -v; ulimit -t; tail -n +3 /proc/self/net/dev; touch /etc/tidal-x"
+        )
         uid, memory_kib, cpu_s, *interfaces = result.output.strip().splitlines()[:-1]
         assert int(uid) != 0 and int(memory_kib) == 1024 * 1024 and int(cpu_s) == 6, result.output
         assert [line.split(":")[0].strip() for line in interfaces] == ["lo"], result.output
@@ -259,5 +261,7 @@ def test_all_or_nothing_pays_for_the_fix_and_nothing_for_leaving_the_repository_
         assert 0 < passed < total
         demo = env.demonstration(task)
         assert demo is not None
-        fixed = asyncio.run(run_episode(env, task, Agent([m["content"] for m in demo if m["role"] == "assistant"])))
+        fixed = asyncio.run(
+            run_episode(env, task, Agent([m["content"] for m in demo if m["role"] == "assistant"]))
+        )
         assert fixed.reward == 1.0

@@ -245,6 +245,9 @@ class Rollout:
     """The weight version behind each model call of the episode, in order (one per turn; an in-flight
     update within a call counts its older version): its age at every turn. `policy_version` is their
     minimum, `policy_version_max` their maximum."""
+    teacher_logprobs: list[float] = field(default_factory=list)
+    """On-policy distillation: the teacher's logprob of each completion token given what precedes it (the
+    same positions as `completion_logprobs`); empty where no teacher was asked."""
 
     def __post_init__(self) -> None:
         num = len(self.completion_ids)
@@ -252,6 +255,10 @@ class Rollout:
             raise ValueError(
                 f"rollout {self.task_id!r}: {num} completion ids but {len(self.completion_logprobs)} logprobs "
                 f"and {len(self.completion_mask)} mask entries"
+            )
+        if self.teacher_logprobs and len(self.teacher_logprobs) != num:
+            raise ValueError(
+                f"rollout {self.task_id!r}: {num} completion ids but {len(self.teacher_logprobs)} teacher logprobs"
             )
         if self.policy_version_max < self.policy_version:
             raise ValueError(
@@ -309,6 +316,9 @@ class TrainSample:
     pictures: Pictures | None = None
     """The prompt's pictures as the vision tower takes them; `input_ids` then holds each picture's image
     tokens expanded as vLLM expanded them. None: a text sample."""
+    token_advantages: list[float] | None = None
+    """Each token's own advantage, aligned with `input_ids` (on-policy distillation); None: `advantage` on
+    every token."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -298,6 +298,30 @@ class CurriculumConfig(Config):
     """Candidates tried for one task slot; when none is accepted, the one with the best odds is taken."""
 
 
+class TeacherConfig(Config):
+    """On-policy distillation (`[orchestrator.teacher]`): a teacher model scores the student's own samples.
+
+    For every finished rollout the orchestrator asks the teacher's server(s) for the logprob of each
+    completion token (a prompt-logprobs request with the exact token ids, nothing sampled), and each token's
+    advantage becomes `reward_weight` × the group's advantage + `kl_weight` × (teacher − student logprob):
+    the policy gradient then lowers the reverse KL to the teacher on the student's own distribution. The
+    teacher is served by `tidal inference` (its own GPUs, or a share of one) and must use the student's
+    tokenizer: `tidal rl` and `tidal orchestrator` refuse another in one line before anything starts."""
+
+    model: str
+    """The teacher's model (hub id, directory or .gguf), as its server was started with: its tokenizer is
+    checked against the student's."""
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the servers serving it, e.g. ["http://127.0.0.1:18900"]; requests rotate over them."""
+    kl_weight: float = Field(default=1.0, gt=0)
+    """Weight of (teacher − student logprob) in each token's advantage."""
+    reward_weight: float = Field(default=0.0, ge=0)
+    """Weight of the task's group advantage; 0: distillation alone (groups are kept whatever their rewards,
+    no verifier is needed)."""
+    timeout: float = Field(default=120.0, gt=0)
+    """Seconds one scoring request may take; a rollout the teacher did not score fails (counted)."""
+
+
 class OrchestratorConfig(RLRunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
@@ -328,6 +352,9 @@ class OrchestratorConfig(RLRunConfig):
     env: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(name="reverse_text")], min_length=1)
     """Environments to draw tasks from, as [[orchestrator.env]] tables; several are mixed by weight."""
     online_eval: OnlineEvalConfig = OnlineEvalConfig()
+    teacher: TeacherConfig | None = None
+    """On-policy distillation from a teacher model (`[orchestrator.teacher]`, README "On-policy
+    distillation"); unset: none."""
     curriculum: CurriculumConfig | None = None
     """Draw tasks by their running pass rate: skip those solved or failed `skip_after` groups in a row, weight
     the rest toward `target_pass_rate` (README, "Difficulty curriculum"). Unset: the tasks in order."""

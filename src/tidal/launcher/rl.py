@@ -125,6 +125,17 @@ def refuse_lora_with_pictures(config: RLConfig) -> None:
             )
 
 
+def check_teacher(config: RLConfig) -> None:
+    """A distillation teacher of another tokenizer: one line before anything starts (the orchestrator
+    checks it again when it starts alone)."""
+    teacher = config.orchestrator.teacher
+    if teacher is None:
+        return
+    from tidal.inference.tokenizer import check_same_tokenizer, load_tokenizer
+
+    check_same_tokenizer(load_tokenizer(config.model), teacher.model, config.model.trust_remote_code)
+
+
 def main(config: RLConfig) -> int:
     """A local `tidal rl` (a cluster run is submitted by tidal.deploy.run instead)."""
     if say_if_complete(config):
@@ -136,6 +147,7 @@ def main(config: RLConfig) -> int:
         [(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()], config.model.name
     )
     refuse_lora_with_pictures(config)
+    check_teacher(config)
     from tidal.models import prepare_model_files
 
     prepare_model_files(config.model.name, lambda line: print(f"{clock()} tidal rl: {line}", flush=True))

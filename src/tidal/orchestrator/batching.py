@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
+from tidal.orchestrator.distill import DistillWeights, completion_advantages
 from tidal.types import (
     PAD_MULTIPLE,
     Group,
@@ -26,11 +27,15 @@ picture's image tokens, the pictures' arrays): the model's processor (tidal.mode
 
 
 def sample_from_rollout(
-    rollout: Rollout, advantage: float, expand_pictures: ExpandPictures | None = None
+    rollout: Rollout,
+    advantage: float,
+    expand_pictures: ExpandPictures | None = None,
+    distill: DistillWeights | None = None,
 ) -> TrainSample:
     """Concatenate prompt and completion; only the completion's trainable tokens carry loss and logprobs.
     A rollout with pictures gets its prompt's placeholders expanded as vLLM expanded them (ValueError
-    without `expand_pictures`)."""
+    without `expand_pictures`). With `distill`, each completion token gets its own advantage from the
+    teacher's logprobs (tidal.orchestrator.distill)."""
     prompt, pictures = rollout.prompt_ids, None
     if rollout.images:
         if expand_pictures is None:
@@ -48,6 +53,11 @@ def sample_from_rollout(
         rollout_id=rollout.rollout_id,
         routed_experts=rollout.routed_experts,
         pictures=pictures,
+        token_advantages=(
+            None
+            if distill is None
+            else [0.0] * num_prompt + completion_advantages(rollout, float(advantage), distill)
+        ),
     )
 
 
@@ -57,8 +67,9 @@ def make_train_samples(
     kind: AdvantageKind = "mean",
     eps: float = DEFAULT_EPS,
     expand_pictures: ExpandPictures | None = None,
+    distill: DistillWeights | None = None,
 ) -> list[TrainSample]:
-    """One sample per usable (not failed) rollout.
+    """One sample per usable (not failed) rollout (`distill`: with per-token advantages from the teacher).
 
     `advantages[i][j]` for `groups[i].rollouts[j]` (as `filter_groups` returns them); when omitted they are
     computed per group with `kind` and `eps`, failed rollouts skipped. `expand_pictures` runs once per
@@ -72,7 +83,7 @@ def make_train_samples(
             pairs = zip(usable_rollouts(group), group_advantages(group, kind, eps), strict=True)
         else:
             pairs = zip(group.rollouts, advantages[i], strict=True)
-        samples += [sample_from_rollout(r, a, expand_pictures) for r, a in pairs if not r.failed]
+        samples += [sample_from_rollout(r, a, expand_pictures, distill) for r, a in pairs if not r.failed]
     return samples
 
 
@@ -145,7 +156,10 @@ class _Row:
         self.target_ids += sample.input_ids[1:] + [pad_id]
         self.loss_mask += sample.loss_mask[1:] + [0]
         self.inference_logprobs += sample.inference_logprobs[1:] + [0.0]
-        self.advantages += [sample.advantage] * num
+        if sample.token_advantages is None:
+            self.advantages += [sample.advantage] * num
+        else:  # shifted like the logprobs: position i is scored on token i + 1
+            self.advantages += sample.token_advantages[1:] + [0.0]
         self.sample_ids += [sample_id] * num
 
     def pad(self, width: int, pad_id: int) -> None:

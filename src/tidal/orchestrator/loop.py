@@ -27,6 +27,8 @@ from tidal.envs.reward_pool import reward_workers
 from tidal.errors import RunStop, UserError
 from tidal.inference.client import InferenceClient
 from tidal.inference.errors import InferenceError
+from tidal.inference.teacher import TeacherClient, TeacherError
+from tidal.inference.tokenizer import check_same_tokenizer
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
@@ -37,6 +39,7 @@ from tidal.orchestrator.batching import (
     make_train_samples,
 )
 from tidal.orchestrator.curriculum import Curriculum
+from tidal.orchestrator.distill import DistillWeights, reverse_kl
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -140,6 +143,7 @@ class Orchestrator:
             if config.curriculum is None
             else Curriculum(config.curriculum, self.env.num_tasks(), config.seed)
         )
+        self.teacher, self.distill = setup_teacher(config, self.tokenizer)
         self._replicas_before: list[ReplicaCounts] | None = None
 
     async def run(self) -> int:
@@ -179,6 +183,8 @@ class Orchestrator:
                 await self.lag.stop()
                 await policy.stop()
                 sender.close()
+                if self.teacher is not None:
+                    await self.teacher.aclose()
                 for env in (self.env, *self.eval_envs.values()):
                     close = getattr(env, "aclose", None)  # verifiers environments serve an endpoint
                     if close is not None:
@@ -196,7 +202,9 @@ class Orchestrator:
         groups, advantages, stats = await self._collect(client, policy, step)
         b = cfg.batch
         try:
-            samples = make_train_samples(groups, advantages, expand_pictures=self.expand_pictures)
+            samples = make_train_samples(
+                groups, advantages, expand_pictures=self.expand_pictures, distill=self.distill
+            )
         except ValueError as exc:  # an environment's pictures that its prompt's placeholders do not match
             raise UserError(f"orchestrator.env: {exc}") from None
         samples, too_long = drop_too_long(samples, b.seq_len)
@@ -213,6 +221,9 @@ class Orchestrator:
         # log, save the state past this step, send: whenever this process dies, a restart from its newest
         # state neither sends a batch twice nor skips one, and logs each step once (`_restore`)
         extra = {**evaluated, **replicas, "rollouts/dropped_too_long": float(too_long)}
+        if self.distill is not None:  # KL(student ‖ teacher) per token, sampled on what this step trains
+            kl, tokens = reverse_kl([r for g in groups for r in g.rollouts if not r.failed])
+            extra.update({"distill/reverse_kl": kl, "distill/tokens": float(tokens)})
         self._log(step, groups, stats, policy, elapsed, waited, extra)
         self._keep_samples(step, groups)
         self.state.step = step + 1
@@ -351,9 +362,11 @@ class Orchestrator:
         stats.record(groups)
         split = self.tracker.keep_fresh(groups, step)
         stats.num_stale_rollouts += split.num_stale_rollouts
+        # distillation alone needs no reward signal: the teacher gives every token its own advantage
+        distill_alone = self.distill is not None and self.distill.reward_weight == 0
         result = filter_groups(
             split.fresh,
-            policy="keep" if self.config.batch.zero_signal == "keep" else "drop",
+            policy="keep" if self.config.batch.zero_signal == "keep" or distill_alone else "drop",
             kind=self.config.batch.advantage,
         )
         stats.num_zero_signal += result.num_zero_signal
@@ -364,6 +377,8 @@ class Orchestrator:
 
     async def _run(self, client: InferenceClient, task: Task, position: int) -> Group:
         group = await self._run_group(client, task, position)
+        if self.teacher is not None:
+            await score_with_teacher(self.teacher, group)
         if self.curriculum is not None:  # every group that ends, kept or dropped later, informs it
             self.curriculum.observe(position, [r.reward for r in group.rollouts if not r.failed])
         return group
@@ -519,6 +534,36 @@ class Orchestrator:
         self.samples.truncate_after(step - 1)
         self.online_evals.truncate_after(step - 1)
         print(f"orchestrator: restarted at step {step} from its own state", flush=True)
+
+
+def setup_teacher(
+    config: OrchestratorConfig, tokenizer: Any
+) -> tuple[TeacherClient | None, DistillWeights | None]:
+    """The teacher's client and the distillation weights (None, None without `[orchestrator.teacher]`); a
+    teacher whose tokenizer is not the student's is a one-line UserError."""
+    spec = config.teacher
+    if spec is None:
+        return None, None
+    check_same_tokenizer(tokenizer, spec.model, config.model.trust_remote_code)
+    return TeacherClient(spec), DistillWeights(kl_weight=spec.kl_weight, reward_weight=spec.reward_weight)
+
+
+async def score_with_teacher(teacher: TeacherClient, group: Group) -> None:
+    """Set each finished rollout's `teacher_logprobs`; where the teacher cannot score them, the rollouts fail
+    (`error/TeacherError`, logged) and the run goes on."""
+    scored = [r for r in group.rollouts if not r.failed]
+    try:
+        found = await teacher.logprobs(
+            [r.prompt_ids + r.completion_ids for r in scored], [len(r.prompt_ids) for r in scored]
+        )
+    except TeacherError as exc:
+        logger.warning("teacher: the rollouts of %s were not scored: %s", group.task_id, exc)
+        for rollout in scored:
+            rollout.failed = True
+            rollout.metrics["error/TeacherError"] = 1.0
+        return
+    for rollout, logprobs in zip(scored, found, strict=True):
+        rollout.teacher_logprobs = logprobs
 
 
 def step_metrics(

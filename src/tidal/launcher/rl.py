@@ -128,12 +128,13 @@ def refuse_lora_with_pictures(config: RLConfig) -> None:
 def check_teacher(config: RLConfig) -> None:
     """A distillation teacher of another tokenizer: one line before anything starts (the orchestrator
     checks it again when it starts alone)."""
-    teacher = config.orchestrator.teacher
-    if teacher is None:
+    served, named = config.teacher_server, config.orchestrator.teacher
+    model = served.model if served is not None else named.model if named is not None else None
+    if model is None:
         return
     from tidal.inference.tokenizer import check_same_tokenizer, load_tokenizer
 
-    check_same_tokenizer(load_tokenizer(config.model), teacher.model, config.model.trust_remote_code)
+    check_same_tokenizer(load_tokenizer(config.model), model, config.model.trust_remote_code)
 
 
 def main(config: RLConfig) -> int:

@@ -26,6 +26,7 @@ from tidal.config.rl import (
     RLRunConfig,
     RLTrainerConfig,
     RolloutTransport,
+    TeacherConfig,
     ZMQTransport,
 )
 from tidal.errors import UserError
@@ -49,6 +50,10 @@ class RoleConfigs:
     """The node index of each replica (see tidal.launcher.plan)."""
     replica_urls: tuple[str, ...] = ()
     """Where the orchestrator reaches each replica (with disaggregation, prefill and decode ones alike)."""
+    teacher: InferenceConfig | None = None
+    """The distillation teacher's `tidal inference` config, when `tidal rl` serves it (`[teacher_server]`)."""
+    teacher_gpus: tuple[int, ...] = ()
+    """Its GPU ids (GPU runs; empty on CPU)."""
 
     def node_replicas(self, node: int) -> list[int]:
         """Indexes (into `replicas`) of the replicas node `node` runs."""
@@ -88,7 +93,53 @@ def split_config(
     orchestrator = _orchestrator_for(rl, transport, replicas, urls)
     trainer = _trainer_for(rl, transport, publish, on_gpu, num_cpus)
     gpus = _replica_gpus(rl) * len(placement.inference_nodes) if on_gpu else ()
-    return RoleConfigs(tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls))
+    teacher = None if rl.teacher_server is None else _teacher_for(rl, inference, replicas[0])
+    if teacher is not None:
+        orchestrator = orchestrator.model_copy(update={"teacher": _teacher_client(rl, teacher)})
+    teacher_gpus = (
+        tuple(rl.teacher_server.gpus or gpus[0]) if rl.teacher_server is not None and on_gpu else ()
+    )
+    return RoleConfigs(
+        tuple(replicas), orchestrator, trainer, gpus, tuple(replica_nodes), tuple(urls), teacher, teacher_gpus
+    )
+
+
+def _teacher_for(rl: RLConfig, inference: InferenceConfig, first: InferenceConfig) -> InferenceConfig:
+    """The teacher's server: the run's inference settings with its model and port, no LoRA and no weight
+    updates (its weights never change), and on CPU the first replica's cores."""
+    spec = rl.teacher_server
+    assert spec is not None
+    vllm: dict[str, object] = {"enable_lora": False}
+    if spec.gpu_memory_utilization is not None:
+        vllm["gpu_memory_utilization"] = spec.gpu_memory_utilization
+    if spec.max_model_len is not None:
+        vllm["max_model_len"] = spec.max_model_len
+    log_file = inference.server.log_file
+    server = inference.server.model_copy(
+        update={
+            "port": spec.port,
+            "log_file": None if log_file is None else str(Path(log_file).with_name("teacher.log")),
+        }
+    )
+    return inference.model_copy(
+        update={
+            "model": rl.model.model_copy(update={"name": spec.model}),
+            "server": server,
+            "vllm": inference.vllm.model_copy(update=vllm),
+            "weights": WeightUpdateConfig(),
+            "cpu": first.cpu,
+            "disaggregation": None,
+        }
+    )
+
+
+def _teacher_client(rl: RLConfig, teacher: InferenceConfig) -> TeacherConfig:
+    spec = rl.teacher_server
+    assert spec is not None
+    url = client_url(teacher.server.host, teacher.server.port)
+    return TeacherConfig(
+        model=spec.model, urls=[url], kl_weight=spec.kl_weight, reward_weight=spec.reward_weight
+    )
 
 
 def _shared(rl: RLConfig) -> dict[str, object]:

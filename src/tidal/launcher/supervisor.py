@@ -20,7 +20,7 @@ import tomli_w
 from pydantic import BaseModel
 
 from tidal import run_layout
-from tidal.config.inference import ADMIN_TOKEN_ENV
+from tidal.config.inference import ADMIN_TOKEN_ENV, InferenceConfig
 from tidal.config.rl import RLConfig
 from tidal.errors import UserError
 from tidal.inference.disagg import empty_store, storage_of
@@ -32,6 +32,8 @@ from tidal.launcher.restarter import Restarter
 from tidal.launcher.split import RoleConfigs, run_admin_token, split_config
 from tidal.process import ManagedProcess, ProcessEnded, wait_healthy
 
+TEACHER = "teacher"
+"""The child serving the distillation teacher (`[teacher_server]`), and its log and config file's name."""
 POLL_SECONDS = 0.5
 STATUS_SECONDS = 15.0
 """How often the launcher says what it still waits for (vLLM loading, the first step)."""
@@ -160,6 +162,8 @@ class Supervisor(ABC):
             check_port_free(roles.replicas[index].server.host, roles.replicas[index].server.port)
         urls = roles.replica_urls
         waiting: dict[str, ManagedProcess | None] = {}
+        if roles.teacher is not None and ORCHESTRATOR in self.here:
+            waiting.update(self._start_teacher(roles.teacher, paths, env))
         for index in local:
             name = replica_name(index, len(roles.replicas))
             child = self.children.start(name, tidal_argv("inference", paths[name]), env[name])
@@ -173,6 +177,22 @@ class Supervisor(ABC):
             what = f"{len(local)} inference replicas" if len(local) > 1 else "inference"
             self.report.say(f"starting {what} ({roles.inference.model.name}); logs in {self.children.logs}/")
         return waiting
+
+    def _start_teacher(
+        self, teacher: InferenceConfig, paths: dict[str, Path], env: dict[str, dict[str, str]]
+    ) -> dict[str, ManagedProcess | None]:
+        """The distillation teacher's server (`[teacher_server]`): watched, restarted and stopped as a replica is
+        (it gets no weights: the orchestrator's client does not know it, only its teacher client does)."""
+        from tidal.inference.server import check_port_free, client_url
+
+        check_port_free(teacher.server.host, teacher.server.port)
+        child = self.children.start(TEACHER, tidal_argv("inference", paths[TEACHER]), env[TEACHER])
+        self.children.replicas.append(child)
+        url = client_url(teacher.server.host, teacher.server.port)
+        self.restarts.urls[TEACHER] = url
+        self.restarts.up.add(TEACHER)
+        self.report.say(f"starting the teacher ({teacher.model.name}) at {url}")
+        return {url: child}
 
     def _start_while_loading(
         self, roles: RoleConfigs, local: list[int], paths: dict[str, Path], env: dict[str, dict[str, str]]
@@ -297,6 +317,8 @@ class Supervisor(ABC):
         for index in local:
             name = replica_name(index, len(roles.replicas))
             paths[name] = write_config(roles.replicas[index], configs / f"{name}{self.suffix}.toml")
+        if roles.teacher is not None and ORCHESTRATOR in self.here:
+            paths[TEACHER] = write_config(roles.teacher, configs / f"{TEACHER}{self.suffix}.toml")
         return paths
 
     def _child_env(self, roles: RoleConfigs, on_gpu: bool, local: list[int]) -> dict[str, dict[str, str]]:
@@ -384,13 +406,16 @@ def device_env(
     names = {index: replica_name(index, len(roles.replicas)) for index in local}
     if not on_gpu:
         cpu = {"trainer": {**base, "CUDA_VISIBLE_DEVICES": ""}, "orchestrator": base}
-        return {**cpu, **{name: base for name in names.values()}}
+        teacher = {TEACHER: base} if roles.teacher is not None else {}
+        return {**cpu, **teacher, **{name: base for name in names.values()}}
     env = {
         "trainer": {**base, "CUDA_VISIBLE_DEVICES": _devices(trainer_gpus)},
         "orchestrator": {**base, "CUDA_VISIBLE_DEVICES": ""},
     }
     for index, name in names.items():
         env[name] = {**base, "CUDA_VISIBLE_DEVICES": _devices(roles.replica_gpus[index])}
+    if roles.teacher is not None:
+        env[TEACHER] = {**base, "CUDA_VISIBLE_DEVICES": _devices(roles.teacher_gpus)}
     return env
 
 

@@ -147,6 +147,9 @@ def test_tidal_rl_serving_the_teacher_writes_its_server_and_points_the_orchestra
     assert spec is not None and spec.urls == ["http://127.0.0.1:18951"] and spec.reward_weight == 0.0
     assert TEACHER in device_env(roles, on_gpu=False, local=[0], trainer_gpus=[])
     assert split_config(RLConfig(), on_gpu=False, num_cpus=4).teacher is None
+    from tidal.launcher.rl import dry_run
+
+    assert "/configs/teacher.toml ----" in dry_run(config)  # --dry-run shows what it would start
 
 
 @pytest.mark.parametrize(

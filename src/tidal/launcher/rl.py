@@ -77,6 +77,8 @@ def dry_run(config: RLConfig) -> str:
     roles = split_config(config, _on_gpu())
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
+    if roles.teacher is not None:
+        named.append(("teacher", roles.teacher))
     named += [("orchestrator", roles.orchestrator), ("trainer", roles.trainer)]
     parts = []
     for name, role in named:

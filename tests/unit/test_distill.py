@@ -166,3 +166,22 @@ def test_a_served_teacher_beside_another_or_on_a_cluster_is_a_config_problem(ext
     with pytest.raises((ConfigProblem, ValueError)) as info:
         RLConfig.model_validate({"teacher_server": {"model": "m"}, **extra})
     assert key in str(info.value)
+
+
+def test_the_benchmarks_student_keeps_every_other_layer_and_the_teachers_tokenizer(tmp_path):
+    """benchmarks/distill_vs_rl.py's student: a loadable model of half the depth whose kept layers are the
+    teacher's own (same weights), with the teacher's tokenizer (the check `tidal rl` makes passes)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.distill_vs_rl import drop_layers
+
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=3)
+    student_dir = drop_layers(str(teacher_dir), tmp_path / "student")
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    assert student.config.num_hidden_layers == (teacher.config.num_hidden_layers + 1) // 2
+    kept = student.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(kept, teacher.model.layers[0].mlp.up_proj.weight)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.isfinite(student(ids).logits).all()
+    check_same_tokenizer(AutoTokenizer.from_pretrained(student_dir), str(teacher_dir))

@@ -1,0 +1,157 @@
+"""On-policy distillation against RL at the same generation budget, on a real teacher and student (issue 38).
+
+The teacher is a real model (the Qwen2.5-Coder-0.5B-Instruct GGUF from the real-model issue, converted); the
+student is the teacher with every other decoder layer dropped (`drop_layers`): the same tokenizer, half the
+depth, a model that starts far from the teacher. From the student, side by side on one GPU (each vLLM with a
+fixed KV cache, as benchmarks/real_models.py runs its recipes):
+
+    rl:       tidal rl @ examples/distill/rl_math.toml       (the environment's reward alone)
+    distill:  tidal rl @ examples/distill/rl_math_distill.toml  (the teacher's reverse KL alone; tidal rl serves
+              the teacher, `[teacher_server]`)
+
+Both draw the same tasks with the same group size, max tokens and number of steps, so they pay for the same
+generation (each logs `rollouts/tokens_generated`). Reported per run: held-out greedy avg@1 at step 0 and
+after the last step (the online evals), wall time, tokens generated, and the reverse KL per step (distill).
+
+    python benchmarks/distill_vs_rl.py --teacher /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
+        --workdir /root/dv --out /root/out/distill_vs_rl.json --steps 40
+    python benchmarks/distill_vs_rl.py --cpu --teacher tidal-testing/tiny-qwen3 --workdir /tmp/dv \\
+        --out /tmp/dv.json --steps 2          # the whole path on CPU with the tiny model (no GPU numbers)
+    python benchmarks/distill_vs_rl.py student TEACHER OUT_DIR   # only make the student
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_GPU_FLAGS = [
+    "--inference.vllm.gpu-memory-utilization", "0.05",
+    "--inference.vllm.extra-args", '["--kv-cache-memory-bytes", "4G"]',
+]  # fmt: skip
+"""Every vLLM here (both students' and the teacher's) with a fixed 4 GiB KV cache, so that they share the GPU."""
+CPU_FLAGS = [
+    "--inference.vllm.enforce-eager", "true", "--model.dtype", "float32",
+    "--orchestrator.batch.num-prompts", "2", "--orchestrator.batch.group-size", "2",
+    "--orchestrator.sampling.max-tokens", "8", "--orchestrator.online-eval.num-tasks", "2",
+    "--inference.vllm.max-model-len", "512", "--orchestrator.batch.seq-len", "512",
+]  # fmt: skip
+"""The CPU smoke run: the tiny model, a few tokens."""
+
+
+def drop_layers(teacher: str, out: Path, keep_every: int = 2) -> Path:
+    """The teacher's model with only every `keep_every`-th decoder layer (the first, the third, …), written to
+    `out` with the teacher's tokenizer: a student of the same tokenizer and a fraction of the depth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidal.models import resolve_model_name
+
+    source = resolve_model_name(teacher, lambda line: print(f"[distill_vs_rl] {line}", flush=True))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    layers = model.model.layers
+    kept = list(range(0, len(layers), keep_every))
+    model.model.layers = torch.nn.ModuleList(layers[i] for i in kept)
+    for new_index, layer in enumerate(model.model.layers):  # the KV cache is indexed by it
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_index
+    config = model.config
+    config.num_hidden_layers = len(kept)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in kept]
+    if getattr(config, "max_window_layers", None) is not None:
+        config.max_window_layers = min(config.max_window_layers, len(kept))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    print(f"[distill_vs_rl] student: {len(kept)} of {len(layers)} layers of {teacher} -> {out}", flush=True)
+    return out
+
+
+def run_rl(
+    config: Path, student: Path, out: Path, port: int, extra: list[str], log: Path
+) -> subprocess.Popen:
+    argv = [
+        sys.executable, "-m", "tidal", "rl", "@", str(config), "--model.name", str(student),
+        "--output-dir", str(out), "--inference.server.port", str(port), *extra,
+    ]  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:
+        return subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str, Any]:
+    """What one run measured: held-out at step 0 and at the end, tokens generated, KL per step, wall time."""
+    rows = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
+    evals_path = run / "orchestrator" / "online_eval.jsonl"
+    evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
+
+    def score(entry: dict[str, Any]) -> dict[str, Any]:
+        (report,) = entry["envs"].values()
+        estimate = report["avg@1"]
+        return {"step": entry["step"], "final": entry["final"], "avg@1": round(estimate["mean"], 4),
+                "ci95": [round(estimate["ci_low"], 4), round(estimate["ci_high"], 4)]}  # fmt: skip
+
+    return {
+        "command": command,
+        "exit_code": code,
+        "wall_s": round(wall, 1),
+        "steps": len(rows),
+        "tokens_generated": sum(r.get("rollouts/tokens_generated", 0) for r in rows),
+        "heldout": [score(e) for e in evals],
+        "reward_per_step": [round(r["reward/mean"], 4) for r in rows],
+        "reverse_kl_per_step": [round(r["distill/reverse_kl"], 4) for r in rows if "distill/reverse_kl" in r],
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "student":
+        drop_layers(sys.argv[2], Path(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--teacher", required=True, help="the teacher: a .gguf, an HF directory or a hub id")
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--cpu", action="store_true", help="the tiny CPU smoke run (no GPU flags)")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds both runs may take")
+    args = parser.parse_args()
+    student = drop_layers(args.teacher, args.workdir / "student")
+    common = ["--max-steps", str(args.steps), *(CPU_FLAGS if args.cpu else SHARED_GPU_FLAGS)]
+    teacher_flags = ["--teacher-server.model", args.teacher]
+    runs = {
+        "rl": (REPO / "examples/distill/rl_math.toml", 18960, common),
+        "distill": (REPO / "examples/distill/rl_math_distill.toml", 18961, [*common, *teacher_flags]),
+    }
+    started, begun = {}, time.monotonic()
+    for name, (config, port, extra) in runs.items():
+        out = args.workdir / name
+        process = run_rl(config, student, out, port, extra, args.workdir / f"{name}.log")
+        started[name] = (process, out, " ".join(map(str, process.args)))
+    results: dict[str, Any] = {}
+    deadline = begun + args.timeout
+    for name, (process, out, command) in started.items():
+        try:
+            code: int | None = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            code = process.wait(timeout=120)
+        results[name] = summary(out, time.monotonic() - begun, code, command)
+        print(f"[distill_vs_rl] {name}: {json.dumps(results[name])[:400]}", flush=True)
+    document = {
+        "what": "issue 38: on-policy distillation against RL from the same student at the same generation budget",
+        "teacher": args.teacher,
+        "student": f"{student} (every other layer of the teacher)",
+        "cpu_smoke": args.cpu,
+        "runs": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

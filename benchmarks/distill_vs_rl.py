@@ -81,7 +81,7 @@ def run_rl(
     ]  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
-        return subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT), " ".join(argv)
 
 
 def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str, Any]:
@@ -130,8 +130,8 @@ def main() -> None:
     started, begun = {}, time.monotonic()
     for name, (config, port, extra) in runs.items():
         out = args.workdir / name
-        process = run_rl(config, student, out, port, extra, args.workdir / f"{name}.log")
-        started[name] = (process, out, " ".join(map(str, process.args)))
+        process, command = run_rl(config, student, out, port, extra, args.workdir / f"{name}.log")
+        started[name] = (process, out, command)
     results: dict[str, Any] = {}
     deadline = begun + args.timeout
     for name, (process, out, command) in started.items():

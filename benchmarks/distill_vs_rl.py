@@ -74,7 +74,8 @@ def drop_layers(teacher: str, out: Path, keep_every: int = 2) -> Path:
 
 def run_rl(
     config: Path, student: Path, out: Path, port: int, extra: list[str], log: Path
-) -> subprocess.Popen:
+) -> tuple[subprocess.Popen, str]:
+    """Start one `tidal rl` from the student, its output in `log`; the process and its command line."""
     argv = [
         sys.executable, "-m", "tidal", "rl", "@", str(config), "--model.name", str(student),
         "--output-dir", str(out), "--inference.server.port", str(port), *extra,

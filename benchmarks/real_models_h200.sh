@@ -26,7 +26,9 @@
 # "offline tidal trl", LOOP_ARGS added to its command; no ENV arguments), or both side by side on the one GPU
 # (each then measures under the other's load: say so with their numbers), or loop_then_real_models: the loop
 # benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
-# BENCH.
+# BENCH. BENCH=distill (issue 38, with MODEL_ASSET=qwen: the teacher) runs benchmarks/distill_vs_rl.py: the
+# teacher with every other layer dropped as the student, then distillation and RL from it side by side
+# (MAX_STEPS its --steps, default 40; no ENV arguments).
 set -euo pipefail
 stage=${1:?copy, start or follow}
 shift || true
@@ -39,21 +41,22 @@ smollm2) MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf SUFFIX=smollm2 SLICE
 qwen) MODEL=/root/models/qwen2.5-coder-0.5b-instruct.gguf SUFFIX=qwen05b SLICES=.gpu/qwen ;;
 *) echo "MODEL_ASSET is smollm2 or qwen, not $MODEL_ASSET" >&2; exit 2 ;;
 esac
-BENCH=${BENCH:-real_models}            # real_models, loop, both or loop_then_real_models
+BENCH=${BENCH:-real_models}            # real_models, loop, both, loop_then_real_models or distill
 PARTS=${PARTS:-offline tidal trl}      # loop only; "offline tidal|trl": two loop_throughput.py side by side
 LOOP_ARGS=${LOOP_ARGS:-}               # loop only: more loop_throughput.py flags
 MAX_STEPS=${MAX_STEPS:-}               # real_models only: every RL run's max_steps
 CALL_LIMIT=${CALL_LIMIT:-560}          # seconds this call follows the benchmark before it returns
 BENCH_DEADLINE=${BENCH_DEADLINE:-1000} # seconds the benchmark may run, counted from `start`
-RM_WORK=/root/rm RM_OUT=/root/rm-out LT_WORK=/root/lt LT_OUT=/root/lt-out
+RM_WORK=/root/rm RM_OUT=/root/rm-out LT_WORK=/root/lt LT_OUT=/root/lt-out DV_WORK=/root/dv
 IFS='|' read -r -a LOOPS <<< "$PARTS"
 LT_WORKS=$LT_WORK
 for ((i = 2; i <= ${#LOOPS[@]}; i++)); do LT_WORKS="$LT_WORKS $LT_WORK$i"; done
 case "$BENCH" in
 real_models) WORKS="$RM_WORK" ;;
+distill) WORKS="$DV_WORK" ;;
 loop) WORKS="$LT_WORKS" ;;
 both | loop_then_real_models) WORKS="$RM_WORK $LT_WORKS" ;;
-*) echo "BENCH is real_models, loop, both or loop_then_real_models, not $BENCH" >&2; exit 2 ;;
+*) echo "BENCH is real_models, loop, both, loop_then_real_models or distill, not $BENCH" >&2; exit 2 ;;
 esac
 
 export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site PATH=/tmp/site/bin:$PATH  # the wheels' scripts (py-spy)
@@ -107,7 +110,7 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
     while running && [ "$SECONDS" -lt "$CALL_LIMIT" ]; do
         sleep 30
         echo "--- $(date +%T) (${SECONDS}s)"
-        for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl; do
+        for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl $DV_WORK/rl $DV_WORK/distill; do
             [ -f "$run/orchestrator/metrics.jsonl" ] && { summary "$run" || true; }
         done
     done
@@ -117,6 +120,11 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
             --exclude='*.bin' --exclude='weights' --exclude='checkpoints' --exclude='final' \
             --exclude='rollouts' --exclude='states' \
             $(cd /root && ls -d lt lt[0-9] 2>/dev/null) 2>/dev/null || true
+    fi
+    if [ -d "$DV_WORK" ]; then  # distill_vs_rl's runs: logs, metrics, evals, no weights (the student's either)
+        tar czf "$RM_OUT/distill_vs_rl_raw.tar.gz" -C /root --exclude='*.safetensors' --exclude='*.pt' \
+            --exclude='*.bin' --exclude='weights' --exclude='checkpoints' --exclude='final' \
+            --exclude='rollouts' --exclude='states' dv 2>/dev/null || true
     fi
     [ -f "$RM_WORK/driver.log" ] && cp "$RM_WORK/driver.log" "$OUT/real_models_driver.log"
     cp "$RM_OUT"/* "$LT_OUT"/* "$OUT"/ 2>/dev/null || true
@@ -152,6 +160,14 @@ start_real_models() {
     echo $! > "$RM_WORK/driver.pid"
 }
 
+start_distill() {  # benchmarks/distill_vs_rl.py in its own session; its results and logs land in $RM_OUT
+    mkdir -p "$DV_WORK" "$RM_OUT"
+    setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" \
+        --out "$RM_OUT/distill_vs_rl_h200.json" --steps "${MAX_STEPS:-40}" --timeout $((BENCH_DEADLINE - SECONDS)) \
+        > "$DV_WORK/driver.log" 2>&1 < /dev/null &
+    echo $! > "$DV_WORK/driver.pid"
+}
+
 start_loop() {  # one loop_throughput.py per '|'-separated group of PARTS, each in its own folder
     local i work suffix
     mkdir -p "$LT_OUT"
@@ -182,6 +198,7 @@ start)
     case "$BENCH" in
     real_models) start_real_models "$@" ;;
     loop) start_loop ;;
+    distill) start_distill ;;
     both) start_real_models "$@"; start_loop ;;
     loop_then_real_models) start_sequence "$@" ;;
     esac

@@ -185,3 +185,12 @@ def test_the_benchmarks_student_keeps_every_other_layer_and_the_teachers_tokeniz
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     assert torch.isfinite(student(ids).logits).all()
     check_same_tokenizer(AutoTokenizer.from_pretrained(student_dir), str(teacher_dir))
+
+
+def test_an_environment_with_pictures_is_not_distilled_and_says_so_in_one_line():
+    from tidal.config.envs import EnvSpec
+    from tidal.orchestrator.distill import refuse_distilled_pictures
+
+    refuse_distilled_pictures([EnvSpec(name="reverse_text")])
+    with pytest.raises(UserError, match="environment 'shapes' gives images, which are not distilled yet"):
+        refuse_distilled_pictures([EnvSpec(name="reverse_text"), EnvSpec(name="shapes")])

@@ -135,7 +135,9 @@ def check_teacher(config: RLConfig) -> None:
     if model is None:
         return
     from tidal.inference.tokenizer import check_same_tokenizer, load_tokenizer
+    from tidal.orchestrator.distill import refuse_distilled_pictures
 
+    refuse_distilled_pictures(config.orchestrator.env)
     check_same_tokenizer(load_tokenizer(config.model), model, config.model.trust_remote_code)
 
 

@@ -14,6 +14,8 @@ than the student are pushed up, the others down. It is added to the task's group
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tidal.config.envs import EnvSpec
+from tidal.errors import UserError
 from tidal.types import Rollout
 
 
@@ -52,3 +54,15 @@ def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
                 total += student - teacher
                 count += 1
     return (total / count if count else 0.0), count
+
+
+def refuse_distilled_pictures(envs: Sequence[EnvSpec]) -> None:
+    """A one-line UserError for an environment with pictures in a distilled run: the teacher's scoring
+    request carries token ids only, so the teacher would not see them."""
+    from tidal.envs.registry import gives_images
+
+    for env in envs:
+        if gives_images(env.name):
+            raise UserError(
+                f"orchestrator.teacher: environment {env.name!r} gives images, which are not distilled yet"
+            )

@@ -39,7 +39,7 @@ from tidal.orchestrator.batching import (
     make_train_samples,
 )
 from tidal.orchestrator.curriculum import Curriculum
-from tidal.orchestrator.distill import DistillWeights, reverse_kl
+from tidal.orchestrator.distill import DistillWeights, refuse_distilled_pictures, reverse_kl
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -544,6 +544,7 @@ def setup_teacher(
     spec = config.teacher
     if spec is None:
         return None, None
+    refuse_distilled_pictures(config.env)
     check_same_tokenizer(tokenizer, spec.model, config.model.trust_remote_code)
     return TeacherClient(spec), DistillWeights(kl_weight=spec.kl_weight, reward_weight=spec.reward_weight)
 

@@ -2,12 +2,11 @@
 
 The teacher is the tiny model itself, served apart (without LoRA: vLLM's CPU LoRA path fails on prompt
 logprobs, so a teacher server must not enable it). Its logprobs of given tokens must equal transformers'
-forward of the same weights, and a `tidal rl` run distilling from it must start with a reverse KL of ~0
-(the student starts as the teacher: any misalignment of tokens and logprobs would show as a large value).
+forward of the same weights. A whole `tidal rl` with `[teacher_server]` is tests/integration/test_rl.py's
+asynchronous run (one `tidal rl` for both).
 """
 
 import asyncio
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from tidal.config.inference import InferenceConfig
 from tidal.config.rl import TeacherConfig
 from tidal.inference.server import ServerProcess
 from tidal.inference.teacher import TeacherClient
-from tidal.monitor.metrics import read_metrics
 from tidal.testing import TINY_MODEL_NAME
 
 from .conftest import start_ready
@@ -73,38 +71,6 @@ def test_the_teachers_logprobs_of_given_tokens_equal_a_direct_forward_of_the_tea
         diff = (torch.tensor(scored, dtype=torch.float64) - expected).abs().max().item()
         print(f"teacher logprobs of {len(scored)} tokens: max |diff| {diff:.2e}")
         assert diff < LOGPROB_TOLERANCE
-
-
-def test_rl_serving_the_teacher_itself_scores_every_rollout_starts_at_zero_kl_and_leaves_nothing_running(
-    tmp_path: Path,
-) -> None:
-    """`[teacher_server]`: `tidal rl` starts the teacher's server beside the student's, points the orchestrator at
-    it, and stops it at the end. The teacher is the student's own starting weights, so step 0's reverse KL
-    is ~0: any misalignment of tokens and logprobs would show as a large value."""
-    import psutil
-
-    out, port = tmp_path / "distill", free_port()
-    result = run_tidal(
-        "rl", "@", "configs/ci/rl_tiny.toml", "--output-dir", str(out), "--max-steps", "3",
-        "--inference.server.port", str(free_port()),
-        "--teacher-server.model", TINY_MODEL_NAME, "--teacher-server.port", str(port),
-        timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert f"starting the teacher ({TINY_MODEL_NAME}) at http://127.0.0.1:{port}" in result.stdout
-    assert (out / "logs" / "teacher.log").exists() and (out / "configs" / "teacher.toml").exists()
-    steps = read_metrics(out / "orchestrator" / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [0, 1, 2]
-    assert all(m["rollouts/failed"] == 0 for m in steps)  # the teacher scored every rollout
-    kls = [m["distill/reverse_kl"] for m in steps]
-    print(f"\nreverse KL per step: {kls}")
-    assert all(math.isfinite(k) for k in kls)
-    assert all(m["distill/tokens"] > 0 for m in steps)  # the KL is over real tokens, not an empty batch
-    assert abs(kls[0]) < 1e-3  # student = teacher at step 0: their logprobs of the same tokens agree
-    listening = [
-        c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"
-    ]
-    assert not listening  # the teacher's server went with the run
 
 
 def test_a_teacher_of_another_tokenizer_stops_rl_in_one_line_before_anything_starts(tmp_path: Path) -> None:

@@ -73,14 +73,44 @@ def sync_run(tmp_path_factory):
     return out, result
 
 
+TEACHER_PORT = 18547
+"""The port of the asynchronous run's distillation teacher (`[teacher_server]`)."""
+
+
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
+    """Level 2, and distilling from a teacher that `tidal rl` serves (issue 38): the tiny model's own weights,
+    with the reward kept (`reward_weight = 1`), so the run trains on its rewards as before and the teacher's
+    term starts at 0 (one run for both: a `tidal rl` of its own cost ~100 s of the suite)."""
     out = tmp_path_factory.mktemp("rl") / "async2"
     # in-flight weight updates (weight_update_pause = "auto" at level 2): running requests are frozen, not
     # drained, while new weights load
-    result = run_tidal(*rl_args(out, 2), timeout=900)
+    teacher = ["--teacher-server.model", TINY_MODEL_NAME, "--teacher-server.port", str(TEACHER_PORT),
+               "--teacher-server.reward-weight", "1.0"]  # fmt: skip
+    result = run_tidal(*rl_args(out, 2, *teacher), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, result
+
+
+def test_the_served_teacher_scores_every_rollout_from_a_kl_of_zero_and_goes_with_the_run(async_run):
+    """`[teacher_server]`: `tidal rl` starts the teacher's server beside the student's, points the orchestrator
+    at it, and stops it at the end. The teacher is the student's starting weights, so step 0's reverse KL is
+    0 (level 2: step 0 trains version 0's rollouts): a misalignment of tokens and logprobs would show."""
+    out, result = async_run
+    assert f"starting the teacher ({TINY_MODEL_NAME}) at http://127.0.0.1:{TEACHER_PORT}" in result.stdout
+    assert (out / "logs" / "teacher.log").exists() and (out / "configs" / "teacher.toml").exists()
+    steps = metrics(out, "orchestrator")
+    assert all(m["rollouts/failed"] == 0 for m in steps)  # the teacher scored every rollout
+    assert all(m["distill/tokens"] > 0 for m in steps)  # the KL is over real tokens, not an empty batch
+    kls = [m["distill/reverse_kl"] for m in steps]
+    print(f"\nreverse KL per step: {kls}")
+    assert all(math.isfinite(k) for k in kls) and abs(kls[0]) < 1e-3
+    listening = [
+        c
+        for c in psutil.net_connections("tcp")
+        if c.laddr and c.laddr.port == TEACHER_PORT and c.status == "LISTEN"
+    ]
+    assert not listening  # the teacher's server went with the run
 
 
 def report(name: str, out) -> None:

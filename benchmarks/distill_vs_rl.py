@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_GPU_FLAGS = [
-    "--inference.vllm.gpu-memory-utilization", "0.05",
-    "--inference.vllm.extra-args", '["--kv-cache-memory-bytes", "4G"]',
-]  # fmt: skip
-"""Every vLLM here (both students' and the teacher's) with a fixed 4 GiB KV cache, so that they share the GPU."""
+from real_models import REPO, SHARED_GPU_FLAGS, online_evals, score, tidal  # a sibling benchmark
+
+# SHARED_GPU_FLAGS: every vLLM here (both students' and the teacher's) with a fixed 4 GiB KV cache, so that
+# they share the GPU, as real_models.py's recipes do
 CPU_FLAGS = [
     "--inference.vllm.enforce-eager", "true", "--model.dtype", "float32",
     "--orchestrator.batch.num-prompts", "2", "--orchestrator.batch.group-size", "2",
@@ -76,34 +74,29 @@ def run_rl(
     config: Path, student: Path, out: Path, port: int, extra: list[str], log: Path
 ) -> tuple[subprocess.Popen, str]:
     """Start one `tidal rl` from the student, its output in `log`; the process and its command line."""
-    argv = [
-        sys.executable, "-m", "tidal", "rl", "@", str(config), "--model.name", str(student),
-        "--output-dir", str(out), "--inference.server.port", str(port), *extra,
+    args = [
+        "rl", "@", str(config), "--model.name", str(student), "--output-dir", str(out),
+        "--inference.server.port", str(port), *extra,
     ]  # fmt: skip
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as fh:
-        return subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT), " ".join(argv)
+    return tidal(args, log), "tidal " + " ".join(args)
 
 
 def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str, Any]:
     """What one run measured: held-out at step 0 and at the end, tokens generated, KL per step, wall time."""
     rows = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
-    evals_path = run / "orchestrator" / "online_eval.jsonl"
-    evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
-
-    def score(entry: dict[str, Any]) -> dict[str, Any]:
-        (report,) = entry["envs"].values()
-        estimate = report["avg@1"]
-        return {"step": entry["step"], "final": entry["final"], "avg@1": round(estimate["mean"], 4),
-                "ci95": [round(estimate["ci_low"], 4), round(estimate["ci_high"], 4)]}  # fmt: skip
-
+    heldout = [
+        {"step": e["step"], "final": e["final"], **score(report)}
+        for e in online_evals(run)
+        for report in e["envs"].values()
+        if "avg@1" in report
+    ]
     return {
         "command": command,
         "exit_code": code,
         "wall_s": round(wall, 1),
         "steps": len(rows),
         "tokens_generated": sum(r.get("rollouts/tokens_generated", 0) for r in rows),
-        "heldout": [score(e) for e in evals],
+        "heldout": heldout,
         "reward_per_step": [round(r["reward/mean"], 4) for r in rows],
         "reverse_kl_per_step": [round(r["distill/reverse_kl"], 4) for r in rows if "distill/reverse_kl" in r],
     }

@@ -1,6 +1,9 @@
 """On-policy distillation on CPU: the per-token advantages, their packing, the tokenizer check, and that
 training on them moves a tiny student toward a tiny teacher of the same tokenizer (the reverse KL falls)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,6 +66,8 @@ def test_a_teacher_of_another_tokenizer_is_one_line(tmp_path):
     assert "\n" not in message and "orchestrator.teacher.model" in message and "not the student's" in message
     with pytest.raises(UserError, match="cannot load its tokenizer"):
         check_same_tokenizer(student, str(tmp_path / "missing"))
+    with pytest.raises(UserError, match=r"^teacher_server\.model = "):  # the key the user set
+        check_same_tokenizer(student, str(tmp_path / "other"), key="teacher_server.model")
 
 
 def exact_reverse_kl(student, teacher, contexts: torch.Tensor) -> float:
@@ -173,6 +178,7 @@ def test_the_benchmarks_student_keeps_every_other_layer_and_the_teachers_tokeniz
     teacher's own (same weights), with the teacher's tokenizer (the check `tidal rl` makes passes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
     from benchmarks.distill_vs_rl import drop_layers
 
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=3)

@@ -147,6 +147,14 @@ def harness_script(code: str, function: str, cases: list[list[Any]]) -> str:
     return header + _HARNESS
 
 
+def tests_reward(passed: int, total: int, all_or_nothing: bool) -> float:
+    """The reward of `passed` of `total` hidden tests: their share, or with `all_or_nothing` 1 when all pass
+    and 0 otherwise (the `code` and `swe` environments' rule)."""
+    if all_or_nothing:
+        return float(passed == total)
+    return passed / total
+
+
 @dataclass(frozen=True)
 class TestReport:
     """What the hidden tests found: whether the code was fenced, whether it loaded, how many tests passed."""
@@ -158,9 +166,7 @@ class TestReport:
     timed_out: bool = False
 
     def reward(self, all_or_nothing: bool) -> float:
-        if all_or_nothing:
-            return float(self.passed == self.total)
-        return self.passed / self.total
+        return tests_reward(self.passed, self.total, all_or_nothing)
 
     def metrics(self) -> dict[str, float]:
         return {

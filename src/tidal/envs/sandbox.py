@@ -249,9 +249,9 @@ def process_prelude(limits: bwrap.Limits, uid: int | None) -> str:
     given `uid` (tidal runs as root), that user for good.
 
     This is not a `preexec_fn`: with one, subprocess forks the whole parent (the orchestrator, with torch
-    loaded) and waits, on the event loop's thread, while the child runs Python up to its exec. 128 episodes'
-    tool calls held the loop 2-7 s at once that way (every request in flight waited). Without one, the child
-    is vforked and exec'd at once, and this runs in it."""
+    loaded) and waits, on the event loop's thread, while the child runs Python up to its exec, and every
+    request in flight waits with it (README, "Sandbox"; benchmarks/sandbox_loop_hold.py). Without one, the
+    child is vforked and exec'd at once, and this runs in it."""
     flags = CLONE_NEWNET if uid is not None else CLONE_NEWUSER | CLONE_NEWNET
     lines = [
         "import os as _os, resource as _r, ctypes as _c",

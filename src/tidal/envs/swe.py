@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.envs.base import Episode, Sampler, Task
+from tidal.envs.code_tests import tests_reward
 from tidal.envs.multiturn import Message
 from tidal.envs.repo_sandbox import RepoSandbox
 from tidal.envs.repo_sandbox import workspace as repo_workspace
@@ -86,10 +87,9 @@ class SweEnv(ToolEnv):
     one passes, else 0); tools: bash, read_file, write_file, str_replace, submit.
 
     The share pays for leaving the repository alone: a seeded bug fails only some hidden tests, so an agent
-    that changes nothing scores what the unchanged repository passes (about 0.74 on the generated ones).
-    RL from a warm-up that fixed 72% of held-out repositories learnt, in 20 steps, to change nothing (pass@1
-    0.72 → 0.01; benchmarks/results/swe_rl_smollm2_h100.json): sampled edits that broke the module scored
-    below that. `all_or_nothing` pays only for a fix, as the RL recipes set it."""
+    that changes nothing scores what the unchanged repository passes, and sampled edits that break the
+    module score below it; RL on a real model learnt to change nothing (examples/swe/README.md).
+    `all_or_nothing` pays only for a fix, as the RL recipes set it."""
 
     name = "swe"
     max_turns = 12
@@ -220,7 +220,7 @@ class SweEnv(ToolEnv):
         await super().score(task, episode)
         repo = self.repo(task)
         passed, total = await call_off_loop(run_hidden_tests, repo, episode.info.get("changes", {}), self.box)
-        episode.reward = hidden_reward(passed, total, self.all_or_nothing)
+        episode.reward = tests_reward(passed, total, self.all_or_nothing)  # total ≥ 1 (`_count_hidden`)
         episode.metrics.update(
             {
                 "swe/hidden_passed": float(passed),
@@ -345,15 +345,6 @@ def _crashed(repo_id: str, returncode: int | None, output: str) -> None:
     logger.warning(
         "swe: the hidden tests of %s ended without a result (exit %s): %s", repo_id, returncode, tail
     )
-
-
-def hidden_reward(passed: int, total: int, all_or_nothing: bool) -> float:
-    """The episode's reward from its hidden tests: the share passing, or 1/0 for all of them or not."""
-    if not total:
-        return 0.0
-    if all_or_nothing:
-        return float(passed == total)
-    return passed / total
 
 
 def _count_hidden(repo: Repo) -> int:

@@ -30,14 +30,17 @@ def load_tokenizer(config: ModelConfig) -> Any:
     return tokenizer
 
 
-def check_same_tokenizer(student: Any, teacher_name: str, trust_remote_code: bool = False) -> None:
-    """A one-line UserError unless model `teacher_name`'s tokenizer maps every token as `student` (a loaded
-    tokenizer) does: a distillation teacher scores the student's token ids, which must mean the same text."""
+def check_same_tokenizer(
+    student: Any, teacher_name: str, trust_remote_code: bool = False, key: str = "orchestrator.teacher.model"
+) -> None:
+    """A one-line UserError, naming config `key`, unless model `teacher_name`'s tokenizer maps every token as
+    `student` (a loaded tokenizer) does: a distillation teacher scores the student's token ids, which must
+    mean the same text."""
     from transformers import AutoTokenizer
 
     from tidal.models import resolve_model_name
 
-    key = f"orchestrator.teacher.model = {teacher_name!r}"
+    key = f"{key} = {teacher_name!r}"
     try:
         teacher = AutoTokenizer.from_pretrained(
             resolve_model_name(teacher_name), trust_remote_code=trust_remote_code
@@ -48,7 +51,7 @@ def check_same_tokenizer(student: Any, teacher_name: str, trust_remote_code: boo
     if ours == theirs:
         return
     differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
-    token, index = differ[0]
+    token = differ[0][0]
     raise UserError(
         f"{key}: its tokenizer is not the student's ({len(theirs)} tokens against {len(ours)}; token "
         f"{token!r} is {theirs.get(token)} there and {ours.get(token)} here): the teacher would score other text "

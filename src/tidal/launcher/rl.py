@@ -29,7 +29,7 @@ from tidal.config.rl import RLConfig
 from tidal.errors import UserError
 from tidal.launcher.argv import trainer_argv
 from tidal.launcher.split import split_config
-from tidal.launcher.supervisor import Supervisor, gpu_run, replica_name
+from tidal.launcher.supervisor import TEACHER, Supervisor, gpu_run, replica_name
 from tidal.monitor.console import clock
 
 
@@ -78,7 +78,7 @@ def dry_run(config: RLConfig) -> str:
     count = len(roles.replicas)
     named: list[tuple[str, BaseModel]] = [(replica_name(i, count), r) for i, r in enumerate(roles.replicas)]
     if roles.teacher is not None:
-        named.append(("teacher", roles.teacher))
+        named.append((TEACHER, roles.teacher))
     named += [("orchestrator", roles.orchestrator), ("trainer", roles.trainer)]
     parts = []
     for name, role in named:
@@ -131,14 +131,16 @@ def check_teacher(config: RLConfig) -> None:
     """A distillation teacher of another tokenizer: one line before anything starts (the orchestrator
     checks it again when it starts alone)."""
     served, named = config.teacher_server, config.orchestrator.teacher
-    model = served.model if served is not None else named.model if named is not None else None
-    if model is None:
+    if served is not None:
+        model, key = served.model, "teacher_server.model"
+    elif named is not None:
+        model, key = named.model, "orchestrator.teacher.model"
+    else:
         return
-    from tidal.inference.tokenizer import check_same_tokenizer, load_tokenizer
-    from tidal.orchestrator.distill import refuse_distilled_pictures
+    from tidal.inference.tokenizer import load_tokenizer
+    from tidal.orchestrator.distill import check_teacher as check
 
-    refuse_distilled_pictures(config.orchestrator.env)
-    check_same_tokenizer(load_tokenizer(config.model), model, config.model.trust_remote_code)
+    check(config.orchestrator.env, load_tokenizer(config.model), model, config.model.trust_remote_code, key)
 
 
 def main(config: RLConfig) -> int:

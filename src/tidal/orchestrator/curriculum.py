@@ -104,10 +104,6 @@ class Curriculum:
         record.groups += 1
         record.streak = next_streak(record.streak, share)
 
-    def forget(self, position: int) -> None:
-        """Stream `position` will not run again (its group was abandoned): drop its pick."""
-        self.picks.pop(position, None)
-
     # ---- metrics and state --------------------------------------------------------------------------
 
     def take_metrics(self) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""On-policy distillation's training signal: per-token advantages from a teacher's logprobs (pure logic).
+"""On-policy distillation's training signal: per-token advantages from a teacher's logprobs (pure logic), and
+the checks a teacher must pass before a run starts.
 
 The student samples; a teacher scores the student's own tokens. At completion token t, with s_t the
 student's logprob (what inference sampled it with) and q_t the teacher's, q_t − s_t is minus the
@@ -13,6 +14,7 @@ than the student are pushed up, the others down. It is added to the task's group
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.config.envs import EnvSpec
 from tidal.errors import UserError
@@ -54,6 +56,17 @@ def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
                 total += student - teacher
                 count += 1
     return (total / count if count else 0.0), count
+
+
+def check_teacher(
+    envs: Sequence[EnvSpec], student_tokenizer: Any, teacher: str, trust_remote_code: bool, key: str
+) -> None:
+    """What `tidal rl` checks before anything starts and `tidal orchestrator` when it starts: no environment
+    with pictures, and the teacher's tokenizer the student's (one-line UserErrors naming config `key`)."""
+    from tidal.inference.tokenizer import check_same_tokenizer
+
+    refuse_distilled_pictures(envs)
+    check_same_tokenizer(student_tokenizer, teacher, trust_remote_code, key)
 
 
 def refuse_distilled_pictures(envs: Sequence[EnvSpec]) -> None:

@@ -28,7 +28,6 @@ from tidal.errors import RunStop, UserError
 from tidal.inference.client import InferenceClient
 from tidal.inference.errors import InferenceError
 from tidal.inference.teacher import TeacherClient, TeacherError
-from tidal.inference.tokenizer import check_same_tokenizer
 from tidal.monitor.events import EventLog
 from tidal.monitor.metrics import MetricsLogger
 from tidal.orchestrator.advantages import StalenessTracker, filter_groups
@@ -39,7 +38,7 @@ from tidal.orchestrator.batching import (
     make_train_samples,
 )
 from tidal.orchestrator.curriculum import Curriculum
-from tidal.orchestrator.distill import DistillWeights, refuse_distilled_pictures, reverse_kl
+from tidal.orchestrator.distill import DistillWeights, check_teacher, reverse_kl
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -544,8 +543,9 @@ def setup_teacher(
     spec = config.teacher
     if spec is None:
         return None, None
-    refuse_distilled_pictures(config.env)
-    check_same_tokenizer(tokenizer, spec.model, config.model.trust_remote_code)
+    check_teacher(
+        config.env, tokenizer, spec.model, config.model.trust_remote_code, "orchestrator.teacher.model"
+    )
     return TeacherClient(spec), DistillWeights(kl_weight=spec.kl_weight, reward_weight=spec.reward_weight)
 
 

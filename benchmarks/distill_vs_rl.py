@@ -37,6 +37,7 @@ CPU_FLAGS = [
     "--orchestrator.batch.num-prompts", "2", "--orchestrator.batch.group-size", "2",
     "--orchestrator.sampling.max-tokens", "8", "--orchestrator.online-eval.num-tasks", "2",
     "--inference.vllm.max-model-len", "512", "--orchestrator.batch.seq-len", "512",
+    "--trainer.scheduler.warmup-steps", "0",  # the recipes warm the lr up over 5 steps; a smoke run has 2
 ]  # fmt: skip
 """The CPU smoke run: the tiny model, a few tokens."""
 
@@ -83,7 +84,8 @@ def run_rl(
 
 def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str, Any]:
     """What one run measured: held-out at step 0 and at the end, tokens generated, KL per step, wall time."""
-    rows = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
+    logged = run / "orchestrator" / "metrics.jsonl"  # absent when a run stopped before its first step
+    rows = [json.loads(line) for line in logged.read_text().splitlines()] if logged.exists() else []
     heldout = [
         {"step": e["step"], "final": e["final"], **score(report)}
         for e in online_evals(run)

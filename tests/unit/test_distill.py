@@ -200,3 +200,52 @@ def test_an_environment_with_pictures_is_not_distilled_and_says_so_in_one_line()
     refuse_distilled_pictures([EnvSpec(name="reverse_text")])
     with pytest.raises(UserError, match="environment 'shapes' gives images, which are not distilled yet"):
         refuse_distilled_pictures([EnvSpec(name="reverse_text"), EnvSpec(name="shapes")])
+
+
+def test_the_orchestrator_waits_for_a_teacher_that_comes_up_after_it_and_names_one_that_never_does():
+    """`tidal rl` starts the teacher's server beside the student's and the orchestrator before either is up:
+    a teacher slower than the student failed every rollout of step 0 until the client waited for it."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from tidal.config.rl import TeacherConfig
+    from tidal.inference.teacher import TeacherClient, TeacherError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    async def late_server() -> web.AppRunner:
+        await asyncio.sleep(1.5)
+        app = web.Application()
+        app.router.add_get("/health", lambda request: web.Response(text="ok"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    async def scenario() -> float:
+        client = TeacherClient(TeacherConfig(model="m", urls=[url]))
+        started = asyncio.get_running_loop().time()
+        server = asyncio.create_task(late_server())
+        try:
+            await client.wait_ready(timeout=30, interval=0.2)
+            return asyncio.get_running_loop().time() - started
+        finally:
+            await client.aclose()
+            await (await server).cleanup()
+
+    assert asyncio.run(scenario()) >= 1.5  # it waited for the server instead of failing at once
+
+    async def never() -> None:
+        client = TeacherClient(TeacherConfig(model="m", urls=[url]))
+        try:
+            await client.wait_ready(timeout=0.5, interval=0.1)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(TeacherError, match="not healthy after 0 s"):
+        asyncio.run(never())

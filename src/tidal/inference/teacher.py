@@ -6,6 +6,7 @@ there given what precedes it (nothing of what it then samples is used). The teac
 so no version is tracked; requests rotate over the servers.
 """
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,22 @@ class TeacherClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def wait_ready(self, timeout: float, interval: float = 1.0) -> None:
+        """Until every teacher server answers /health (one `tidal rl` starts loads it beside the student's,
+        and the orchestrator starts before either is up); TeacherError naming the first that did not."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        for url in {url.rstrip("/") for url in self.config.urls}:
+            while True:
+                try:
+                    await self._post(url, "/health", None, parse=False)
+                    break
+                except TeacherError as exc:
+                    if asyncio.get_running_loop().time() >= deadline:
+                        raise TeacherError(
+                            f"the teacher was not healthy after {timeout:.0f} s: {exc}"
+                        ) from None
+                    await asyncio.sleep(interval)
 
     async def logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         """For each sequence, the teacher's logprob of every token from `starts[i]` on, given the tokens
@@ -62,7 +79,7 @@ class TeacherClient:
                 raise TeacherError(f"{url}/v1/models names no model") from None
         return self._served[url]
 
-    async def _post(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
+    async def _post(self, url: str, path: str, body: dict[str, Any] | None, parse: bool = True) -> Any:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout))
         try:
@@ -73,7 +90,7 @@ class TeacherClient:
                 if response.status != 200:
                     text = (await response.text())[:200]
                     raise TeacherError(f"{url}{path} answered {response.status}: {text}")
-                return await response.json()
+                return await response.json() if parse else None
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TeacherError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
 

@@ -163,6 +163,13 @@ class Orchestrator:
             # client's health watch, which brings it to the latest weights first).
             needed = 1 if cfg.client.recovery_timeout > 0 and cfg.resume else None
             await client.pool.wait_healthy(timeout=cfg.client.startup_timeout, count=needed)
+            if (
+                self.teacher is not None
+            ):  # `tidal rl` starts it beside the student's servers: it may load longer
+                try:
+                    await self.teacher.wait_ready(cfg.client.startup_timeout)
+                except TeacherError as exc:
+                    raise UserError(f"orchestrator.teacher: {exc}") from None
             policy = PolicyWatcher(client, self.out)
             if cfg.resume:
                 self._restore(sender)

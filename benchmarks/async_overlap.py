@@ -38,6 +38,9 @@ SMOKE_CONFIG = "configs/bench/async_overlap_smoke.toml"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
+ENGINE_STEPS = "vllm:iteration_tokens_total_count"  # engine steps so far (one observation per step)
+STEP_TOKENS = "vllm:iteration_tokens_total_sum"  # tokens those steps scheduled, prefill and decode
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
 # ---- pure logic ---------------------------------------------------------------------------------------
 
@@ -49,6 +52,9 @@ class Samples:
     running: list[tuple[float, float | None]] = field(default_factory=list)
     generated: list[tuple[float, float]] = field(default_factory=list)
     waiting: list[tuple[float, float]] = field(default_factory=list)
+    # (time, engine steps so far, tokens they scheduled, prompt tokens so far): how generation splits into
+    # steps per second and tokens per step
+    engine: list[tuple[float, float, float, float]] = field(default_factory=list)
 
 
 def parse_prometheus(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -257,8 +263,13 @@ class Sampler(threading.Thread):
             return  # not up yet, or stopping
         if response.status_code != 200:
             return
-        values = parse_prometheus(response.text, (RUNNING, WAITING, GENERATED))
+        values = parse_prometheus(
+            response.text, (RUNNING, WAITING, GENERATED, ENGINE_STEPS, STEP_TOKENS, PROMPT_TOKENS)
+        )
         self.samples.running.append((now, values.get(RUNNING)))
+        if ENGINE_STEPS in values and STEP_TOKENS in values:
+            engine = (values[ENGINE_STEPS], values[STEP_TOKENS], values.get(PROMPT_TOKENS, math.nan))
+            self.samples.engine.append((now, *engine))
         if GENERATED in values:
             self.samples.generated.append((now, values[GENERATED]))
         if WAITING in values:

@@ -93,6 +93,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -137,6 +138,9 @@ DEFINITIONS = {
     "tidal.trainer_idle": "sum of the window steps' time/wait_for_data / the window's seconds",
     "tidal.weight_update": "medians over the window's steps of the trainer's time/publish and the orchestrator's "
     "seconds per weight update (from its running totals); publish_plus_load_s: their sum",
+    "tidal.engine_steps": "vLLM's engine steps (vllm:iteration_tokens_total) over the window's intervals with a "
+    "request running: steps/s, tokens scheduled per step (prefill and decode), prompt tokens/s; "
+    "vllm_offline.calls[].engine_steps: the same over each timed LLM.generate call",
     "tidal.startup": "s from launching tidal rl to the first trainer record (step 0 trained) and the first "
     "orchestrator record",
     "trl.time_to_trl_gain_vs_trl_wall": "s from launching tidal rl to the first online eval whose greedy held-out "
@@ -203,6 +207,33 @@ def generation_rates(rows: Sequence[Mapping[str, Any]], start: float, end: float
         "window_mean": tokens / span if span > 0 else None,
         "bins_generating": len(busy),
         "bins": len(inside),
+    }
+
+
+def engine_rates(
+    engine: Sequence[tuple[float, float, float, float]],
+    running: Sequence[tuple[float, float | None]],
+    origin: float,
+    start: float,
+    end: float,
+) -> dict[str, Any]:
+    """How generation splits into vLLM engine steps (`vllm:iteration_tokens_total`: one observation per step,
+    its tokens prefill and decode together) over [start, end] (s from origin), counting only the intervals
+    between consecutive samples with a request running at both ends (the engine busy): steps per second,
+    tokens per step and prompt tokens per second. tokens/s = steps/s × tokens/step, so a rate below vLLM
+    alone's comes from slower steps (per-step overhead) or from smaller ones (fewer sequences per step)."""
+    busy_at = dict(running)
+    inside = [e for e in engine if start <= e[0] - origin <= end]
+    seconds = steps = tokens = prompt = 0.0
+    for (t0, s0, k0, p0), (t1, s1, k1, p1) in zip(inside, inside[1:], strict=False):
+        if (busy_at.get(t0) or 0) > 0 and (busy_at.get(t1) or 0) > 0 and t1 > t0:
+            seconds, steps, tokens = seconds + t1 - t0, steps + s1 - s0, tokens + k1 - k0
+            prompt += p1 - p0
+    return {
+        "busy_seconds": round(seconds, 2),
+        "steps_per_s": steps / seconds if seconds else None,
+        "tokens_per_step": tokens / steps if steps else None,
+        "prompt_tokens_per_s": prompt / seconds if seconds and not math.isnan(prompt) else None,
     }
 
 
@@ -432,7 +463,8 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
     if spec.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     started = time.perf_counter()
-    llm = LLM(model=model, dtype=spec["dtype"], seed=spec["seed"], **kwargs)
+    # stats on: the engine-step histogram (steps and their tokens) that the tidal parts read from /metrics
+    llm = LLM(model=model, dtype=spec["dtype"], seed=spec["seed"], disable_log_stats=False, **kwargs)
     init_s = time.perf_counter() - started
     params = SamplingParams(
         n=spec["group_size"], temperature=spec["temperature"], max_tokens=spec["max_tokens"], logprobs=0
@@ -441,14 +473,21 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
     llm.generate(requests[:2], params, use_tqdm=False)  # warm-up, untimed
     calls = []
     for _ in range(spec["repeats"]):
+        steps_before = engine_steps(llm)
         began = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - began
+        steps_after = engine_steps(llm)
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         sequences = sum(len(o.outputs) for o in outputs)
-        calls.append(
-            {"seconds": seconds, "tokens": tokens, "sequences": sequences, "tokens_per_s": tokens / seconds}
-        )
+        call = {"seconds": seconds, "tokens": tokens, "sequences": sequences, "tokens_per_s": tokens / seconds}
+        if steps_before is not None and steps_after is not None and steps_after[0] > steps_before[0]:
+            steps = steps_after[0] - steps_before[0]
+            call["engine_steps"] = {
+                "steps_per_s": steps / seconds,
+                "tokens_per_step": (steps_after[1] - steps_before[1]) / steps,
+            }
+        calls.append(call)
     import vllm
 
     record.write_text(
@@ -464,6 +503,19 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
     )
 
 
+def engine_steps(llm: Any) -> tuple[float, float] | None:
+    """(engine steps so far, tokens they scheduled) from the engine's `vllm:iteration_tokens_total`
+    histogram (`LLM.get_metrics`), summed over engines; None where this vLLM does not report it."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # an older vLLM or stats off: the call's tokens/s is still measured
+        return None
+    found = [m for m in metrics if m.name == "vllm:iteration_tokens_total"]
+    if not found:
+        return None
+    return sum(float(m.count) for m in found), sum(float(m.sum) for m in found)
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -474,19 +526,29 @@ def _has_cuda() -> bool:
 
 
 class StartupProfile:
-    """py-spy (where installed) sampling `tidal rl` and every process under it for its first `seconds`: a
-    speedscope file with each thread's stacks over time, idle ones included (a thread waiting on a child
-    process, a socket or the GPU is where the start-up waits), to show where the start-up goes."""
+    """py-spy (where installed) sampling `tidal rl` and every process under it for `seconds`, from `delay`
+    seconds after launch: a speedscope file with each thread's stacks over time, idle ones included (a thread
+    waiting on a child process, a socket or the GPU is where the run waits). From launch it shows where the
+    start-up goes; from inside the steady window, which process limits generation."""
 
-    def __init__(self, out: Path, seconds: float, rate: int = 25):
-        self.out, self.seconds, self.rate = out, seconds, rate
+    def __init__(self, out: Path, seconds: float, rate: int = 25, delay: float = 0.0):
+        self.out, self.seconds, self.rate, self.delay = out, seconds, rate, delay
         self.pid: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
+        self._timer: threading.Timer | None = None
 
     def attach(self, pid: int) -> None:
         self.pid = pid
 
     def start(self) -> None:
+        if self.delay > 0:
+            self._timer = threading.Timer(self.delay, self._record)
+            self._timer.daemon = True
+            self._timer.start()
+        else:
+            self._record()
+
+    def _record(self) -> None:
         binary = shutil.which("py-spy")  # real_models_h200.sh puts its carried wheels' scripts on PATH
         if self.pid is None or self.seconds <= 0 or binary is None:
             return
@@ -497,6 +559,9 @@ class StartupProfile:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer.join()  # a recording it was starting has its process set by now
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
             try:
@@ -513,6 +578,7 @@ def launch_rl(
     timeout: float,
     profile_s: float = 0.0,
     metrics_interval: float = 0.1,
+    profile_from: float = 0.0,
 ) -> dict[str, Any]:
     """Run `tidal rl` with the /metrics sampler (every `metrics_interval` s) and a tail of its online evals
     (and py-spy over its first `profile_s` seconds); return what they saw."""
@@ -521,7 +587,9 @@ def launch_rl(
     sampler = Sampler(f"http://127.0.0.1:{port}/metrics", run_dir / "rl", metrics_interval)
     launch, wall_start = time.monotonic(), time.time()
     evals = Tail(run_dir / "rl" / "orchestrator" / "online_eval.jsonl", wall_start)
-    watchers = [sampler, evals, StartupProfile(run_dir / "startup.speedscope.json", profile_s)]
+    name = "startup" if profile_from <= 0 else "steady"
+    profile = StartupProfile(run_dir / f"{name}.speedscope.json", profile_s, delay=profile_from)
+    watchers = [sampler, evals, profile]
     code = run_watched(argv, run_dir / "rl.log", timeout, watchers, "loop_throughput: tidal rl")
     return {
         "command": shlex.join(["python3", *argv[1:]]),
@@ -587,6 +655,7 @@ def summarise_tidal(
         "end_s": round(end, 2),
     }
     out["generation_tokens_per_s"] = generation_rates(rows, start, end)
+    out["engine_steps"] = engine_rates(sampler.samples.engine, sampler.samples.running, launch, start, end)
     out["trainer_idle"] = trainer_idle(trainer, win)
     out["weight_update"] = window_medians(trainer, orchestrator, win.first_step, win.last_step)
     out["orchestrator_tokens_per_s_median"] = median_or_none(
@@ -613,7 +682,7 @@ def run_tidal(
             "--output-dir", str(run_dir / "rl"), "--max-steps", str(args.max_steps),
             "--inference.server.port", str(port)]  # fmt: skip
     profile = args.profile_startup if part in args.profile_parts else 0.0
-    run = launch_rl(argv, run_dir, port, args.timeout, profile, args.metrics_interval)
+    run = launch_rl(argv, run_dir, port, args.timeout, profile, args.metrics_interval, args.profile_from)
     log = run_dir / "rl" / "logs" / "inference.log"
     if log.exists():
         run["startup_marks"] = startup_profile(log.read_text(errors="replace"), run["launched_at"])
@@ -963,8 +1032,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument(
         "--profile-startup", type=float, default=0.0,
-        help="py-spy over the first S seconds of the --profile-parts runs (where py-spy is installed): "
-        "<run>/startup.speedscope.json",
+        help="py-spy over S seconds of the --profile-parts runs (where py-spy is installed), from launch: "
+        "<run>/startup.speedscope.json, or from --profile-from: <run>/steady.speedscope.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-from", type=float, default=0.0,
+        help="seconds after launch that py-spy starts (e.g. inside the steady window, to see which process "
+        "limits generation; benchmarks/speedscope_summary.py --busy reads it)",
     )  # fmt: skip
     parser.add_argument(
         "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=["tidal", "tidal_cuda_ipc"],

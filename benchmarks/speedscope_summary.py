@@ -6,6 +6,11 @@ least `--min-s` seconds of samples, its command line and, per window of `--windo
 was in most often (their innermost frames): e.g. an engine process importing for 15 s, then compiling.
 
     python benchmarks/speedscope_summary.py startup.speedscope.json --window-s 5 --frames 4
+
+`--busy` prints instead, for every thread, the share of its samples that were not waiting (innermost frame
+not one of the blocking calls in WAITS: a selector, a poll, a queue or condition wait, or an event loop's
+`run` with nothing on top, which is where uvloop idles) and its most frequent innermost frames: which process
+was the busy one while the engine generated (loop_throughput.py --profile-from).
 """
 
 import argparse
@@ -41,6 +46,35 @@ def is_process(frame: dict[str, Any]) -> bool:
     return not frame.get("file") and str(frame["name"]).startswith("process ")
 
 
+WAITS = frozenset({
+    "select", "poll", "wait", "Condition.wait", "Queue.get", "Runner.run", "Event.wait", "Poller.poll",
+    "EpollSelector.select", "_PollLikeSelector.select", "_worker", "main", "sleep", "Popen._try_wait",
+    # tidal's polling loops, whose time.sleep (C) leaves them innermost
+    "wait_healthy", "DeathWatch.wait", "wait_for_gate", "FilesystemReceiver.receive",
+})  # fmt: skip
+"""Innermost frames that mean the thread was blocked, not computing (py-spy --idle records them too)."""
+
+
+def busy(
+    profile: dict[str, Any], frames: list[dict[str, Any]], top: int, skip_s: float = 0.0
+) -> tuple[float, list[str]]:
+    """(share of samples not in a WAITS frame, the `top` innermost frames of the busy ones with their share),
+    after the thread's first `skip_s` recorded seconds."""
+    inner: Counter[str] = Counter()
+    total = elapsed = 0.0
+    for stack, weight in zip(profile["samples"], profile["weights"], strict=True):
+        elapsed += weight
+        if elapsed <= skip_s:
+            continue
+        code = [i for i in stack if not is_process(frames[i])]
+        total += weight
+        name = str(frames[code[-1]]["name"]) if code else "?"
+        if name not in WAITS:
+            inner[name] += weight
+    shown = [f"    {w / total:4.0%}  {name}" for name, w in inner.most_common(top)] if total else []
+    return (sum(inner.values()) / total if total else 0.0), shown
+
+
 def summarise(
     profile: dict[str, Any], frames: list[dict[str, Any]], width: float, depth: int, top: int
 ) -> list[str]:
@@ -64,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--min-s", type=float, default=2.0, help="threads with less recorded time are left out"
     )
+    parser.add_argument("--busy", action="store_true", help="each thread's busy share and busiest frames")
+    parser.add_argument("--skip-s", type=float, default=0.0, help="--busy: leave each thread's first S s out")
     args = parser.parse_args(argv)
     data = json.loads(args.file.read_text())
     frames = data["shared"]["frames"]
@@ -73,7 +109,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             continue
         owner = [frames[i]["name"] for i in profile["samples"][0] if is_process(frames[i])]
         print(f"{profile['name']} — {total:.0f} s recorded — {(owner[-1] if owner else '?')[:160]}")
-        print("\n".join(summarise(profile, frames, args.window_s, args.frames, args.top)))
+        if args.busy:
+            share, shown = busy(profile, frames, args.top, args.skip_s)
+            print(f"  busy {share:.0%}")
+            print("\n".join(shown))
+        else:
+            print("\n".join(summarise(profile, frames, args.window_s, args.frames, args.top)))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from benchmarks.loop_throughput import (  # noqa: E402
     GOALS,
     REPO,
     comparison_config,
+    engine_rates,
     generation_rates,
     goals,
     median_or_none,
@@ -69,6 +70,17 @@ def test_generation_rates_median_over_generating_bins_and_mean_over_the_window()
     assert (rates["bins_generating"], rates["bins"]) == (3, 5)
     empty = generation_rates(rows, 10.0, 20.0)
     assert empty["median_generating"] is None and empty["window_mean"] is None
+
+
+def test_engine_rates_split_generation_into_steps_per_second_and_tokens_per_step() -> None:
+    # (t, engine steps, their tokens, prompt tokens): 100 steps of 200 tokens a second while running, then idle
+    engine = [(100.0, 0, 0, 0), (101.0, 100, 20000, 500), (102.0, 200, 40000, 1000), (103.0, 200, 40000, 1000)]
+    running = [(100.0, 250.0), (101.0, 250.0), (102.0, 10.0), (103.0, 0.0)]
+    rates = engine_rates(engine, running, origin=100.0, start=0.0, end=3.0)
+    assert rates == {
+        "busy_seconds": 2.0, "steps_per_s": 100.0, "tokens_per_step": 200.0, "prompt_tokens_per_s": 500.0,
+    }  # fmt: skip
+    assert engine_rates(engine, running, origin=100.0, start=2.5, end=3.0)["steps_per_s"] is None
 
 
 def test_median_or_none_skips_missing_and_nan() -> None:

@@ -480,7 +480,12 @@ def offline_worker(spec: Mapping[str, Any], record: Path) -> None:
         steps_after = engine_steps(llm)
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         sequences = sum(len(o.outputs) for o in outputs)
-        call = {"seconds": seconds, "tokens": tokens, "sequences": sequences, "tokens_per_s": tokens / seconds}
+        call = {
+            "seconds": seconds,
+            "tokens": tokens,
+            "sequences": sequences,
+            "tokens_per_s": tokens / seconds,
+        }
         if steps_before is not None and steps_after is not None and steps_after[0] > steps_before[0]:
             steps = steps_after[0] - steps_before[0]
             call["engine_steps"] = {

@@ -74,7 +74,12 @@ def test_generation_rates_median_over_generating_bins_and_mean_over_the_window()
 
 def test_engine_rates_split_generation_into_steps_per_second_and_tokens_per_step() -> None:
     # (t, engine steps, their tokens, prompt tokens): 100 steps of 200 tokens a second while running, then idle
-    engine = [(100.0, 0, 0, 0), (101.0, 100, 20000, 500), (102.0, 200, 40000, 1000), (103.0, 200, 40000, 1000)]
+    engine = [
+        (100.0, 0, 0, 0),
+        (101.0, 100, 20000, 500),
+        (102.0, 200, 40000, 1000),
+        (103.0, 200, 40000, 1000),
+    ]
     running = [(100.0, 250.0), (101.0, 250.0), (102.0, 10.0), (103.0, 0.0)]
     rates = engine_rates(engine, running, origin=100.0, start=0.0, end=3.0)
     assert rates == {

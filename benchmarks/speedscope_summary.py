@@ -51,6 +51,7 @@ WAITS = frozenset({
     "EpollSelector.select", "_PollLikeSelector.select", "_worker", "main", "sleep", "Popen._try_wait",
     # tidal's polling loops, whose time.sleep (C) leaves them innermost
     "wait_healthy", "DeathWatch.wait", "wait_for_gate", "FilesystemReceiver.receive",
+    "Connection._recv",  # a worker process waiting on its pipe (the reward pool's)
 })  # fmt: skip
 """Innermost frames that mean the thread was blocked, not computing (py-spy --idle records them too)."""
 

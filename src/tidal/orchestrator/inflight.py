@@ -33,8 +33,9 @@ class LaunchRule:
 
     num_prompts: int
     """Groups a step trains on."""
-    max_in_flight: int
-    """Groups running at once, whichever step they are for."""
+    max_in_flight: int | None
+    """Groups running at once, whichever step they are for (None: no cap beyond the demand below, which
+    the async bound and the keep rate's floor already bound)."""
     max_async_level: int
     """A group started under policy `v` may train steps up to `v + max_async_level`."""
     limit: int
@@ -74,7 +75,10 @@ class LaunchRule:
         wanted = self.num_prompts - kept + ahead  # groups with a learning signal still to find
         demand = math.ceil(wanted / keep_rate - 1e-9) - in_flight - waiting
         budget = self.limit + ahead - drawn
-        return max(0, min(demand, budget, self.max_in_flight - in_flight))
+        room = min(demand, budget)
+        if self.max_in_flight is not None:
+            room = min(room, self.max_in_flight - in_flight)
+        return max(0, room)
 
     def may_carry(self, launched: int, next_step: int) -> bool:
         """Whether a group started under policy `launched` may still train `next_step`."""

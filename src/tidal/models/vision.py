@@ -40,8 +40,12 @@ def _config_file(model_path: str) -> Path | None:
 
 
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
-"""Model types whose pictures tidal trains on: Idefics3's architecture (SmolVLM). Qwen2.5-VL and Qwen3-VL need
-their multimodal RoPE positions under packing, which comes next (docs/vlm.md)."""
+"""Idefics3's architecture (SmolVLM): picture features fill `<image>` tokens, positions are the text's."""
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Qwen-VL models: a picture's merged patches fill `<|image_pad|>` tokens, and every token takes multimodal
+RoPE positions (temporal, height, width) from the model's own `get_rope_index` (`rope_positions`)."""
+TRAINED_TYPES = IDEFICS3_TYPES + QWEN_VL_TYPES
+"""Model types whose pictures tidal trains on."""
 
 
 PICTURE_TOKENS = ("<image>", "<|image_pad|>", "<|video_pad|>")
@@ -81,7 +85,8 @@ class PictureInputs:
 
     def __init__(self, processor: Any):
         self.processor = processor
-        self.placeholder_id = int(processor.tokenizer.convert_tokens_to_ids(self.placeholder))
+        self.tokenizer = processor.tokenizer
+        self.placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.placeholder))
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[str]) -> tuple[list[int], Pictures]:
         """The prompt's ids with every placeholder expanded, and its pictures' arrays in order. A ValueError
@@ -131,6 +136,69 @@ class PictureInputs:
         )
 
 
+class QwenPictureInputs(PictureInputs):
+    """Qwen-VL's pictures, expanded as its processor (and vLLM) does: the chat template's one `<|image_pad|>`
+    per picture becomes (t·h·w patches) / merge² of them, and the picture becomes its patches
+    (`pixel_values` [patches, C·T·P·P]) and their grid (`image_grid_thw` [1, 3]), from the model's image
+    processor. The processor itself is not needed: it would also load a video processor, which needs
+    torchvision."""
+
+    placeholder = "<|image_pad|>"
+
+    def __init__(self, image_processor: Any, tokenizer: Any):
+        self.processor = image_processor
+        self.tokenizer = tokenizer
+        self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.placeholder))
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+
+    def one_picture(self, image: Any) -> tuple[list[int], Pictures]:
+        out = self.processor(images=[image], return_tensors="np")
+        grid = out["image_grid_thw"].astype("int64")  # [1, 3]
+        tokens = int(grid.prod()) // (self.merge * self.merge)
+        return [self.placeholder_id] * tokens, Pictures(
+            count=1,
+            pixel_values=PackedArray.from_numpy(out["pixel_values"].astype("float32")),
+            image_grid_thw=PackedArray.from_numpy(grid),
+        )
+
+
+def rope_positions(
+    decoder: Any, input_ids: Any, position_ids: Any, image_grid_thw: Any | None, image_token_id: int
+) -> Any:
+    """Packed rows' positions for a Qwen-VL model, [4, rows, seq]: the text positions (which mark where each
+    sample starts, for the attention's document bounds), then the model's own multimodal RoPE positions
+    (`decoder.get_rope_index`) of each sample alone, as vLLM gives that sample. `image_grid_thw` holds the
+    rows' pictures in token order (a sample's image tokens are one run per picture); padding after a row's
+    last sample counts on as text after it."""
+    import torch
+
+    rows, seq = input_ids.shape
+    mrope = position_ids.unsqueeze(0).repeat(3, 1, 1)  # text positions in all three: samples without pictures
+    grids = list(image_grid_thw) if image_grid_thw is not None else []
+    used = 0
+    for row in range(rows):
+        starts = (position_ids[row] == 0).nonzero().flatten().tolist() + [seq]
+        for begin, end in zip(starts, starts[1:], strict=False):
+            ids = input_ids[row, begin:end]
+            is_image = ids == image_token_id
+            pictures = int((is_image[1:] & ~is_image[:-1]).sum()) + int(bool(is_image[:1].any()))
+            if not pictures:
+                continue
+            if used + pictures > len(grids):
+                raise ValueError(f"{len(grids)} pictures for more runs of image tokens in the rows")
+            mine = torch.stack(grids[used : used + pictures])
+            used += pictures
+            found, _ = decoder.get_rope_index(
+                ids.unsqueeze(0), mm_token_type_ids=is_image.int().unsqueeze(0), image_grid_thw=mine
+            )
+            mrope[:, row, begin:end] = found[:, 0].to(
+                mrope.dtype
+            )  # a row's padding: text after its last sample
+    if used != len(grids):
+        raise ValueError(f"{len(grids)} pictures for {used} runs of image tokens in the rows")
+    return torch.cat([position_ids.unsqueeze(0), mrope], dim=0)
+
+
 def training_problem(model_name: str) -> str | None:
     """Why the model `model_name` cannot train on pictures (no vision tower, or a type tidal does not train
     on yet), in words; None when it can."""
@@ -140,10 +208,10 @@ def training_problem(model_name: str) -> str | None:
     if not sees_images(path):
         return f"model {model_name!r} has no vision tower (no vision_config in its config)"
     kind = model_type(path)
-    if kind not in IDEFICS3_TYPES:
+    if kind not in TRAINED_TYPES:
         return (
             f"model {model_name!r} is a {kind or 'unknown'} vision-language model: tidal trains on pictures "
-            f"with {' and '.join(IDEFICS3_TYPES)} models so far (docs/vlm.md)"
+            f"with {', '.join(TRAINED_TYPES)} models so far (docs/vlm.md)"
         )
     return None
 
@@ -158,11 +226,16 @@ def setup_pictures(model_name: str, trust_remote_code: bool = False) -> PictureI
     if problem is not None:
         raise UserError(problem)
     path = resolve_model_name(model_name)
-    from transformers import AutoProcessor
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
+        if model_type(path) in QWEN_VL_TYPES:
+            return QwenPictureInputs(
+                AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code),
+                AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code),
+            )
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"model {model_name!r}: cannot load its processor: {first_line(exc)}") from None
     return PictureInputs(processor)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tidal.models.vision import QWEN_VL_TYPES
 from tidal.trainer.attention import ATTN_NAME, document_bounds
 from tidal.trainer.context_parallel import CP_ATTN_NAME, ContextParallel
 from tidal.trainer.moe import MoERouting, Routes
@@ -266,6 +267,7 @@ class TokenScorer(torch.nn.Module):
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
         collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
+        position_ids = self._positions(decoder, input_ids, position_ids, pictures)
         with collect, self._compute():
             inputs = self._inputs(decoder, input_ids, pictures)
             hidden = decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
@@ -294,6 +296,25 @@ class TokenScorer(torch.nn.Module):
             return contextlib.nullcontext()
         device = next(self.lm.parameters()).device.type
         return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _positions(
+        self,
+        decoder: torch.nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        pictures: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The rows' text positions, or for a Qwen-VL model its multimodal RoPE positions of each sample
+        with the text ones in front ([4, rows, seq]: tidal.models.vision.rope_positions)."""
+        config: Any = self.lm.config
+        if str(getattr(config, "model_type", "")) not in QWEN_VL_TYPES:
+            return position_ids
+        if self.context_parallel is not None:
+            raise ValueError("context parallelism does not split multimodal RoPE positions yet")
+        from tidal.models.vision import rope_positions
+
+        grid = (pictures or {}).get("image_grid_thw")
+        return rope_positions(decoder, input_ids, position_ids, grid, int(config.image_token_id))
 
     def _inputs(
         self, decoder: torch.nn.Module, input_ids: torch.Tensor, pictures: dict[str, torch.Tensor] | None

@@ -444,6 +444,16 @@ def apply_fsdp(
 
         raise UserError(str(exc)) from None
     if meshes.cp is not None:
+        from tidal.models.vision import QWEN_VL_TYPES
+
+        kind = str(root.lm.config.model_type)  # type: ignore[union-attr]
+        if kind in QWEN_VL_TYPES:
+            from tidal.errors import UserError
+
+            raise UserError(
+                f"perf.cp = {perf.cp}: context parallelism does not split {kind}'s multimodal RoPE positions "
+                "yet; use cp = 1"
+            )
         cp_mesh = meshes.cp
         root.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
         if routing is not None:

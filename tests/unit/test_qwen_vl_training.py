@@ -28,7 +28,6 @@ from tidal.trainer.chunked import TokenScorer
 from tidal.trainer.model import load_model
 from tidal.types import Group, Rollout
 
-
 PATCH = {TINY_QWEN_VL_MODEL_NAME: 14, TINY_QWEN3_VL_MODEL_NAME: 16}
 
 

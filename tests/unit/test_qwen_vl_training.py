@@ -81,9 +81,7 @@ def test_trainer_logprobs_over_packed_rows_use_each_samples_own_rope_positions(
         prompt, urls = _prompt(pictures, n, text)
         done = [10 + k, 11, 12 + k, 13]
         rollout = Rollout(prompt, done, [-1.0] * 4, [1] * 4, 1.0, 0, 0, "shapes", "t", images=urls or None)
-        samples += make_train_samples(
-            [Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures.expand
-        )
+        samples += make_train_samples([Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures)
     micro = build_micro_batch([samples[:3], samples[3:]], 1024, 0)  # three samples share the first row
     t = micro.to_tensors()
     with torch.no_grad():

@@ -192,15 +192,39 @@ def test_a_multi_turn_episode_sends_its_picture_with_every_turn_and_continues_th
     assert second[: len(first)] == first  # the second turn continues the first exactly
 
 
-def test_a_picture_in_the_environments_reply_fails_the_rollout_with_its_reason():
+def test_a_picture_in_the_environments_reply_follows_the_episodes_in_ids_and_requests():
     import asyncio
 
     from tidal.envs.base import run_episode
 
     class PictureReply(ShapesEnv):
         async def env_response(self, task, episode):  # type: ignore[no-untyped-def]
-            return [dict(task.messages[1])] if episode.num_turns < 2 else None
+            if episode.num_turns >= 2:
+                return None
+            other = (
+                ShapesEnv(seed=7).task(1).messages[-1]
+            )  # a user turn with another picture and its question
+            return [dict(other)]
 
     env = PictureReply(min_turns=1, max_turns=2)
-    with pytest.raises(ValueError, match="a picture in the environment's reply"):
-        asyncio.run(run_episode(env, env.task(0), PictureSampler(["1", "2"])))
+    task = env.task(0)
+    sampler = PictureSampler(["1", "2"])
+    episode = asyncio.run(run_episode(env, task, sampler))
+    (first, first_images), (second, second_images) = sampler.requests
+    added = message_images([ShapesEnv(seed=7).task(1).messages[-1]])
+    assert first_images == message_images(task.messages) and len(added) == 1
+    assert second_images == [*first_images, *added] == episode.images  # every turn sends them all
+    image_id = sampler.tokenizer.convert_tokens_to_ids("<image>")
+    assert first.count(image_id) == 1 and second.count(image_id) == 2  # one placeholder each, never expanded
+    assert second[: len(first)] == first  # the episode's ids continue unchanged
+    # the reply's placeholder is an environment token of the completion (mask 0), after the first reply
+    placed = [
+        m for t, m in zip(episode.completion_ids, episode.completion_mask, strict=True) if t == image_id
+    ]
+    assert placed == [0] and episode.num_turns == 2
+
+    class Truncated(PictureReply):
+        max_context_tokens = len(second) - 1  # the second prompt does not fit: its picture never enters
+
+    cut = asyncio.run(run_episode(Truncated(min_turns=1, max_turns=2), task, PictureSampler(["1"])))
+    assert cut.images == first_images and cut.info.get("truncated")

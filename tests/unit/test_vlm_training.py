@@ -4,6 +4,7 @@ order, and the trainer's forward over packed rows gives every sample the logprob
 alone. The vision tower is frozen by default."""
 
 import base64
+import dataclasses
 import io
 import json
 
@@ -80,11 +81,14 @@ def test_packed_micro_batches_carry_pictures_in_token_order_through_json(picture
         groups.append(Group(f"t{n}", "shapes", rollouts))
     calls = []
 
-    def counted(ids, urls):
-        calls.append(len(urls))
-        return pictures.expand(ids, urls)
+    class Counted:
+        placeholder_id = pictures.placeholder_id
 
-    samples = make_train_samples(groups, expand_pictures=counted)
+        def expand(self, ids, urls):
+            calls.append(len(urls))
+            return pictures.expand(ids, urls)
+
+    samples = make_train_samples(groups, expand_pictures=Counted())
     assert calls == [1, 2]  # once per distinct prompt, not per rollout
     assert [s.pictures.count for s in samples] == [1, 1, 2, 2]
     micro = build_micro_batch([samples[:1], samples[2:3]], 512, 0)
@@ -133,9 +137,7 @@ def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(
         prompt, urls = _prompt(pictures, n)
         done = [10 + k, 11, 12 + k, 13]
         rollout = Rollout(prompt, done, [-1.0] * 4, [1] * 4, 1.0, 0, 0, "shapes", "t", images=urls)
-        samples += make_train_samples(
-            [Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures.expand
-        )
+        samples += make_train_samples([Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures)
     micro = build_micro_batch([samples[:2], samples[2:]], 1024, 0)  # two samples share the first row
     t = micro.to_tensors()
     with torch.no_grad():
@@ -280,3 +282,55 @@ def test_a_reply_holding_a_picture_token_is_refused(pictures):
         picture_token_ids(AutoTokenizer.from_pretrained(resolve_model_name("tidal-testing/tiny-qwen3")))
         == set()
     )
+
+
+def test_a_picture_an_environment_turn_added_is_expanded_in_place_and_reaches_the_model(pictures):
+    from tidal.envs.chat import continue_prompt
+    from tidal.inference.types import ChatMessage
+
+    tokenizer = pictures.processor.tokenizer
+    prompt, urls = _prompt(pictures, 1)
+    first_reply = tokenizer("red", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    added = _url((10, 10, 240))
+    history = [ChatMessage(role="user", content="How many?"), ChatMessage(role="assistant", content="red")]
+    new = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
+    context = continue_prompt(tokenizer, prompt + first_reply, history, new)
+    env_tokens = context[len(prompt) + len(first_reply) :]
+    assert env_tokens.count(pictures.placeholder_id) == 1  # one placeholder, as vLLM gets it
+    second_reply = tokenizer("blue", add_special_tokens=False)["input_ids"]
+    completion = first_reply + env_tokens + second_reply
+    mask = [1] * len(first_reply) + [0] * len(env_tokens) + [1] * len(second_reply)
+    logprobs = [-0.5 - i / 100 for i in range(len(completion))]
+    logprobs = [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)]
+    rollout = Rollout(prompt, completion, logprobs, mask, 1.0, 0, 0, "shapes", "t", images=[*urls, added])
+    (sample,) = make_train_samples([Group("t", "shapes", [rollout])], [[1.0]], expand_pictures=pictures)
+    whole, both = pictures.expand(prompt + completion, [*urls, added])  # the processor on the whole episode
+    assert sample.input_ids == whole and sample.pictures is not None and sample.pictures.count == 2
+    assert (sample.pictures.pixel_values.to_numpy() == both.pixel_values.to_numpy()).all()
+    # the model's tokens keep their mask and logprobs; the picture's tokens are the environment's (0, 0.0)
+    trained = [
+        (t, lp)
+        for t, m, lp in zip(sample.input_ids, sample.loss_mask, sample.inference_logprobs, strict=True)
+        if m
+    ]
+    assert trained == [(t, lp) for t, m, lp in zip(completion, mask, logprobs, strict=True) if m]
+    assert sample.input_ids.index(pictures.placeholder_id) < len(prompt) + len(
+        first_reply
+    )  # the first in place
+    with pytest.raises(ValueError, match="1 pictures for 2 picture placeholders"):
+        make_train_samples(
+            [Group("t", "shapes", [dataclasses.replace(rollout, images=urls)])],
+            [[1.0]],
+            expand_pictures=pictures,
+        )
+    model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME))
+    scorer = TokenScorer(model).eval()
+    micro = build_micro_batch([[sample]], 1024, 0)
+    t = micro.to_tensors()
+    with torch.no_grad():
+        got, _ = scorer(t["input_ids"], t["position_ids"], t["target_ids"], pictures=micro.picture_tensors())
+        inputs = {k: v.unsqueeze(0) for k, v in micro.picture_tensors().items()}
+        logits = model(input_ids=t["input_ids"], **inputs).logits
+    want = torch.log_softmax(logits.float(), -1).gather(-1, t["target_ids"].unsqueeze(-1)).squeeze(-1)
+    n = len(sample) - 1
+    assert torch.allclose(got[0, :n], want[0, :n], atol=1e-5)

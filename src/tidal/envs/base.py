@@ -94,8 +94,8 @@ class Episode:
     """What a multi-turn environment tracked during the rollout (game state, tool calls) for its rewards."""
 
     images: list[str] = field(default_factory=list)
-    """The pictures of the task's prompt in order (data or http URLs), one per image placeholder in its ids
-    (an environment's later turns cannot add one yet)."""
+    """The episode's pictures in order (data or http URLs), one per image placeholder in its ids: the task
+    prompt's, then those the environment's later turns added (in its tokens of the completion, mask 0)."""
     routed_experts: RoutedExperts | None = None
     """Routes of the last model turn when it continued exactly this episode's context (they then cover every
     token up to that turn's last one); None otherwise."""

@@ -46,11 +46,14 @@ class TemplateMismatch(ValueError):
 _REPLY = "\x00tidal-reply\x00"
 
 
-def render(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+RenderMessage = ChatMessage | dict[str, Any]
+"""A message to render: a ChatMessage, or a plain message whose content is a list of parts (pictures)."""
+
+
+def render(tokenizer: Any, messages: Sequence[RenderMessage], add_generation_prompt: bool) -> str:
+    plain = [m.model_dump() if isinstance(m, ChatMessage) else m for m in messages]
     return str(
-        tokenizer.apply_chat_template(
-            [m.model_dump() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
     )
 
 
@@ -58,7 +61,7 @@ def continue_prompt(
     tokenizer: Any,
     context_ids: Sequence[int],
     messages: Sequence[ChatMessage],
-    new_messages: Sequence[ChatMessage],
+    new_messages: Sequence[RenderMessage],
 ) -> list[int]:
     """Prompt ids for the next turn: `context_ids` unchanged, then the template's text that follows them.
 
@@ -101,12 +104,18 @@ def text_after_reply(rendered: str) -> str:
     return rendered[rendered.index(_REPLY) + len(_REPLY) :]
 
 
-def check_new_messages_follow(suffix: str, new_messages: Sequence[ChatMessage]) -> None:
-    """Every new message's content (stripped: templates may trim it) must be in the text after the reply."""
+def check_new_messages_follow(suffix: str, new_messages: Sequence[RenderMessage]) -> None:
+    """Every new message's content (stripped: templates may trim it; each text part of one with parts) must
+    be in the text after the reply."""
     for message in new_messages:
-        if message.content.strip() not in suffix:
+        if isinstance(message, ChatMessage):
+            role, texts = message.role, [message.content]
+        else:
+            role = message["role"]
+            texts = [str(p.get("text", "")) for p in message["content"] if p.get("type") == "text"]
+        if any(text.strip() not in suffix for text in texts):
             raise TemplateMismatch(
-                f"the chat template does not render the new {message.role} message after the model's reply"
+                f"the chat template does not render the new {role} message after the model's reply"
             )
 
 

@@ -8,7 +8,7 @@ from abc import abstractmethod
 from typing import Any
 
 from tidal.envs.base import ContextFull, Environment, Episode, Sampler, Task, answer_text, render_prompt
-from tidal.envs.chat import continue_prompt, message_images
+from tidal.envs.chat import IMAGE_PART_TYPES, continue_prompt, message_images
 from tidal.inference.types import ChatMessage
 
 Message = dict[str, Any]
@@ -39,9 +39,10 @@ class MultiTurnEnv(Environment):
         )
         self.setup_episode(task, episode)
         context, reply = prompt, None
+        pictures: list[str] = []  # the pending reply's, sent with the turn it asks for
         for _ in range(self.max_turns):
-            try:
-                turn = await sampler.complete(context, episode.images)
+            try:  # every turn sends all the pictures its ids hold
+                turn = await sampler.complete(context, [*episode.images, *pictures])
             except ContextFull:
                 if reply is None:
                     raise  # the task's own prompt does not fit: the rollout fails
@@ -50,17 +51,13 @@ class MultiTurnEnv(Environment):
             if reply is not None:  # the environment's turn enters the episode once a model turn follows it
                 episode.add_env_tokens(context[len(episode.context_ids) :])
                 episode.messages.extend(reply)
+                episode.images += pictures  # its pictures' placeholders follow the episode's in the ids
             episode.add_model_turn(turn)
             episode.messages.append({"role": "assistant", "content": turn.text})
             reply = await self.env_response(task, episode)
             if not reply or episode.num_turns >= self.max_turns:
                 break
-            if message_images(reply):
-                raise ValueError(
-                    f"{self.name}: a picture in the environment's reply (pictures go in the task's messages; "
-                    "later turns cannot add one yet)"
-                )
-            context = next_context(sampler.tokenizer, episode, reply)
+            context, pictures = next_context(sampler.tokenizer, episode, reply), message_images(reply)
             if self.max_context_tokens is not None and len(context) > self.max_context_tokens:
                 episode.info["truncated"] = True
                 break
@@ -68,10 +65,28 @@ class MultiTurnEnv(Environment):
 
 
 def next_context(tokenizer: Any, episode: Episode, reply: list[Message]) -> list[int]:
-    """The episode's ids, the environment's reply and the next generation prompt (the episode is unchanged)."""
+    """The episode's ids, the environment's reply and the next generation prompt (the episode is unchanged).
+    The reply's pictures are rendered as the template renders a picture part (its image placeholder)."""
     history = [_chat_message(m) for m in episode.messages]
-    new = [_chat_message(m) for m in reply]
+    new = [_new_message(m) for m in reply]
     return continue_prompt(tokenizer, episode.context_ids, history, new)
+
+
+def _new_message(message: Message) -> ChatMessage | Message:
+    """A new message as continuation renders it: text as a ChatMessage; content parts as a plain message
+    whose picture parts are bare `image` parts (the template writes a placeholder; the picture itself
+    travels beside the ids)."""
+    content = message.get("content") or ""
+    if not isinstance(content, list) or not message_images([message]):
+        return _chat_message(message)
+    parts = [
+        {"type": "image"}
+        if part.get("type") in IMAGE_PART_TYPES
+        else {"type": "text", "text": str(part.get("text", ""))}
+        for part in content
+        if isinstance(part, dict)
+    ]
+    return {"role": message["role"], "content": parts}
 
 
 def _chat_message(message: Message) -> ChatMessage:

@@ -4,8 +4,9 @@ A micro-batch's rows are padded only to its longest row (rounded up to `pad_mult
 `tidal.types.padded_width`), not to seq_len: the trainer's forward then costs what the real tokens cost.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tidal.orchestrator.advantages import DEFAULT_EPS, AdvantageKind, group_advantages, usable_rollouts
 from tidal.orchestrator.distill import DistillWeights, completion_advantages
@@ -21,9 +22,19 @@ from tidal.types import (
     padded_width,
 )
 
-ExpandPictures = Callable[[list[int], list[str]], tuple[list[int], Pictures]]
-"""(prompt ids with picture placeholders, the pictures) → (the ids with each placeholder expanded into the
-picture's image tokens, the pictures' arrays): the model's processor (tidal.models.vision.PictureInputs)."""
+
+class ExpandPictures(Protocol):
+    """The model's processor as batching uses it (tidal.models.vision.PictureInputs)."""
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token the chat template writes once per picture."""
+        ...
+
+    def expand(self, ids: Sequence[int], images: Sequence[str]) -> tuple[list[int], Pictures]:
+        """(ids with picture placeholders, the pictures) → (the ids with each placeholder expanded into the
+        picture's image tokens, the pictures' arrays)."""
+        ...
 
 
 def sample_from_rollout(
@@ -36,29 +47,77 @@ def sample_from_rollout(
     A rollout with pictures gets its prompt's placeholders expanded as vLLM expanded them (ValueError
     without `expand_pictures`). With `distill`, each completion token gets its own advantage from the
     teacher's logprobs (tidal.orchestrator.distill)."""
-    prompt, pictures = rollout.prompt_ids, None
+    prompt, completion, pictures = rollout.prompt_ids, rollout.completion_ids, None
+    columns: list[list[float]] = [
+        [float(m) for m in rollout.completion_mask],
+        [float(lp) for lp in rollout.completion_logprobs],
+    ]
+    if distill is not None:
+        columns.append(completion_advantages(rollout, float(advantage), distill))
     if rollout.images:
         if expand_pictures is None:
             raise ValueError(
                 f"rollout {rollout.task_id!r} has pictures, but the run has no picture processor"
             )
-        prompt, pictures = expand_pictures(rollout.prompt_ids, rollout.images)
+        prompt, completion, columns, pictures = expand_rollout(expand_pictures, rollout, columns)
     num_prompt = len(prompt)
+    mask, logprobs, *more = columns
     return TrainSample(
-        input_ids=prompt + rollout.completion_ids,
-        loss_mask=[0] * num_prompt + [int(m) for m in rollout.completion_mask],
-        inference_logprobs=[0.0] * num_prompt + [float(lp) for lp in rollout.completion_logprobs],
+        input_ids=prompt + completion,
+        loss_mask=[0] * num_prompt + [int(m) for m in mask],
+        inference_logprobs=[0.0] * num_prompt + logprobs,
         advantage=float(advantage),
         policy_version=rollout.policy_version,
         rollout_id=rollout.rollout_id,
         routed_experts=rollout.routed_experts,
         pictures=pictures,
-        token_advantages=(
-            None
-            if distill is None
-            else [0.0] * num_prompt + completion_advantages(rollout, float(advantage), distill)
-        ),
+        token_advantages=None if not more else [0.0] * num_prompt + more[0],
     )
+
+
+def expand_rollout(
+    expand: ExpandPictures, rollout: Rollout, columns: list[list[float]]
+) -> tuple[list[int], list[int], list[list[float]], Pictures]:
+    """A rollout's ids with every picture placeholder expanded as vLLM expanded it: the prompt's, and those
+    an environment's later turns put in the completion (tokens with mask 0), whose per-token `columns`
+    (mask, logprobs, …) get 0 on each picture's image tokens. The pictures come in the same order."""
+    placeholder = expand.placeholder_id
+    in_prompt = rollout.prompt_ids.count(placeholder)
+    later = rollout.images[in_prompt:]
+    if rollout.completion_ids.count(placeholder) != len(later):
+        raise ValueError(
+            f"rollout {rollout.task_id!r}: {len(rollout.images)} pictures for "
+            f"{in_prompt + rollout.completion_ids.count(placeholder)} picture placeholders"
+        )
+    prompt, parts = list(rollout.prompt_ids), []
+    if in_prompt:
+        prompt, first = expand.expand(rollout.prompt_ids, rollout.images[:in_prompt])
+        parts.append(first)
+    if not later:
+        return prompt, list(rollout.completion_ids), columns, _joined(parts)
+    completion: list[int] = []
+    grown: list[list[float]] = [[] for _ in columns]
+    pending = iter(later)
+    for index, token in enumerate(rollout.completion_ids):
+        if token != placeholder:
+            completion.append(token)
+            for out, column in zip(grown, columns, strict=True):
+                out.append(column[index])
+            continue
+        tokens, picture = expand.expand([placeholder], [next(pending)])
+        completion += tokens
+        parts.append(picture)
+        for out in grown:
+            out += [0.0] * len(tokens)
+    return prompt, completion, grown, _joined(parts)
+
+
+def _joined(parts: list[Pictures]) -> Pictures:
+    if len(parts) == 1:  # the expansion's own object: a group's samples share it, and it travels once
+        return parts[0]
+    joined = Pictures.concat(parts)
+    assert joined is not None, "a rollout with pictures has at least one"
+    return joined
 
 
 def make_train_samples(
@@ -87,17 +146,29 @@ def make_train_samples(
     return samples
 
 
+@dataclass
+class _OncePerPrompt:
+    """`expand` remembering what it expanded: a group's rollouts share their prompt and its pictures."""
+
+    inner: ExpandPictures
+    done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], Pictures]] = field(
+        default_factory=dict
+    )
+
+    @property
+    def placeholder_id(self) -> int:
+        return self.inner.placeholder_id
+
+    def expand(self, ids: Sequence[int], images: Sequence[str]) -> tuple[list[int], Pictures]:
+        key = (tuple(ids), tuple(images))
+        if key not in self.done:
+            self.done[key] = self.inner.expand(ids, images)
+        found, pictures = self.done[key]
+        return list(found), pictures
+
+
 def _once_per_prompt(expand: ExpandPictures) -> ExpandPictures:
-    done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], Pictures]] = {}
-
-    def once(prompt_ids: list[int], images: list[str]) -> tuple[list[int], Pictures]:
-        key = (tuple(prompt_ids), tuple(images))
-        if key not in done:
-            done[key] = expand(prompt_ids, images)
-        ids, pictures = done[key]
-        return list(ids), pictures
-
-    return once
+    return _OncePerPrompt(expand)
 
 
 def drop_too_long(samples: Sequence[TrainSample], seq_len: int) -> tuple[list[TrainSample], int]:

@@ -102,7 +102,7 @@ def setup_expand(config: OrchestratorConfig) -> ExpandPictures | None:
 
     if not any(gives_images(spec.name) for spec in config.env):
         return None
-    return setup_pictures(config.model.name, config.model.trust_remote_code).expand
+    return setup_pictures(config.model.name, config.model.trust_remote_code)
 
 
 class Orchestrator:

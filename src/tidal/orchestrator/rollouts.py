@@ -80,8 +80,9 @@ async def _settle(
     after a prompt with pictures hold a picture token (`picture_token_ids`) fails."""
 
     async def checked(episode: Episode) -> Episode:
-        if episode.images:  # model turns and environment turns alike: no picture comes after the prompt
-            check_reply(episode.completion_ids, _picture_ids(sampler.tokenizer))
+        if episode.images:  # the model's turns: only the environment's turns may add a picture
+            written = [t for t, m in zip(episode.completion_ids, episode.completion_mask, strict=True) if m]
+            check_reply(written, _picture_ids(sampler.tokenizer))
         return await score_episode(member, task, episode)
 
     def scoring(episode: Episode, timeout: float | None) -> Awaitable[Rollout]:

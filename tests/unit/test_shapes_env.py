@@ -228,3 +228,27 @@ def test_a_picture_in_the_environments_reply_follows_the_episodes_in_ids_and_req
 
     cut = asyncio.run(run_episode(Truncated(min_turns=1, max_turns=2), task, PictureSampler(["1"])))
     assert cut.images == first_images and cut.info.get("truncated")
+
+
+def test_new_pictures_give_each_later_turn_a_scene_of_its_own_and_keep_the_first_turn_as_before():
+    import asyncio
+
+    from tidal.envs.base import run_episode
+
+    plain, fresh = ShapesEnv(min_turns=3, max_turns=3), ShapesEnv(min_turns=3, max_turns=3, new_pictures=True)
+    for index in range(5):
+        a, b = plain.task(index), fresh.task(index)
+        assert b.messages == a.messages[: len(b.messages)] and b.info["qa"][0] == a.info["qa"][0]
+        assert len(b.info["pictures"]) == 2 and len(set(b.info["pictures"])) == 2
+        assert b.info["pictures"][0] not in message_images(b.messages)
+        assert message_images(fresh.demonstration(b)) == [*message_images(b.messages), *b.info["pictures"]]
+        assert "pictures" not in a.info
+    task = fresh.task(0)
+    answers = [answer for _, answer in task.info["qa"]]
+    sampler = PictureSampler(answers)
+    episode = asyncio.run(run_episode(fresh, task, sampler))
+    assert episode.reward == 1.0 and episode.images == [
+        *message_images(task.messages),
+        *task.info["pictures"],
+    ]
+    assert [len(images) for _, images in sampler.requests] == [1, 2, 3]

@@ -4,7 +4,8 @@ Each task is a picture drawn with Pillow: a few shapes (circle, square, triangle
 colours that may repeat, one per cell of a grid, so nothing overlaps and every count is exact. The user
 message holds the picture as an OpenAI content part (`image_url` with a PNG data URL) and a question: how many shapes of a
 colour, how many of a kind, or what colour the one shape of a kind is. Later user turns ask more questions
-about the same picture (`max_turns` > 1: multi-turn). The reward is the share of turns whose reply ends
+about the same picture (`max_turns` > 1: multi-turn), or with `new_pictures` each shows a new picture and
+asks about that one (pictures added by an environment's turns). The reward is the share of turns whose reply ends
 with the right answer (a number, or a colour word).
 
 Tasks are generated from (seed, index), so each split is reproducible without a dataset file; the held-out
@@ -15,6 +16,7 @@ import io
 import random
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from tidal.envs.base import Episode, RewardFn, Task
 from tidal.envs.chat import png_data_url
@@ -99,22 +101,37 @@ def image_message(url: str, text: str) -> Message:
 
 
 def make_task(
-    index: int, seed: int, turns: tuple[int, int], grid: int, size: int, shapes: tuple[int, int]
+    index: int,
+    seed: int,
+    turns: tuple[int, int],
+    grid: int,
+    size: int,
+    shapes: tuple[int, int],
+    new_pictures: bool = False,
 ) -> Task:
     """Task `index`: a scene and 1..max_turns of its questions (distinct), the first in the picture's
-    message; `info["qa"]` holds every turn's (question, answer), `info["scene"]` the shapes."""
+    message; `info["qa"]` holds every turn's (question, answer), `info["scene"]` the shapes. `new_pictures`:
+    each later turn has a scene of its own and one question about it, its picture in `info["pictures"]`
+    (a PNG data URL per later turn) and its shapes in `info["later_scenes"]`."""
     rng = random.Random(f"shapes/{seed}/{index}")
     scene = draw_scene(rng, grid, *shapes)
     pool = questions(scene)
-    asked = rng.sample(pool, min(len(pool), rng.randint(*turns)))
+    count = rng.randint(*turns)
+    asked = rng.sample(pool, 1 if new_pictures else min(len(pool), count))
     url = png_data_url(render_png(scene, grid, size))
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, image_message(url, asked[0][0])]
-    info = {"qa": asked, "scene": [(s.kind, s.colour, s.cell) for s in scene], "grid": grid}
+    info: dict[str, Any] = {"qa": asked, "scene": [(s.kind, s.colour, s.cell) for s in scene], "grid": grid}
+    if new_pictures:
+        later = [draw_scene(rng, grid, *shapes) for _ in range(count - 1)]
+        asked += [rng.choice(questions(other)) for other in later]
+        info["pictures"] = [png_data_url(render_png(other, grid, size)) for other in later]
+        info["later_scenes"] = [[(s.kind, s.colour, s.cell) for s in other] for other in later]
     return Task(task_id=f"shapes/{index}", messages=messages, answer=asked[-1][1], info=info)
 
 
 def split_key(task: Task) -> str:
-    """The scene (kinds, colours and places on its grid): a held-out picture is never trained on."""
+    """The scene (kinds, colours and places on its grid): a held-out picture is never trained on (with
+    `new_pictures`, the first picture decides, as it does the first question)."""
     return f"{task.info['grid']}:" + ";".join(f"{k},{c},{cell}" for k, c, cell in task.info["scene"])
 
 
@@ -162,6 +179,7 @@ class ShapesEnv(MultiTurnEnv):
         min_shapes: int = 2,
         max_shapes: int = 5,
         split: str = "train",
+        new_pictures: bool = False,
     ):
         if not 1 <= min_turns <= max_turns:
             raise ValueError("shapes: need 1 ≤ min_turns ≤ max_turns")
@@ -171,13 +189,13 @@ class ShapesEnv(MultiTurnEnv):
             raise ValueError(f"shapes: image_size must be within 28..1024 pixels, got {image_size}")
         super().__init__()
         self.num_examples, self.seed, self.max_turns = num_examples, seed, max_turns
-        self.settings = ((min_turns, max_turns), grid, image_size, (min_shapes, max_shapes))
+        self.settings = ((min_turns, max_turns), grid, image_size, (min_shapes, max_shapes), new_pictures)
         self.split = check_split(split, "shapes")
         self._tasks = SplitTasks(self._draw, split_key, split)
 
     def _draw(self, number: int) -> Task:
-        turns, grid, size, shapes = self.settings
-        return make_task(number, self.seed, turns, grid, size, shapes)
+        turns, grid, size, shapes, new_pictures = self.settings
+        return make_task(number, self.seed, turns, grid, size, shapes, new_pictures)
 
     def default_rewards(self) -> list[tuple[RewardFn, float]]:
         return [(turns_correct, 1.0)]
@@ -189,16 +207,24 @@ class ShapesEnv(MultiTurnEnv):
         return replace(self._tasks[index], task_id=f"shapes/{index}")
 
     def demonstration(self, task: Task) -> list[Message]:
-        """Every question answered; later questions as plain user turns about the same picture."""
+        """Every question answered; later questions as the environment asks them."""
         messages: list[Message] = [dict(m) for m in task.messages]
-        for turn, (question, answer) in enumerate(task.info["qa"]):
+        for turn, (_, answer) in enumerate(task.info["qa"]):
             if turn > 0:
-                messages.append({"role": "user", "content": question})
+                messages.append(self._question(task, turn))
             messages.append({"role": "assistant", "content": answer})
         return messages
 
     async def env_response(self, task: Task, episode: Episode) -> list[Message] | None:
-        qa = task.info["qa"]
-        if episode.num_turns >= len(qa):
+        if episode.num_turns >= len(task.info["qa"]):
             return None
-        return [{"role": "user", "content": qa[episode.num_turns][0]}]
+        return [self._question(task, episode.num_turns)]
+
+    @staticmethod
+    def _question(task: Task, turn: int) -> Message:
+        """Later turn `turn`'s user message: its question, with its own picture under `new_pictures`."""
+        question = task.info["qa"][turn][0]
+        pictures = task.info.get("pictures")
+        return (
+            image_message(pictures[turn - 1], question) if pictures else {"role": "user", "content": question}
+        )

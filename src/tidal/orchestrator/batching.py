@@ -89,12 +89,13 @@ def expand_rollout(
             f"rollout {rollout.task_id!r}: {len(rollout.images)} pictures for "
             f"{in_prompt + rollout.completion_ids.count(placeholder)} picture placeholders"
         )
+    join = expand.join if isinstance(expand, _OncePerPrompt) else _joined
     prompt, parts = list(rollout.prompt_ids), []
     if in_prompt:
         prompt, first = expand.expand(rollout.prompt_ids, rollout.images[:in_prompt])
         parts.append(first)
     if not later:
-        return prompt, list(rollout.completion_ids), columns, _joined(parts)
+        return prompt, list(rollout.completion_ids), columns, join(parts)
     completion: list[int] = []
     grown: list[list[float]] = [[] for _ in columns]
     pending = iter(later)
@@ -109,7 +110,7 @@ def expand_rollout(
         parts.append(picture)
         for out in grown:
             out += [0.0] * len(tokens)
-    return prompt, completion, grown, _joined(parts)
+    return prompt, completion, grown, join(parts)
 
 
 def _joined(parts: list[Pictures]) -> Pictures:
@@ -155,9 +156,19 @@ class _OncePerPrompt:
         default_factory=dict
     )
 
+    joined: dict[tuple[int, ...], Pictures] = field(default_factory=dict)
+
     @property
     def placeholder_id(self) -> int:
         return self.inner.placeholder_id
+
+    def join(self, parts: list[Pictures]) -> Pictures:
+        """`parts` as one, the same object for the same parts (remembered here, so alive): a group's
+        episodes that saw the same pictures share them, and they travel once."""
+        key = tuple(id(part) for part in parts)
+        if key not in self.joined:
+            self.joined[key] = _joined(parts)
+        return self.joined[key]
 
     def expand(self, ids: Sequence[int], images: Sequence[str]) -> tuple[list[int], Pictures]:
         key = (tuple(ids), tuple(images))

@@ -136,3 +136,24 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
     # a group's samples share their pictures: a micro-batch writes each group's once
     written = sum(len(micro["pictures"]) for micro in batch["micro_batches"])
     assert written < sum(micro["num_samples"] for micro in batch["micro_batches"])
+
+
+def test_lora_rl_on_pictures_serves_each_steps_adapter_with_the_pictures(tmp_path: Path):
+    """`tidal rl` with LoRA on the tiny VLM: every step's adapter is loaded into vLLM and the token-in requests
+    with pictures name it, so the trainer's logprobs equal vLLM's while the adapter moves the policy (a
+    large learning rate: a server answering with the base model would show it as mismatch)."""
+    rl = tmp_path / "rl"
+    result = run_tidal(
+        "rl", "@", "examples/shapes/rl_tiny.toml", "--trainer.lora.rank", "4", "--trainer.optim.lr", "0.1",
+        "--output-dir", str(rl), "--max-steps", "3", "--inference.server.port", str(free_port()),
+        "--max-async-level", "0", timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    trainer = [json.loads(line) for line in (rl / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert len(trainer) == 3
+    assert max(r["mismatch_kl/mean"] for r in trainer) < 1e-9, [r["mismatch_kl/mean"] for r in trainer]
+    assert abs(trainer[-1]["entropy/mean"] - trainer[0]["entropy/mean"]) > 1e-3  # the adapter moved it
+    loads = (rl / "logs" / "inference.log").read_text().count('"POST /v1/load_lora_adapter HTTP/1.1" 200')
+    assert loads >= 2  # the adapters of steps 1 and 2, which steps 2 and 3 sampled with
+    published = [p for p in (rl / "weights").iterdir() if p.name.startswith("step_")]
+    assert published and all((p / "adapter_config.json").exists() for p in published)  # adapters, not weights

@@ -241,10 +241,10 @@ def test_sft_conversations_with_pictures_expand_keep_the_mask_and_are_never_cut(
         load_conversations(FileDataset(path=data))
 
 
-def test_lora_with_pictures_is_one_line_before_anything_starts():
-    from tidal.config.rl import RLConfig
+def test_sft_picture_setup_and_lora_on_a_vlm_adapts_the_language_model_only():
+    from tidal.config.lora import LoraConfig
     from tidal.config.sft import SFTConfig
-    from tidal.launcher.rl import refuse_lora_with_pictures
+    from tidal.trainer.lora import apply_lora
     from tidal.trainer.sft import setup_sft_pictures
 
     picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url((9, 9, 9))}}]}]
@@ -254,18 +254,21 @@ def test_lora_with_pictures_is_one_line_before_anything_starts():
     ]
     base = {"model": {"name": TINY_VLM_MODEL_NAME}, "data": {"train": {"type": "builtin", "name": "shapes"}}}
     assert setup_sft_pictures(SFTConfig(**base), conversations) is not None
-    with pytest.raises(UserError, match="conversation 1 has pictures, but LoRA does not train on pictures"):
-        setup_sft_pictures(SFTConfig(**base, lora={"rank": 8}), conversations)
+    assert setup_sft_pictures(SFTConfig(**base, lora={"rank": 8}), conversations) is not None
     with pytest.raises(UserError, match="conversation 1 has pictures, but model 'tidal-testing/tiny-qwen3'"):
         setup_sft_pictures(
             SFTConfig(**{**base, "model": {"name": "tidal-testing/tiny-qwen3"}}), conversations
         )
     assert setup_sft_pictures(SFTConfig(**base), conversations[:1]) is None  # text data: no processor
 
-    rl = {"model": {"name": TINY_VLM_MODEL_NAME}, "orchestrator": {"env": [{"name": "shapes"}]}}
-    refuse_lora_with_pictures(RLConfig(**rl))
-    with pytest.raises(UserError, match=r"trainer.lora: orchestrator.env.0 \('shapes'\) gives images"):
-        refuse_lora_with_pictures(RLConfig(**rl, trainer={"lora": {"rank": 8}}))
+    # the tower's attention has q_proj/k_proj/v_proj too: the adapters go on the language model's alone
+    model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME))
+    tower = [
+        n for n, _ in model.named_modules() if n.startswith("model.vision_model.") and n.endswith("q_proj")
+    ]
+    adapted = apply_lora(model, LoraConfig(rank=4))
+    assert tower and adapted and all(n.startswith("model.text_model.") for n in adapted)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "vision_model" in n)
 
 
 def test_a_reply_holding_a_picture_token_is_refused(pictures):

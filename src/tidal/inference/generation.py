@@ -101,12 +101,16 @@ class GenerationClient:
         model's image tokens, and the generation's `prompt_token_ids` are the expanded ones."""
         if self.pool.prefill_pool is not None:
             raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
-        if request.lora is None and self.adapters.current is not None:
-            raise ValueError("prompts with images are not supported with a LoRA policy yet")
-        body = image_generate_body(
-            request, await self._model_name() if request.lora is None else request.lora
-        )
-        server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
+        model = request.lora or self.adapters.current
+        if model is None:
+            body = image_generate_body(request, await self._model_name())
+            server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
+        else:  # an adapter: its version is the generation's, as for text (`_send_generation`)
+            with self.adapters.using(model):
+                adapter_version = self.adapters.loaded.get(model, (None, ""))[0]
+                body = image_generate_body(request, model)
+                server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
+            version = version if adapter_version is None else adapter_version
         generation = image_generation(data, server, version)
         self._count(server, generation.completions)
         return generation

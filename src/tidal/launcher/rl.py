@@ -26,7 +26,6 @@ from pydantic import BaseModel
 
 from tidal import run_layout
 from tidal.config.rl import RLConfig
-from tidal.errors import UserError
 from tidal.launcher.argv import trainer_argv
 from tidal.launcher.split import split_config
 from tidal.launcher.supervisor import TEACHER, Supervisor, gpu_run, replica_name
@@ -112,21 +111,6 @@ def say_if_complete(config: RLConfig) -> bool:
     return complete is not None
 
 
-def refuse_lora_with_pictures(config: RLConfig) -> None:
-    """A one-line UserError for LoRA on an environment with pictures: vLLM's LoRA requests take no pictures
-    yet, so every rollout would fail (docs/vlm.md)."""
-    from tidal.envs.registry import gives_images
-
-    if not config.trainer.lora.enabled:
-        return
-    for key, spec in config.orchestrator.environments():
-        if gives_images(spec.name):
-            raise UserError(
-                f"trainer.lora: orchestrator.{key} ({spec.name!r}) gives images, and LoRA does not train on "
-                "pictures yet: train the whole language model (no trainer.lora.rank)"
-            )
-
-
 def check_teacher(config: RLConfig) -> None:
     """A distillation teacher of another tokenizer: one line before anything starts (the orchestrator
     checks it again when it starts alone)."""
@@ -153,7 +137,6 @@ def main(config: RLConfig) -> int:
     check_envs(
         [(f"orchestrator.{key}", spec) for key, spec in config.orchestrator.environments()], config.model.name
     )
-    refuse_lora_with_pictures(config)
     check_teacher(config)
     from tidal.models import prepare_model_files
 

@@ -48,6 +48,11 @@ TRAINED_TYPES = IDEFICS3_TYPES + QWEN_VL_TYPES
 """Model types whose pictures tidal trains on."""
 
 
+VISION_TOWERS = ("vision_model", "visual", "vision_tower")
+"""Where vision-language models keep their vision encoder, under the causal LM's base model (Idefics3 and
+SmolVLM: vision_model; Qwen-VL: visual; LLaVA-style: vision_tower)."""
+
+
 PICTURE_TOKENS = ("<image>", "<|image_pad|>", "<|video_pad|>")
 """The tokens a vision-language model's inputs put picture features at (Idefics3 / SmolVLM, Qwen-VL)."""
 

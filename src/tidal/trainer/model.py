@@ -6,6 +6,7 @@ import torch
 from tidal.config.common import ModelConfig
 from tidal.errors import UserError, first_line
 from tidal.models import resolve_model_name
+from tidal.models.vision import VISION_TOWERS
 
 _DTYPES = {
     "auto": torch.float32,
@@ -51,11 +52,6 @@ def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.M
     if vision and not config.train_vision:
         freeze_vision_tower(model)
     return model
-
-
-VISION_TOWERS = ("vision_model", "visual", "vision_tower")
-"""Where vision-language models keep their vision encoder, under the causal LM's base model (Idefics3 and
-SmolVLM: vision_model; Qwen-VL: visual; LLaVA-style: vision_tower)."""
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> int:

@@ -190,8 +190,6 @@ def setup_sft_pictures(config: SFTConfig, conversations: list[Conversation]) -> 
     if with_pictures is None:
         return None
     problem = training_problem(config.model.name)
-    if problem is None and config.lora.enabled:
-        problem = "LoRA does not train on pictures yet: train the whole language model (no lora.rank)"
     if problem is not None:
         raise UserError(f"data.train: conversation {with_pictures} has pictures, but {problem}")
     return setup_pictures(config.model.name, config.model.trust_remote_code)

@@ -74,10 +74,15 @@ def tiny_vlm_dir(name: str) -> str | None:
 
 def build_tokenizer() -> Any:  # -> PreTrainedTokenizerFast
     """The character vocabulary with ChatML's and Idefics3's image special tokens."""
+    return vision_tokenizer(IMAGE_TOKENS, CHAT_TEMPLATE)
+
+
+def vision_tokenizer(image_tokens: list[str], chat_template: str) -> Any:  # -> PreTrainedTokenizerFast
+    """The tiny model's character vocabulary with a vision-language model's special tokens after ChatML's."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + IMAGE_TOKENS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + image_tokens + CHARS)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
@@ -86,9 +91,9 @@ def build_tokenizer() -> Any:  # -> PreTrainedTokenizerFast
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=IMAGE_TOKENS,
+        additional_special_tokens=image_tokens,
         model_max_length=TEXT_CONFIG["max_position_embeddings"],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -160,23 +165,9 @@ def build_tiny_qwen_vl(target: Path, seed: int = 0, qwen3: bool = False) -> Path
     (tidal.models.vision.QwenPictureInputs)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + QWEN_VISION_TOKENS + CHARS)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=QWEN_VISION_TOKENS,
-        model_max_length=TEXT_CONFIG["max_position_embeddings"],
-        chat_template=QWEN_CHAT_TEMPLATE,
-    )
+    tokenizer = vision_tokenizer(QWEN_VISION_TOKENS, QWEN_CHAT_TEMPLATE)
     ids: dict[str, int] = {
         key: int(tokenizer.convert_tokens_to_ids(key))  # type: ignore[arg-type]
         for key in [*QWEN_VISION_TOKENS, "<|im_end|>", "<|endoftext|>"]

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +338,31 @@ def test_a_picture_an_environment_turn_added_is_expanded_in_place_and_reaches_th
     want = torch.log_softmax(logits.float(), -1).gather(-1, t["target_ids"].unsqueeze(-1)).squeeze(-1)
     n = len(sample) - 1
     assert torch.allclose(got[0, :n], want[0, :n], atol=1e-5)
+
+
+def test_sft_held_out_eval_on_picture_conversations_answers_as_transformers_with_the_processor():
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    from tidal.models.tiny_vlm import TINY_QWEN_VL_MODEL_NAME
+    from tidal.trainer.evaluate import greedy_exact_match
+
+    env = ShapesEnv(min_turns=2, max_turns=2)
+    conversations = [env.demonstration(env.task(i)) for i in range(3)]
+    path = resolve_model_name(TINY_VLM_MODEL_NAME)
+    result = greedy_exact_match(Path(path), conversations, 6, 2, torch.device("cpu"))
+    assert result.num_examples == 3 and 0.0 <= result.exact_match <= 1.0
+    processor = AutoProcessor.from_pretrained(path)
+    model = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    for conversation, (_, reference, answer) in zip(conversations, result.examples, strict=True):
+        last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        prompt = conversation[:last]
+        text = processor.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        images = [decode_picture(u, 1) for u in message_images(prompt)]
+        inputs = processor(text=text, images=[images], return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+        assert answer == processor.tokenizer.decode(out, skip_special_tokens=True)
+        assert reference == conversation[last]["content"]
+    qwen = greedy_exact_match(
+        Path(resolve_model_name(TINY_QWEN_VL_MODEL_NAME)), conversations[:1], 4, 1, "cpu"
+    )
+    assert qwen.num_examples == 1 and len(qwen.examples) == 1  # multimodal positions: runs through generate

@@ -32,6 +32,10 @@ def greedy_exact_match(
     batch_size: int,
     device: torch.device,
 ) -> ExactMatchResult:
+    from tidal.envs.chat import message_images
+
+    if any(message_images(c) for c in conversations):
+        return _exact_match_with_pictures(model_dir, conversations, max_new_tokens, device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -67,3 +71,56 @@ def _generate(
     )
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [batch, new]
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+
+
+def _exact_match_with_pictures(
+    model_dir: Path, conversations: list[Conversation], max_new_tokens: int, device: torch.device
+) -> ExactMatchResult:
+    """`greedy_exact_match` for a vision-language model on conversations with pictures, one at a time: the
+    prompt's ids as the chat template renders them, each picture placeholder expanded by the model's
+    processor (as in training and in vLLM), the pictures' arrays beside them."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.envs.base import render_prompt
+    from tidal.envs.chat import message_images
+    from tidal.models.vision import QWEN_VL_TYPES, forward_pictures, setup_pictures
+
+    pictures = setup_pictures(str(model_dir))
+    tokenizer = pictures.tokenizer
+    model: Any = AutoModelForImageTextToText.from_pretrained(model_dir)
+    model = model.to(device).eval()
+    kind = str(model.config.model_type)
+    correct = 0
+    examples: list[tuple[str, str, str]] = []
+    for conversation in conversations:
+        prompt, reference = split_prompt(conversation)
+        ids, inputs = render_prompt(tokenizer, prompt), {}
+        images = message_images(prompt)
+        if images:
+            ids, arrays = pictures.expand(ids, images)
+            inputs = forward_pictures(kind, arrays.tensors(device))
+        input_ids = torch.tensor([ids], device=device)
+        if kind in QWEN_VL_TYPES:  # what the processor gives: transformers then takes multimodal positions
+            inputs["mm_token_type_ids"] = (input_ids == pictures.placeholder_id).int()
+        output = model.generate(
+            input_ids=input_ids,
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        answer = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
+        correct += answer.strip() == reference.strip()
+        if len(examples) < 5:
+            examples.append((_text(prompt[-1]["content"]), reference, answer))
+    return ExactMatchResult(correct / max(1, len(conversations)), len(conversations), examples)
+
+
+def _text(content: Any) -> str:
+    """A message's text: its string, or its text parts joined (pictures left out)."""
+    if isinstance(content, list):
+        return " ".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return str(content)

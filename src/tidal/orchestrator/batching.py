@@ -44,8 +44,8 @@ def sample_from_rollout(
     distill: DistillWeights | None = None,
 ) -> TrainSample:
     """Concatenate prompt and completion; only the completion's trainable tokens carry loss and logprobs.
-    A rollout with pictures gets its prompt's placeholders expanded as vLLM expanded them (ValueError
-    without `expand_pictures`). With `distill`, each completion token gets its own advantage from the
+    A rollout with pictures gets its placeholders expanded as vLLM expanded them, the prompt's and those an
+    environment's turns added (`expand_rollout`; ValueError without `expand_pictures`). With `distill`, each completion token gets its own advantage from the
     teacher's logprobs (tidal.orchestrator.distill)."""
     prompt, completion, pictures = rollout.prompt_ids, rollout.completion_ids, None
     columns: list[list[float]] = [
@@ -149,13 +149,13 @@ def make_train_samples(
 
 @dataclass
 class _OncePerPrompt:
-    """`expand` remembering what it expanded: a group's rollouts share their prompt and its pictures."""
+    """`expand` remembering what it expanded, and the pictures it joined: a group's rollouts share their
+    prompt and its pictures."""
 
     inner: ExpandPictures
     done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], Pictures]] = field(
         default_factory=dict
     )
-
     joined: dict[tuple[int, ...], Pictures] = field(default_factory=dict)
 
     @property

@@ -209,9 +209,9 @@ class Environment(ABC):
 
     name: str = "env"
     gives_images: bool = False
-    """Its prompts carry pictures (image content parts). `tidal eval` sends them to a vision-language model;
-    `tidal rl` and `tidal sft` refuse such an environment until batches and the trainer carry pictures
-    (README, Vision-language models)."""
+    """Its prompts (or its later turns) carry pictures (image content parts): `tidal eval`, `tidal rl` and
+    `tidal sft` send them to a vision-language model and train on them, and refuse a model that cannot
+    (docs/vlm.md)."""
 
     def __init__(self, rewards: list[tuple[RewardFn, float]] | None = None):
         self.rewards = rewards if rewards is not None else self.default_rewards()

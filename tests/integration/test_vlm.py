@@ -111,9 +111,10 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
     # a rollout fails only where the barely trained model wrote the picture token itself (named in the log)
     failed = sum(r["rollouts/failed"] for r in orchestrator)
     log = (rl / "logs" / "orchestrator.log").read_text()
-    # (the SFT warm-up's 2 steps leave it likely: 6 of 48 two-turn rollouts in one run on this machine)
+    # (the SFT warm-up's 2 steps leave it likely: 6 of 48 two-turn rollouts in one run on this machine; a
+    # third would mean the loop mostly fails)
     rollouts = 3 * 4 * 4  # steps x prompts x samples
-    assert failed <= rollouts // 4, log
+    assert failed <= rollouts // 3, log
     assert log.count("failed: ValueError: the reply holds picture token id 4") == failed, log
     trainer = [json.loads(line) for line in (rl / "trainer" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in trainer if "mismatch_kl/mean" in r]

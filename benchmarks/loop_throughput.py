@@ -15,6 +15,9 @@ One invocation, one GPU, up to four parts in turn (`--parts`; each writes into t
     as medians over the steady window: `median_generating` over the bins with a request running at every
     sample (the rate while generating; the goal's number), `median_all_bins`, and the window's mean;
   - vLLM's running-request count over time (thinned to at most `--max-points` points);
+  - vLLM's engine steps (`vllm:iteration_tokens_total`) over the window's busy intervals: steps/s and tokens
+    per step (the `offline` part reports the same per call), which say whether a lower rate comes from
+    slower steps or from emptier ones;
   - trainer idle: its `time/wait_for_data` summed over the steady window (async_overlap's `steady_window`
     at the config's `max_async_level`, `--warmup-steps` left out) divided by the window;
   - weight update per step: the trainer's `time/publish` and the orchestrator's seconds per weight update

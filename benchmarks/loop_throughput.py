@@ -52,7 +52,7 @@ carries the vLLM bundle, the SmolLM2-135M-Instruct GGUF and the wheels, then sta
 session on the machine, so that it outlives a call, and follows it. Here, once (as for real_models):
 
     bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm
-    python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 9.5 9.5 9.5 27
+    python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 9 9 9 27
     pip download --no-deps -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime \\
         trl==1.16.0 accelerate==1.15.0
     # TRL also imports `datasets` (pyarrow, pandas, xxhash, multiprocess, fsspec): probe the machine first

@@ -2,7 +2,7 @@
 # benchmarks/real_models.py and/or benchmarks/loop_throughput.py on one H200 through the device tool, which takes
 # at most 64 MiB along per call and gives an idle machine back after 30 s: six calls, back to back. Here, once:
 #   bash ../shared/gpu/build_vllm_bundle.sh .gpu/vllm                                   # 3 parts, 44.7 MiB each
-#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 9.5 9.5 9.5 27  # 5 slices
+#   python benchmarks/carry_model.py split smollm2 --out .gpu/model --sizes 9 9 9 27  # 5 slices
 #   (a call's 64 MiB hold one 44.7 MiB vLLM part, one slice and the working tree, ~6.2 MiB on 2026-12-05)
 #   pip download --no-deps ... -d .gpu/whl tomli-w gguf math-verify latex2sympy2_extended antlr4-python3-runtime bm25s
 #   (BENCH=loop or both: also trl accelerate datasets dill multiprocess xxhash fsspec; pandas, 12 MB, in .gpu/whl2
@@ -16,9 +16,10 @@
 #      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark(s) in their own session
 #      so that they outlive the call, and follows them)
 #   (MODEL_ASSET=qwen: Qwen2.5-Coder-0.5B-Instruct, 469 MiB, the recipes' `_qwen05b` configs; its slices from
-#    `carry_model.py split qwen2.5-coder-0.5b --out .gpu/qwen --sizes 9.5 9.5 9.5 45 55 55 55 55 55 55 55`
+#    `carry_model.py split qwen2.5-coder-0.5b --out .gpu/qwen --sizes 9 9 9 45 52 52 52 52 52 52 52`
 #    take twelve calls: slices 1-3 beside the vLLM parts, 4 beside .gpu/whl, 5-11 alone, 12 with `start`;
-#    a vLLM part, a slice and the working tree must fit 64 MiB: 46.9 + 9.96 + 8.5 MB on 2026-12-06)
+#    a vLLM part, a slice and the working tree must fit 64 MiB (67.1 MB): 46.9 + 9.4 + 9.7 MB on 2026-12-06;
+#    the tree grows with every results file, so check `git ls-files -z | xargs -0 du -cb` before a sequence)
 #   6. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
 # BENCH picks what `start` runs: real_models (default; ENV... are its --envs, e.g. alphabet_sort:short@1e-4 or

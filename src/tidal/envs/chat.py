@@ -104,6 +104,13 @@ def text_after_reply(rendered: str) -> str:
     return rendered[rendered.index(_REPLY) + len(_REPLY) :]
 
 
+def text_parts(content: Any) -> list[str]:
+    """A message content's text: the string itself, or the text of each `text` part (pictures left out)."""
+    if isinstance(content, list):
+        return [str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return [str(content)]
+
+
 def check_new_messages_follow(suffix: str, new_messages: Sequence[RenderMessage]) -> None:
     """Every new message's content (stripped: templates may trim it; each text part of one with parts) must
     be in the text after the reply."""
@@ -111,8 +118,7 @@ def check_new_messages_follow(suffix: str, new_messages: Sequence[RenderMessage]
         if isinstance(message, ChatMessage):
             role, texts = message.role, [message.content]
         else:
-            role = message["role"]
-            texts = [str(p.get("text", "")) for p in message["content"] if p.get("type") == "text"]
+            role, texts = message["role"], text_parts(message["content"])
         if any(text.strip() not in suffix for text in texts):
             raise TemplateMismatch(
                 f"the chat template does not render the new {role} message after the model's reply"

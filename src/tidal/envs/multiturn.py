@@ -8,7 +8,7 @@ from abc import abstractmethod
 from typing import Any
 
 from tidal.envs.base import ContextFull, Environment, Episode, Sampler, Task, answer_text, render_prompt
-from tidal.envs.chat import IMAGE_PART_TYPES, continue_prompt, message_images
+from tidal.envs.chat import IMAGE_PART_TYPES, continue_prompt, message_images, text_parts
 from tidal.inference.types import ChatMessage
 
 Message = dict[str, Any]
@@ -92,10 +92,7 @@ def _new_message(message: Message) -> ChatMessage | Message:
 def _chat_message(message: Message) -> ChatMessage:
     """A message as continuation renders it. A history message with content parts keeps its text parts: only
     the text after the model's reply is used, so its pictures need not be rendered again."""
-    content = message.get("content") or ""
-    if isinstance(content, list):
-        content = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ChatMessage(role=message["role"], content=str(content))
+    return ChatMessage(role=message["role"], content="".join(text_parts(message.get("content") or "")))
 
 
 def model_replies(episode: Episode) -> list[str]:

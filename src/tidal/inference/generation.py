@@ -9,7 +9,7 @@
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tidal.inference.disagg import Prefill, prefill_body
@@ -101,16 +101,12 @@ class GenerationClient:
         model's image tokens, and the generation's `prompt_token_ids` are the expanded ones."""
         if self.pool.prefill_pool is not None:
             raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
-        model = request.lora or self.adapters.current
-        if model is None:
-            body = image_generate_body(request, await self._model_name())
-            server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
-        else:  # an adapter: its version is the generation's, as for text (`_send_generation`)
-            with self.adapters.using(model):
-                adapter_version = self.adapters.loaded.get(model, (None, ""))[0]
-                body = image_generate_body(request, model)
-                server, version, data = await self.pool.dispatch("/inference/v1/generate", body, session_id)
-            version = version if adapter_version is None else adapter_version
+        server, version, data = await self._on_model(
+            request.lora,
+            lambda model: self.pool.dispatch(
+                "/inference/v1/generate", image_generate_body(request, model), session_id
+            ),
+        )
         generation = image_generation(data, server, version)
         self._count(server, generation.completions)
         return generation
@@ -158,19 +154,23 @@ class GenerationClient:
     async def _send_generation(
         self, path: str, body: dict[str, Any], lora: str | None, session_id: str | None, shape: Slim
     ) -> tuple[str, int, Any]:
-        """Dispatch with `model` set: the named adapter, else the LoRA policy's, else the base model.
+        """Dispatch with `model` set (`_on_model`). Returns (server, policy version, json)."""
+        return await self._on_model(
+            lora,
+            lambda model: self._prefill_then_decode(path, {"model": model, **body}, session_id, shape),
+        )
 
-        Returns (server, policy version, json): a policy adapter's version is its own, exactly.
-        """
+    async def _on_model(
+        self, lora: str | None, send: Callable[[str], Awaitable[tuple[str, int, Any]]]
+    ) -> tuple[str, int, Any]:
+        """`send(model)` with the model a generation names: the named adapter, else the LoRA policy's, else the
+        base model. A policy adapter's version is the generation's, exactly."""
         model = lora or self.adapters.current
         if model is None:
-            body = {"model": await self._model_name(), **body}
-            return await self._prefill_then_decode(path, body, session_id, shape)
+            return await send(await self._model_name())
         with self.adapters.using(model):  # counted from here, with no await before: unloads respect it
             adapter_version = self.adapters.loaded.get(model, (None, ""))[0]
-            server, version, data = await self._prefill_then_decode(
-                path, {"model": model, **body}, session_id, shape
-            )
+            server, version, data = await send(model)
         return server, version if adapter_version is None else adapter_version, data
 
     async def _prefill_then_decode(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.models.tiny import build_tokenizer, cache_dir, write_model_dir
+from tidal.models.tiny import build_tokenizer, cache_dir, seeded_model, write_model_dir
 
 RANDOM_QWEN3_0_6B = "tidal-testing/random-qwen3-0.6b"
 RANDOM_QWEN3_1_7B = "tidal-testing/random-qwen3-1.7b"
@@ -112,8 +112,6 @@ def build_random_model(target: Path, spec: RandomModelSpec) -> Path:
         dtype=spec.dtype,
         **spec.config,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        # initialise in fp32 (the same numbers on any machine), then round once to the stored dtype
-        model = Qwen3ForCausalLM(config).to(getattr(torch, spec.dtype))
+    # initialise in fp32 (the same numbers on any machine), then round once to the stored dtype
+    model = seeded_model(Qwen3ForCausalLM, config, spec.seed).to(getattr(torch, spec.dtype))
     return write_model_dir(Path(target), model, tokenizer)

@@ -136,11 +136,19 @@ def build_tiny_moe_model(target: Path, seed: int = 0, chat_template: str = CHAT_
     )
 
 
+def seeded_model(model_class: Any, config: Any, seed: int) -> Any:
+    """`model_class(config)` initialised from `seed`, the caller's random state left as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(config)
+
+
 def _build_char_model(
     target: Path, config_class: Any, model_class: Any, shape: dict[str, Any], seed: int, chat_template: str
 ) -> Path:
     """A seeded fp32 model of `shape` over the char tokenizer, written with it to `target`."""
-    import torch
 
     tokenizer = build_tokenizer(chat_template=chat_template)
     config = config_class(
@@ -151,10 +159,7 @@ def _build_char_model(
         dtype="float32",
         **shape,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config)
-    return write_model_dir(Path(target), model, tokenizer)
+    return write_model_dir(Path(target), seeded_model(model_class, config, seed), tokenizer)
 
 
 def write_model_dir(target: Path, model: Any, tokenizer: Any, processor: Any = None) -> Path:

@@ -16,7 +16,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from tidal.models.tiny import CHARS, SPECIAL_TOKENS, cache_dir, write_model_dir
+from tidal.models.tiny import CHARS, SPECIAL_TOKENS, cache_dir, seeded_model, write_model_dir
 
 TINY_VLM_MODEL_NAME = "tidal-testing/tiny-idefics3"
 TINY_QWEN_VL_MODEL_NAME = "tidal-testing/tiny-qwen2.5-vl"
@@ -99,7 +99,6 @@ def vision_tokenizer(image_tokens: list[str], chat_template: str) -> Any:  # -> 
 
 def build_tiny_vlm(target: Path, seed: int = 0) -> Path:
     """Write the tiny Idefics3, its tokenizer and its processor to `target` atomically."""
-    import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -121,9 +120,7 @@ def build_tiny_vlm(target: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Idefics3ForConditionalGeneration(config)
+    model = seeded_model(Idefics3ForConditionalGeneration, config, seed)
     size = {"longest_edge": IMAGE_SIZE}
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size=size, max_image_size=size)
     processor = Idefics3Processor(
@@ -163,7 +160,6 @@ def build_tiny_qwen_vl(target: Path, seed: int = 0, qwen3: bool = False) -> Path
     processor_config: the Qwen-VL processors need a video processor, which needs torchvision (docs/vlm.md);
     tidal expands the pictures with the image processor and the tokenizer
     (tidal.models.vision.QwenPictureInputs)."""
-    import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -207,9 +203,7 @@ def build_tiny_qwen_vl(target: Path, seed: int = 0, qwen3: bool = False) -> Path
         tie_word_embeddings=False,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, names[1])(config)
+    model = seeded_model(getattr(transformers, names[1]), config, seed)
     side = 4 * patch
     images = Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=side * side, max_pixels=side * side)
     return write_model_dir(Path(target), model, tokenizer, images)

@@ -196,9 +196,8 @@ def rope_positions(
             found, _ = decoder.get_rope_index(
                 ids.unsqueeze(0), mm_token_type_ids=is_image.int().unsqueeze(0), image_grid_thw=mine
             )
-            mrope[:, row, begin:end] = found[:, 0].to(
-                mrope.dtype
-            )  # a row's padding: text after its last sample
+            # (a row's padding is in its last sample's span: text positions after it)
+            mrope[:, row, begin:end] = found[:, 0].to(mrope.dtype)
     if used != len(grids):
         raise ValueError(f"{len(grids)} pictures for {used} runs of image tokens in the rows")
     return torch.cat([position_ids.unsqueeze(0), mrope], dim=0)

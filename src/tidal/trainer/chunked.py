@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tidal.models.vision import QWEN_VL_TYPES
+from tidal.models.vision import QWEN_VL_TYPES, rope_positions
 from tidal.trainer.attention import ATTN_NAME, document_bounds
 from tidal.trainer.context_parallel import CP_ATTN_NAME, ContextParallel
 from tidal.trainer.moe import MoERouting, Routes
@@ -309,10 +309,8 @@ class TokenScorer(torch.nn.Module):
         config: Any = self.lm.config
         if str(getattr(config, "model_type", "")) not in QWEN_VL_TYPES:
             return position_ids
-        if self.context_parallel is not None:
-            raise ValueError("context parallelism does not split multimodal RoPE positions yet")
-        from tidal.models.vision import rope_positions
-
+        # apply_fsdp refuses perf.cp > 1 for these models in one line
+        assert self.context_parallel is None, "context parallelism does not split multimodal RoPE positions"
         grid = (pictures or {}).get("image_grid_thw")
         return rope_positions(decoder, input_ids, position_ids, grid, int(config.image_token_id))
 

@@ -82,7 +82,7 @@ def _exact_match_with_pictures(
     from transformers import AutoModelForImageTextToText
 
     from tidal.envs.base import render_prompt
-    from tidal.envs.chat import message_images
+    from tidal.envs.chat import message_images, text_parts
     from tidal.models.vision import QWEN_VL_TYPES, forward_pictures, setup_pictures
 
     pictures = setup_pictures(str(model_dir))
@@ -113,14 +113,5 @@ def _exact_match_with_pictures(
         answer = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
         correct += answer.strip() == reference.strip()
         if len(examples) < 5:
-            examples.append((_text(prompt[-1]["content"]), reference, answer))
+            examples.append((" ".join(text_parts(prompt[-1]["content"])), reference, answer))
     return ExactMatchResult(correct / max(1, len(conversations)), len(conversations), examples)
-
-
-def _text(content: Any) -> str:
-    """A message's text: its string, or its text parts joined (pictures left out)."""
-    if isinstance(content, list):
-        return " ".join(
-            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return str(content)

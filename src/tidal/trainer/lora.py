@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config.lora import LoraConfig
 from tidal.errors import UserError
-from tidal.models.vision import VISION_TOWERS
 from tidal.trainer.export import full_state_dict
+from tidal.trainer.model import vision_tower
 from tidal.trainer.parallel import DistInfo, barrier
 from tidal.transport.weights import ADAPTER_CONFIG, finish_staged, save_hf_checkpoint
 
@@ -74,8 +74,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     # a vision-language model's tower keeps its weights: vLLM puts adapters on the language model only
-    towers = tuple(f"{prefix}{tower}." for prefix in ("", "model.") for tower in VISION_TOWERS)
-    linears = [(n, m) for n, m in linears if not n.startswith(towers)]
+    tower = vision_tower(model)
+    in_tower = set(tower.modules()) if tower is not None else set()
+    linears = [(n, m) for n, m in linears if m not in in_tower]
     targets = [(n, m) for n, m in linears if any(matches(n, t) for t in config.target_modules)]
     if any(m is head for _, m in targets):
         raise UserError("lora.target_modules: the output head cannot carry LoRA (the trainer scores with it)")

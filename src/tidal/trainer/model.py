@@ -54,19 +54,28 @@ def load_model(config: ModelConfig, master_dtype: str = "float32") -> torch.nn.M
     return model
 
 
-def freeze_vision_tower(model: torch.nn.Module) -> int:
-    """Stop the vision encoder's parameters from training (the connector into the language model trains);
-    the number of parameters frozen. A vision-language model whose encoder is not found: ValueError."""
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's vision encoder (at one of VISION_TOWERS under its base model); None for a
+    model without one."""
     base = getattr(model, str(getattr(model, "base_model_prefix", "model")), model)
     for name in VISION_TOWERS:
         tower = getattr(base, name, None)
         if isinstance(tower, torch.nn.Module):
-            frozen = 0
-            for param in tower.parameters():
-                param.requires_grad_(False)
-                frozen += param.numel()
-            return frozen
-    raise ValueError(f"{type(model).__name__}: no vision encoder at {' or '.join(VISION_TOWERS)}")
+            return tower
+    return None
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop the vision encoder's parameters from training (the connector into the language model trains);
+    the number of parameters frozen. A vision-language model whose encoder is not found: ValueError."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"{type(model).__name__}: no vision encoder at {' or '.join(VISION_TOWERS)}")
+    frozen = 0
+    for param in tower.parameters():
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
 
 
 def export_dtype(config: ModelConfig) -> torch.dtype | None:

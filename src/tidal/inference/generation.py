@@ -16,6 +16,7 @@ from tidal.inference.disagg import Prefill, prefill_body
 from tidal.inference.errors import RoutesMissing
 from tidal.inference.fanout import PolicyAdapters
 from tidal.inference.http_workers import HttpWorkers, Slim
+from tidal.inference.picture_route import ROUTE as PICTURE_ROUTE
 from tidal.inference.pool import Reply, Sender, ServerPool
 from tidal.inference.routes import decode_routes, routes_problem
 from tidal.inference.routing import ServerState
@@ -95,17 +96,15 @@ class GenerationClient:
     async def generate_with_images(
         self, request: GenerateRequest, session_id: str | None = None
     ) -> Generation:
-        """Token in with pictures: vLLM's token-in route (`/inference/v1/generate`, vLLM ≥ 0.3x started with
-        `--enable-scale-out`, which `tidal inference` adds for a vision-language model). The prompt ids hold
-        one placeholder per picture, as the chat template writes it; the server expands each one into the
-        model's image tokens, and the generation's `prompt_token_ids` are the expanded ones."""
+        """Token in with pictures: tidal's route in the server (`/tidal/generate`,
+        tidal.inference.picture_route). The prompt ids hold one placeholder per picture, as the chat template
+        writes it; the server expands each one into the model's image tokens, and the generation's
+        `prompt_token_ids` are the expanded ones."""
         if self.pool.prefill_pool is not None:
             raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
         server, version, data = await self._on_model(
             request.lora,
-            lambda model: self.pool.dispatch(
-                "/inference/v1/generate", image_generate_body(request, model), session_id
-            ),
+            lambda model: self.pool.dispatch(PICTURE_ROUTE, image_generate_body(request, model), session_id),
         )
         generation = image_generation(data, server, version)
         self._count(server, generation.completions)
@@ -242,31 +241,27 @@ def _completion(choice: dict[str, Any], logprobs: Sequence[float]) -> Completion
 
 
 def image_generate_body(request: GenerateRequest, model: str) -> dict[str, Any]:
-    """The `/inference/v1/generate` body of a token-in request with pictures (vLLM's sampling parameters,
-    text out so that the environment reads the reply as the completions route would give it)."""
-    sampling = {**request.sampling.to_vllm(), "n": request.n, "logprobs": 0}
+    """The `/tidal/generate` body of a token-in request with pictures (tidal.inference.picture_route)."""
     return {
         "model": model,
         "token_ids": list(request.prompt_token_ids),
-        "content_parts": [{"type": "image_url", "url": url} for url in request.images],
-        "sampling_params": sampling,
-        "output_mode": "text",
-        "return_token_ids": True,
+        "images": list(request.images),
+        "sampling": request.sampling.to_vllm(),
+        "n": request.n,
     }
 
 
 def image_generation(data: dict[str, Any], server: str, version: int) -> Generation:
-    """A `/inference/v1/generate` answer as a Generation: the expanded prompt ids, and per choice the sampled
-    ids, their logprobs (one per id) and the text."""
+    """A `/tidal/generate` answer as a Generation: the expanded prompt ids, and per choice the sampled ids,
+    their logprobs (one per id) and the text."""
     completions = []
     for choice in _choices(data):
-        entries = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(entry["logprob"]) for entry in entries]
-        if len(logprobs) != len(choice["token_ids"]):
+        if len(choice["logprobs"]) != len(choice["token_ids"]):
             raise ValueError(
-                f"{server}: /inference/v1/generate gave {len(logprobs)} logprobs for {len(choice['token_ids'])} tokens"
+                f"{server}: {PICTURE_ROUTE} gave {len(choice['logprobs'])} logprobs for "
+                f"{len(choice['token_ids'])} tokens"
             )
-        completions.append(_completion(choice, logprobs))
+        completions.append(_completion(choice, choice["logprobs"]))
     return Generation(
         prompt_token_ids=tuple(data["prompt_token_ids"]),
         completions=tuple(completions),

@@ -21,7 +21,8 @@ a load still fails midway and the workers could not restore the previous weights
 clients and the launcher take it out of rotation.
 
 `POST /tidal/load_weights` (admin) runs a whole weight update (pause, start, update, finish, resume) against
-vLLM's app inside the server, in one request: `tidal.inference.load_route`.
+vLLM's app inside the server, in one request: `tidal.inference.load_route`. `POST /tidal/generate` (public)
+runs a token-in request with pictures on vLLM's engine: `tidal.inference.picture_route`.
 
 A chat request whose messages carry a role outside `CHAT_ROLES` is a 400 naming the message: vLLM would
 pass it to the chat template, which renders an unknown role as nothing or as garbage, and answer 200.
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.inference import ADMIN_TOKEN_ENV, TOKEN_HEADER, is_loopback
-from tidal.inference import load_route
+from tidal.inference import load_route, picture_route
 from tidal.transport.weight_checks import WEIGHTS_BROKEN, Reference, load_reference, update_problem
 
 Scope = MutableMapping[str, Any]
@@ -67,7 +68,7 @@ PUBLIC_ROUTES = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
-        "/inference/v1/generate",  # token in with pictures (served where vLLM runs with --enable-scale-out)
+        picture_route.ROUTE,  # token in with pictures, served by this guard
         "/tokenize",
         "/detokenize",
         "/is_paused",
@@ -184,7 +185,7 @@ class AdminGuard:
         if denied is not None:
             await _reply(send, *denied, kind="PermissionDenied")
             return
-        if self.broken is not None and (path == "/health" or path.startswith("/v1/")):
+        if self.broken is not None and (path in ("/health", picture_route.ROUTE) or path.startswith("/v1/")):
             await _reply(send, 503, self.broken, kind="ServiceUnavailable")
             return
         if path == "/update_weights":
@@ -192,6 +193,9 @@ class AdminGuard:
             return
         if path == load_route.ROUTE and scope.get("method") == "POST":
             await self._load_weights(scope, receive, send)
+            return
+        if path == picture_route.ROUTE and scope.get("method") == "POST":
+            await self._generate_pictures(scope, receive, send)
             return
         if path == "/v1/chat/completions" and scope.get("method") == "POST":
             body = await _read_body(receive)
@@ -224,6 +228,26 @@ class AdminGuard:
         phases = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in seconds.items())
         update_log.info("tidal: weights version %s loaded (pause mode %s): %s", version, mode, phases)
         payload = json.dumps({"weight_version": version, "seconds": seconds}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _generate_pictures(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`picture_route.ROUTE`: token in with pictures on vLLM's engine (the app's state holds it)."""
+
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            request = picture_route.parse_body(await _read_body(receive))
+            result = await picture_route.generate(scope["app"].state, request, client_left)
+        except picture_route.PictureRequestError as exc:
+            await _reply(send, 400, str(exc), kind="BadRequestError")
+            return
+        except picture_route.ClientLeft:
+            return  # nobody to answer
+        payload = json.dumps(result).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

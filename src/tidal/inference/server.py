@@ -132,13 +132,11 @@ def client_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def build_launch(
-    config: InferenceConfig, model_path: str, device: Literal["cpu", "cuda"], sees_images: bool = False
-) -> Launch:
+def build_launch(config: InferenceConfig, model_path: str, device: Literal["cpu", "cuda"]) -> Launch:
     """Turn the config into vLLM flags and environment (pure: unit-tested without starting anything).
 
-    `sees_images`: the model is a vision-language one; vLLM then also serves its token-in route, which takes
-    prompt ids with pictures (`/inference/v1/generate`, tidal.inference.generation)."""
+    Prompt ids with pictures need no flag: tidal's guard serves them (`/tidal/generate`,
+    tidal.inference.picture_route) on whichever vLLM runs."""
     token = admin_token(config)
     if not is_loopback(config.server.host) and token is None:
         raise UserError(
@@ -151,8 +149,6 @@ def build_launch(
         # ExampleConnector stores a prompt's KV in the step that schedules it first: a chunked prefill
         # would store the first chunk under the whole prompt's name
         chunked = False
-    if sees_images:
-        argv.append("--enable-scale-out")
     if config.vllm.chunked_prefill is not None or not chunked:
         argv.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
     env = {
@@ -287,10 +283,8 @@ def start_server(config: InferenceConfig) -> ServerProcess:
     check_model_path(config.model.name)
     check_route_return(config, device)
     check_port_free(config.server.host, config.server.port)
-    from tidal.models.vision import sees_images
-
     model_path = resolve_model_name(config.model.name)
-    return ServerProcess(build_launch(config, model_path, device, sees_images(model_path))).start()
+    return ServerProcess(build_launch(config, model_path, device)).start()
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -49,7 +49,7 @@ class GenerateRequest(Message):
     images: tuple[str, ...] = ()
     """The prompt's pictures in order (data or http URLs), one per image placeholder that the chat template
     wrote into `prompt_token_ids`; vLLM expands each placeholder into the model's image tokens. A request
-    with pictures goes to vLLM's token-in route (`/inference/v1/generate`, tidal.inference.generation)."""
+    with pictures goes to tidal's route in the server (`/tidal/generate`, tidal.inference.picture_route)."""
 
 
 class ChatMessage(Message):

@@ -260,3 +260,39 @@ def test_short_rl_run_trains_the_real_model_with_logprobs_matching_vllm(
     final = [json.loads(line) for line in (out / "orchestrator" / "online_eval_rollouts" / kept[1]).open()]
     assert len(final) == evals[-1]["envs"]["math"]["num_rollouts"]
     assert all(r["env"] == "math" and r["messages"][-1]["role"] == "assistant" for r in final)
+
+
+def test_a_smolvlm_shaped_model_keeps_smollm2s_language_and_sees_a_picture_as_64_tokens(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """tidal.models.smolvlm_shape (the GPU runs' real-shape VLM): SmolVLM-256M's sizes, SmolLM2's weights and
+    tokenizer in its language model (its text logits are SmolLM2's, up to bf16 rounding: same argmax), a
+    random seeded tower, one picture → 64 `<image>` tokens in a ChatML turn."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForCausalLM, AutoProcessor, Idefics3ForConditionalGeneration
+
+    from tidal.models import smolvlm_shape
+
+    out = smolvlm_shape.build(model_dir, tmp_path / "vlm")
+    processor = AutoProcessor.from_pretrained(out)
+    vlm = Idefics3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    assert 220e6 < sum(p.numel() for p in vlm.parameters()) < 240e6  # SmolVLM-256M: 256M with tiling tokens
+    assert vlm.config.vision_config.num_hidden_layers == 12 and vlm.config.text_config.num_hidden_layers == 30
+    text = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = processor.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ours, theirs = (
+            vlm(input_ids=ids).logits[0, :, : text.config.vocab_size],
+            text(input_ids=ids).logits[0],
+        )
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1)) and (ours - theirs).abs().max() < 0.5
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\n<image>Which colour?<|im_end|>\n<|im_start|>assistant\n"
+    inputs = processor(text=prompt, images=[Image.new("RGB", (300, 200), "red")], return_tensors="pt")
+    assert int((inputs.input_ids == vlm.config.image_token_id).sum()) == smolvlm_shape.IMAGE_SEQ_LEN == 64
+    with torch.no_grad():
+        logits = vlm(**inputs).logits
+    assert logits.shape[1] == inputs.input_ids.shape[1] and bool(torch.isfinite(logits).all())

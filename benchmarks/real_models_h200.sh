@@ -30,7 +30,10 @@
 # benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
 # BENCH. BENCH=distill (issue 38, with MODEL_ASSET=qwen: the teacher) runs benchmarks/distill_vs_rl.py: the
 # teacher with every other layer dropped as the student, then distillation and RL from it side by side
-# (MAX_STEPS its --steps, default 40; no ENV arguments).
+# (MAX_STEPS its --steps, default 40; no ENV arguments). BENCH=vlm (issue 36, SmolLM2's slices) builds a
+# model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
+# connector) and runs real_models.py with `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
+# held-out before and after; the RL run's metrics hold the step times and the bf16 mismatch KL.
 set -euo pipefail
 stage=${1:?copy, start or follow}
 shift || true
@@ -43,7 +46,7 @@ smollm2) MODEL=/root/models/SmolLM2-135M-Instruct.Q4_1.gguf SUFFIX=smollm2 SLICE
 qwen) MODEL=/root/models/qwen2.5-coder-0.5b-instruct.gguf SUFFIX=qwen05b SLICES=.gpu/qwen ;;
 *) echo "MODEL_ASSET is smollm2 or qwen, not $MODEL_ASSET" >&2; exit 2 ;;
 esac
-BENCH=${BENCH:-real_models}            # real_models, loop, both, loop_then_real_models or distill
+BENCH=${BENCH:-real_models}            # real_models, loop, both, loop_then_real_models, distill or vlm
 PARTS=${PARTS:-offline tidal trl}      # loop only; "offline tidal|trl": two loop_throughput.py side by side
 LOOP_ARGS=${LOOP_ARGS:-}               # loop only: more loop_throughput.py flags
 MAX_STEPS=${MAX_STEPS:-}               # real_models only: every RL run's max_steps
@@ -54,11 +57,11 @@ IFS='|' read -r -a LOOPS <<< "$PARTS"
 LT_WORKS=$LT_WORK
 for ((i = 2; i <= ${#LOOPS[@]}; i++)); do LT_WORKS="$LT_WORKS $LT_WORK$i"; done
 case "$BENCH" in
-real_models) WORKS="$RM_WORK" ;;
+real_models | vlm) WORKS="$RM_WORK" ;;
 distill) WORKS="$DV_WORK" ;;
 loop) WORKS="$LT_WORKS" ;;
 both | loop_then_real_models) WORKS="$RM_WORK $LT_WORKS" ;;
-*) echo "BENCH is real_models, loop, both, loop_then_real_models or distill, not $BENCH" >&2; exit 2 ;;
+*) echo "BENCH is real_models, loop, both, loop_then_real_models, distill or vlm, not $BENCH" >&2; exit 2 ;;
 esac
 
 export PYTHONPATH=$PWD/src:/tmp/site:/root/vllm-site PATH=/tmp/site/bin:$PATH  # the wheels' scripts (py-spy)
@@ -152,7 +155,7 @@ sequence() {  # (the `_sequence` stage) start_loop, wait for every loop driver, 
     while kill -0 "$pid" 2>/dev/null; do sleep 5; done
 }
 
-start_real_models() {
+start_real_models() {  # MODEL and SUFFIX: the GGUF's (or, BENCH=vlm, the VLM's built from it)
     mkdir -p "$RM_WORK" "$RM_OUT"
     local steps=()
     [ -n "$MAX_STEPS" ] && steps=(--max-steps "$MAX_STEPS")
@@ -201,6 +204,14 @@ start)
     real_models) start_real_models "$@" ;;
     loop) start_loop ;;
     distill) start_distill ;;
+    vlm)
+        local_text=$(python3 -c "from tidal.models import resolve_model_name; print(resolve_model_name('$MODEL'))")
+        [ -f /root/models/smolvlm-shape/config.json ] ||
+            python3 -m tidal.models.smolvlm_shape --text "$local_text" --out /root/models/smolvlm-shape
+        MODEL=/root/models/smolvlm-shape SUFFIX=smolvlm
+        [ "$#" -gt 0 ] || set -- shapes
+        start_real_models "$@"
+        ;;
     both) start_real_models "$@"; start_loop ;;
     loop_then_real_models) start_sequence "$@" ;;
     esac

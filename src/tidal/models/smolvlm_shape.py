@@ -55,7 +55,6 @@ def build(text_dir: Path, target: Path, seed: int = 0, random_text: bool = False
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
     )
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})  # type: ignore[dict-item]
@@ -78,11 +77,23 @@ def build(text_dir: Path, target: Path, seed: int = 0, random_text: bool = False
         _copy_text_weights(AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32), model)
     model = model.to(torch.bfloat16)
     size = {"longest_edge": IMAGE_SIZE}
-    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=size, max_image_size=size)
+    images = _image_processor()(do_image_splitting=False, size=size, max_image_size=size)
     processor = Idefics3Processor(
         image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
     )
     return write_model_dir(Path(target), model, tokenizer, processor)
+
+
+def _image_processor() -> Any:
+    """Idefics3's image processor class that needs no torchvision (transformers ≥ 5.19 names it `…Pil`; the
+    GPU machines' 5.17 may only have the plain one)."""
+    try:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    except ImportError:
+        from transformers import Idefics3ImageProcessor
+
+        return Idefics3ImageProcessor
+    return Idefics3ImageProcessorPil
 
 
 def _copy_text_weights(source: Any, model: Any) -> None:

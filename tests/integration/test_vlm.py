@@ -213,6 +213,10 @@ def test_the_picture_route_answers_expanded_ids_refuses_bad_input_and_aborts_a_r
         assert "\n" not in reply.json()["error"]["message"]
         reply = httpx.post(route, json={**body, "model": "step-9"}, timeout=60)
         assert reply.status_code == 400 and "no model or LoRA adapter called 'step-9'" in reply.text
+        reply = httpx.post(route, json={**body, "sampling": {**sampling, "temperature": -1.0}}, timeout=60)
+        assert reply.status_code == 400 and "`sampling`:" in reply.text and "temperature" in reply.text, (
+            reply.text
+        )
 
         long = {**body, "n": 4, "sampling": {**sampling, "max_tokens": 400}}
         before = _metric(server.url, "vllm:generation_tokens_total")

@@ -166,13 +166,17 @@ def lora_request(app_state: Any, name: str | None) -> Any:
 async def generate(
     app_state: Any, request: PictureRequest, client_left: Callable[[], Awaitable[None]]
 ) -> dict[str, Any]:
-    """Run the request on the server's engine; aborts it there when `client_left` returns first."""
+    """Run the request on the server's engine; aborts it there when `client_left` returns first (or when
+    this handler is cancelled)."""
     loop = asyncio.get_running_loop()
     pictures = await loop.run_in_executor(None, _decode_all, request.images)
     prompt = {"prompt_token_ids": request.token_ids, "multi_modal_data": {"image": pictures}}
     engine = app_state.engine_client
     request_id = f"tidal-pictures-{uuid.uuid4().hex}"
-    params = sampling_params(request)
+    try:
+        params = sampling_params(request)
+    except _client_errors() as exc:  # a value vLLM's SamplingParams refuses (a negative temperature, …)
+        raise PictureRequestError(f"{ROUTE}: `sampling`: {_first_line(exc)}") from None
     adapter = lora_request(app_state, request.model)
 
     async def run() -> Any:
@@ -187,19 +191,22 @@ async def generate(
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if not work.done():
-        work.cancel()
-        await engine.abort(request_id)
+        if not work.done():  # the client left, or this handler was cancelled: nobody will read the answer
+            work.cancel()
+            await engine.abort(request_id)
+    if work.cancelled():
         raise ClientLeft(request_id)
     try:
         final = work.result()
     except _client_errors() as exc:  # vLLM's input checks: a prompt too long, a picture it cannot place
-        raise PictureRequestError(
-            f"{ROUTE}: vLLM refused the prompt: {str(exc).strip().splitlines()[0]}"
-        ) from None
+        raise PictureRequestError(f"{ROUTE}: vLLM refused the prompt: {_first_line(exc)}") from None
     if final is None:
         raise RuntimeError(f"{ROUTE}: vLLM gave no output for request {request_id}")
     return answer(final)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _client_errors() -> tuple[type[Exception], ...]:

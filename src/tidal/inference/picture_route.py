@@ -16,13 +16,14 @@ leaves aborts the request in the engine.
 """
 
 import asyncio
-import base64
-import io
+import functools
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tidal.models.vision import decode_picture, picture_from_bytes
 
 ROUTE = "/tidal/generate"
 FETCH_TIMEOUT_S = 30.0
@@ -85,25 +86,20 @@ def _is_int(value: Any) -> bool:
 def decode_image(url: str, number: int, fetch: Callable[[str], bytes]) -> Any:
     """The RGB picture at `url` (a data URL, or http(s) through `fetch`); PictureRequestError naming picture
     `number` (1-based) when it cannot be read."""
-    from PIL import Image
-
-    if url.startswith("data:"):
-        try:
-            raw = base64.b64decode(url.partition(",")[2], validate=False)
-        except ValueError as exc:
-            raise PictureRequestError(f"picture {number}: its data URL is not base64 ({exc})") from None
-    elif url.startswith(("http://", "https://")):
+    if url.startswith(("http://", "https://")):
         try:
             raw = fetch(url)
         except Exception as exc:  # noqa: BLE001 - any transport failure is this picture's problem
             raise PictureRequestError(f"picture {number}: cannot fetch {url[:80]} ({exc})") from None
+        read = functools.partial(picture_from_bytes, raw, number)
+    elif url.startswith("data:"):
+        read = functools.partial(decode_picture, url, number)
     else:
         raise PictureRequestError(f"picture {number}: a data or http(s) URL, not {url[:40]!r}")
     try:
-        with Image.open(io.BytesIO(raw)) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise PictureRequestError(f"picture {number}: cannot be read as an image ({exc})") from None
+        return read()
+    except ValueError as exc:  # tidal.models.vision's, naming the picture
+        raise PictureRequestError(str(exc)) from None
 
 
 def fetch_url(url: str) -> bytes:

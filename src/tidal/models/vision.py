@@ -247,17 +247,26 @@ def setup_pictures(model_name: str, trust_remote_code: bool = False) -> PictureI
 def decode_picture(url: str, number: int) -> Any:
     """The RGB image of a data URL; a ValueError naming picture `number` for anything else (training needs
     the picture itself: an http(s) picture would be fetched twice, by vLLM and here, and could differ)."""
-    from PIL import Image
-
     if not url.startswith("data:"):
         raise ValueError(
             f"picture {number}: training needs the picture itself (a data URL or a PIL image), not {url[:40]!r}"
         )
-    payload = url.partition(",")[2]
     try:
-        with Image.open(io.BytesIO(base64.b64decode(payload))) as image:
+        raw = base64.b64decode(url.partition(",")[2])
+    except ValueError as exc:
+        raise ValueError(f"picture {number}: cannot be read as an image ({exc})") from None
+    return picture_from_bytes(raw, number)
+
+
+def picture_from_bytes(raw: bytes, number: int) -> Any:
+    """The RGB image in `raw` (a file's bytes); a ValueError naming picture `number` when it is none (a
+    decompression bomb included)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
             return image.convert("RGB")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ValueError(f"picture {number}: cannot be read as an image ({exc})") from None
 
 

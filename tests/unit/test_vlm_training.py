@@ -366,3 +366,72 @@ def test_sft_held_out_eval_on_picture_conversations_answers_as_transformers_with
         Path(resolve_model_name(TINY_QWEN_VL_MODEL_NAME)), conversations[:1], 4, 1, "cpu"
     )
     assert qwen.num_examples == 1 and len(qwen.examples) == 1  # multimodal positions: runs through generate
+
+
+def test_sft_picture_workers_prepare_the_same_batches_a_step_ahead_and_resume_where_trained(pictures):
+    """With a worker process, each step's samples are the ones prepared in the training process (ids, mask,
+    pixels), the state counts only the batches handed out (the workers run a step ahead), a run resumed
+    from it gets the next batch, and a broken picture names its conversation."""
+    from tidal.config.sft import SFTConfig
+    from tidal.trainer.parallel import DistInfo
+    from tidal.trainer.sample_pool import SamplePool, auto_workers
+    from tidal.trainer.sft import SFTData, setup_sample_pool
+
+    def conversation(k: int) -> list[dict]:
+        content = [{"type": "image_url", "image_url": {"url": _url((30 * k, 90, 200 - 20 * k), 40 + 6 * k)}}]
+        return [
+            {"role": "user", "content": [*content, {"type": "text", "text": f"Colour {k}?"}]},
+            {"role": "assistant", "content": f"colour {k}"},
+        ]
+
+    conversations = [conversation(k) for k in range(6)] + [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello"}]
+    ]
+    config = SFTConfig(
+        model={"name": TINY_VLM_MODEL_NAME},
+        data={"train": {"type": "builtin", "name": "shapes"}, "batch_size": 3, "seq_len": 4096, "micro_batch_size": 4},
+    )  # fmt: skip
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    tokenizer = pictures.processor.tokenizer
+
+    def batches(data: SFTData, n: int) -> list[tuple[list, list]]:
+        out = []
+        for _ in range(n):
+            rows = [r for m in data.next_batch().micro_batches for r in m]
+            out.append(
+                ([r.input_ids for r in rows], [p.tensors()["pixel_values"] for r in rows for p in r.pictures])
+            )
+        return out
+
+    here = SFTData(config, conversations, tokenizer, info, pictures)
+    expected = batches(here, 3)
+    pool = SamplePool(1, tokenizer, pictures)
+    ahead = SFTData(config, conversations, tokenizer, info, pictures, pool)
+    try:
+        got = batches(ahead, 2)
+        assert (
+            ahead.state_dict() == {"position": 6} and ahead.sampler.position == 9
+        )  # one step prepared ahead
+        assert [ids for ids, _ in got] == [ids for ids, _ in expected[:2]]
+        for (_, mine), (_, theirs) in zip(got, expected[:2], strict=True):
+            assert len(mine) == len(theirs) and all(
+                torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)
+            )
+        resumed = SFTData(config, conversations, tokenizer, info, pictures, pool)
+        resumed.load_state_dict(ahead.state_dict())
+        assert [ids for ids, _ in batches(resumed, 1)] == [expected[2][0]]
+
+        broken = [*conversations]
+        broken[1] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}, {"role": "assistant", "content": "x"}]  # fmt: skip
+        bad = SFTData(config.model_copy(update={"data": config.data.model_copy(update={"shuffle": False})}), broken, tokenizer, info, pictures, pool)  # fmt: skip
+        with pytest.raises(
+            UserError, match=r"^data.train: conversation 1: picture 1: cannot be read as an image"
+        ):
+            bad.next_batch()
+    finally:
+        pool.close()
+
+    assert auto_workers(1, cpus=2) == 1 and auto_workers(8, cpus=16) == 1 and auto_workers(1, cpus=64) == 8
+    assert setup_sample_pool(config.model_copy(update={"data": config.data.model_copy(update={"picture_workers": 0})}), info, tokenizer, pictures) is None  # fmt: skip
+    with pytest.raises(UserError, match=r"^data.picture_workers = 2: data.train has no pictures"):
+        setup_sample_pool(config.model_copy(update={"data": config.data.model_copy(update={"picture_workers": 2})}), info, tokenizer, None)  # fmt: skip

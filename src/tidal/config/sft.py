@@ -42,6 +42,10 @@ class SFTDataConfig(Config):
     padding)."""
     shuffle: bool = True
     """Shuffle conversations each epoch (seeded)."""
+    picture_workers: int | None = Field(default=None, ge=0)
+    """Processes per rank that turn conversations with pictures into samples (the model's processor: decode,
+    resize, tiles) while the step before trains; unset: one per spare CPU core of the rank, at most 8;
+    0: in the training process, between steps. Only for data with pictures (an error otherwise)."""
 
 
 class SFTEvalConfig(Config):

@@ -207,10 +207,12 @@ class Orchestrator:
             evaluated = await self._online_eval(client, step, policy.version)
         groups, advantages, stats = await self._collect(client, policy, step)
         b = cfg.batch
+        make = functools.partial(
+            make_train_samples, groups, advantages, expand_pictures=self.expand_pictures, distill=self.distill
+        )
         try:
-            samples = make_train_samples(
-                groups, advantages, expand_pictures=self.expand_pictures, distill=self.distill
-            )
+            # a picture costs its processor ~0.1-0.2 s (resize, tiles): off the loop, whose rollouts go on
+            samples = await asyncio.to_thread(make) if self.expand_pictures is not None else make()
         except ValueError as exc:  # an environment's pictures that its prompt's placeholders do not match
             raise UserError(f"orchestrator.env: {exc}") from None
         samples, too_long = drop_too_long(samples, b.seq_len)

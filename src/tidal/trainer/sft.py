@@ -9,6 +9,8 @@ With `lora`, only the adapters train; `final/` is then the merged model (a plain
 
 import sys
 import time
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,6 @@ from tidal.trainer.data import (
     pack_samples,
     pad_rows,
     shard_rows,
-    tokenize_conversation,
 )
 from tidal.trainer.evaluate import greedy_exact_match
 from tidal.trainer.export import export_model
@@ -48,6 +49,7 @@ from tidal.trainer.parallel import (
     micro_batches,
     shutdown,
 )
+from tidal.trainer.sample_pool import SamplePool, auto_workers, prepare_sample
 from tidal.trainer.session import (
     TrainState,
     end_of_step,
@@ -73,7 +75,13 @@ class StepBatch:
 
 
 class SFTData:
-    """Sampler + lazily tokenised conversations -> packed, rank-sharded batches. State: the sampler position."""
+    """Sampler + lazily tokenised conversations -> packed, rank-sharded batches. State: the sampler position
+    of the batches handed out.
+
+    Conversations with pictures are prepared by a `SamplePool` when one is given: the next step's samples
+    are submitted as soon as this step's are handed out, so the workers prepare them while this step trains.
+    Text samples are kept once tokenised; samples with pictures are not (tens of MB each), they are prepared
+    again in a later epoch."""
 
     def __init__(
         self,
@@ -82,6 +90,7 @@ class SFTData:
         tokenizer: Any,
         info: DistInfo,
         pictures: PictureInputs | None = None,
+        pool: SamplePool | None = None,
     ):
         self.config = config
         self.conversations = conversations
@@ -89,29 +98,73 @@ class SFTData:
         self.info = info
         self.pictures = pictures
         """The model's processor, where conversations carry pictures (`setup_sft_pictures`)."""
+        self.pool = pool
         self.sampler = EpochSampler(len(conversations), config.seed, config.data.shuffle)
+        self.position = 0
+        """Samples handed out (the sampler runs a step ahead with a pool)."""
         self._cache: dict[int, TokenizedSample] = {}
+        self._ahead: tuple[list[int], list[Future[TokenizedSample] | None]] | None = None
 
-    def _sample(self, index: int) -> TokenizedSample:
-        if index not in self._cache:
-            try:
-                self._cache[index] = self._tokenize(self.conversations[index])
-            except ValueError as exc:
-                raise UserError(f"data.train: conversation {index}: {exc}") from None
-        return self._cache[index]
+    @property
+    def epoch(self) -> float:
+        return self.position / len(self.conversations)
 
-    def _tokenize(self, conversation: Conversation) -> TokenizedSample:
-        sample = tokenize_conversation(self.tokenizer, conversation)
-        images = message_images(conversation)
-        if not images:
-            return sample
-        assert self.pictures is not None  # setup_sft_pictures made one for conversations with pictures
-        ids, mask, pictures = self.pictures.expand_masked(sample.input_ids, sample.loss_mask, images)
-        return TokenizedSample(ids, mask, pictures)
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self.position, self._ahead = self.sampler.position, None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def _start(self, indices: list[int]) -> tuple[list[int], list[Future[TokenizedSample] | None]]:
+        """Submit what is neither kept nor text-only to the pool (None: prepared here, when needed)."""
+        pending: list[Future[TokenizedSample] | None] = []
+        for index in indices:
+            if self.pool is None or index in self._cache:
+                pending.append(None)
+                continue
+            images = self._images(index)
+            if not images:
+                pending.append(None)
+            else:
+                pending.append(self.pool.submit(self.conversations[index], images))
+        return indices, pending
+
+    def _images(self, index: int) -> list[str]:
+        """The conversation's pictures (checked: a UserError naming the conversation for a broken one)."""
+        try:
+            return message_images(self.conversations[index])
+        except ValueError as exc:
+            raise UserError(f"data.train: conversation {index}: {exc}") from None
+
+    def _finish(self, index: int, pending: Future[TokenizedSample] | None) -> TokenizedSample:
+        if index in self._cache:
+            return self._cache[index]
+        conversation = self.conversations[index]
+        try:
+            if pending is not None:
+                sample = pending.result()
+            else:
+                sample = prepare_sample(self.tokenizer, self.pictures, conversation, self._images(index))
+        except ValueError as exc:
+            raise UserError(f"data.train: conversation {index}: {exc}") from None
+        except BrokenProcessPool as exc:  # a worker killed (out of memory, a signal)
+            raise UserError(f"data.picture_workers: a worker process died ({exc}); try fewer or 0") from None
+        if sample.pictures is None:
+            self._cache[index] = sample
+        return sample
 
     def next_batch(self) -> StepBatch:
         data = self.config.data
-        samples = [self._sample(i) for i in self.sampler.next_indices(data.batch_size)]
+        indices, pending = self._ahead or self._start(self.sampler.next_indices(data.batch_size))
+        self.position = self.sampler.position
+        # the next step's samples go to the workers now, to be ready when this step has trained
+        self._ahead = self._start(self.sampler.next_indices(data.batch_size)) if self.pool else None
+        samples = [self._finish(i, p) for i, p in zip(indices, pending, strict=True)]
         rows, num_truncated = pack_samples(samples, data.seq_len)
         # the ranks of a context-parallel group train the same rows (each a chunk of their sequence)
         micro = shard_rows(rows, self.info.dp_rank, self.info.dp_size, data.micro_batch_size)
@@ -135,19 +188,28 @@ def main(config: SFTConfig) -> int:
 
 def train(config: SFTConfig, info: DistInfo) -> int:
     out = config.output_dir
-    ckpt_root = run_layout.trainer_checkpoints_dir(out)
     conversations = load_conversations(config.data.train)  # before the model: bad data fails fast
-    t = open_trainer(config, info, run_layout.sft_metrics_path(out), ckpt_root)
+    t = open_trainer(config, info, run_layout.sft_metrics_path(out), run_layout.trainer_checkpoints_dir(out))
+    pictures = setup_sft_pictures(config, conversations)
+    pool = setup_sample_pool(config, info, t.tokenizer, pictures)
+    data = SFTData(config, conversations, t.tokenizer, info, pictures, pool)
+    try:
+        return _train(config, info, t, data)
+    finally:
+        data.close()
+
+
+def _train(config: SFTConfig, info: DistInfo, t: Any, data: SFTData) -> int:
+    out = config.output_dir
+    ckpt_root = run_layout.trainer_checkpoints_dir(out)
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     scorer, logger, say = t.scorer, t.logger, t.say
     tokenizer = t.tokenizer
-    data = SFTData(config, conversations, tokenizer, info, setup_sft_pictures(config, conversations))
-
-    state = TrainState(model, optimizer, scheduler, data.sampler.state_dict)
+    state = TrainState(model, optimizer, scheduler, data.state_dict)
     # SFT records carry the number of steps completed with them: 1, 2, ...
     step, data_state = maybe_resume(ckpt_root, state, info, logger, say, config.resume, first_record_step=1)
     if data_state:
-        data.sampler.load_state_dict(data_state)
+        data.load_state_dict(data_state)
 
     say(
         f"sft: {len(data.conversations)} conversations, {config.max_steps} steps, {info.world_size} rank(s) on "
@@ -157,11 +219,14 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     show_bar = info.is_main and config.log.progress_bar and sys.stderr.isatty()
     bar = tqdm(total=config.max_steps, initial=step, disable=not show_bar)
     while step < config.max_steps:
+        waited = time.perf_counter()
         batch = data.next_batch()
+        waited = time.perf_counter() - waited  # preparing (or waiting for) this step's samples
         with out_of_memory_as_user_error(step + 1, info):  # SFT numbers steps from 1
             metrics = train_step(scorer, optimizer, scheduler, batch, info, config.optim.max_grad_norm)
         step += 1
-        metrics["epoch"] = data.sampler.epoch
+        metrics["epoch"] = data.epoch
+        metrics["time/data"] = waited
         bar.update(1)
         if logger:
             logger.log(step, metrics)
@@ -181,6 +246,22 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     if logger:
         logger.close()
     return 0
+
+
+def setup_sample_pool(
+    config: SFTConfig, info: DistInfo, tokenizer: Any, pictures: PictureInputs | None
+) -> SamplePool | None:
+    """The workers that prepare conversations with pictures (`data.picture_workers`); None for text data
+    or 0 workers. A UserError when workers are asked for text data."""
+    workers = config.data.picture_workers
+    if pictures is None:
+        if workers:
+            raise UserError(
+                f"data.picture_workers = {workers}: data.train has no pictures (leave it unset for text data)"
+            )
+        return None
+    workers = auto_workers(info.local_world_size) if workers is None else workers
+    return SamplePool(workers, tokenizer, pictures) if workers else None
 
 
 def setup_sft_pictures(config: SFTConfig, conversations: list[Conversation]) -> PictureInputs | None:

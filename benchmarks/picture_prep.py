@@ -1,0 +1,109 @@
+"""How fast `tidal sft` turns conversations with pictures into samples: in the training process (the
+baseline, `data.picture_workers = 0`) against worker processes (`SamplePool`), in one call.
+
+No model runs and no GPU is needed: this is the CPU work that, in the training process, left the GPU idle
+between steps (SmolVLM's processor cuts each picture into five 512-pixel tiles). Each side draws the same
+batches of the built-in `shapes` demonstrations (sft_smolvlm.toml's data) and takes them as a training loop
+would, one batch per step; `--step-seconds` sleeps that long per step in place of the GPU's work, so that the
+workers can prepare the next batch meanwhile, as in a real run.
+
+    python -m tidal.models.smolvlm_shape --text <SmolLM2 HF dir> --out /tmp/smolvlm-shape
+    python benchmarks/picture_prep.py --model /tmp/smolvlm-shape --workers 1 --steps 4 \\
+        --out benchmarks/results/picture_prep_cpu.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.config.sft import SFTConfig
+from tidal.models.vision import setup_pictures
+from tidal.trainer.parallel import DistInfo
+from tidal.trainer.sample_pool import SamplePool
+from tidal.trainer.sft import SFTData
+from tidal.trainer.sources import load_conversations
+
+
+def side(
+    config: SFTConfig, conversations: list, pictures: Any, workers: int, steps: int, step_s: float
+) -> dict:
+    """Seconds each step waited for its batch, with `workers` processes (0: prepared in this process)."""
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    started = time.perf_counter()
+    pool = SamplePool(workers, pictures.tokenizer, pictures) if workers else None
+    data = SFTData(config, conversations, pictures.tokenizer, info, pictures, pool)
+    waits, tokens = [], 0
+    try:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            batch = data.next_batch()
+            waits.append(time.perf_counter() - begin)
+            tokens += batch.num_tokens
+            time.sleep(step_s)  # the GPU's step, during which the workers prepare the next batch
+    finally:
+        data.close()
+    wall = time.perf_counter() - started
+    samples = steps * config.data.batch_size
+    return {
+        "workers": workers,
+        "wait_per_step_s": [round(w, 3) for w in waits],
+        "mean_wait_after_first_s": round(sum(waits[1:]) / max(1, len(waits) - 1), 3),
+        "wall_s": round(wall, 2),
+        "samples_per_s": round(samples / wall, 2),
+        "tokens_per_step": tokens // steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a vision-language model's directory (its processor)")
+    parser.add_argument("--workers", type=int, default=max(1, min(8, len(os.sched_getaffinity(0)) - 1)))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32, help="sft_smolvlm.toml's data.batch_size")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="a stand-in for the GPU's step")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    config = SFTConfig(
+        model={"name": args.model},
+        data={
+            "train": {"type": "builtin", "name": "shapes", "split": "train",
+                      "num_examples": args.batch_size * args.steps, "kwargs": {"min_turns": 1, "max_turns": 2}},
+            "batch_size": args.batch_size, "seq_len": 2048, "micro_batch_size": 4,
+        },
+    )  # fmt: skip
+    conversations = load_conversations(config.data.train)
+    pictures = setup_pictures(args.model)
+    baseline = side(config, conversations, pictures, 0, args.steps, args.step_seconds)
+    pooled = side(config, conversations, pictures, args.workers, args.steps, args.step_seconds)
+    result = {
+        "what": "tidal sft's sample preparation for conversations with pictures: in the training process "
+        "(baseline) against worker processes, the same batches (benchmarks/picture_prep.py)",
+        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "model": Path(args.model).name,
+        "batch_size": args.batch_size,
+        "step_seconds_stand_in": args.step_seconds,
+        "in_process": baseline,
+        "workers": pooled,
+        "wait_ratio_workers_to_in_process": round(
+            pooled["mean_wait_after_first_s"] / max(1e-9, baseline["mean_wait_after_first_s"]), 3
+        ),
+        "samples_per_s_ratio": round(pooled["samples_per_s"] / baseline["samples_per_s"], 2),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""SFT conversations turned into samples in worker processes, ahead of the step that trains them.
+
+A conversation with pictures costs the model's processor real CPU time (decode, resize, cut into tiles,
+normalise: ~0.1-0.2 s a picture for SmolVLM's five 512-pixel tiles), which in the training process left the
+GPU idle between steps. `SamplePool` prepares them in `spawn` worker processes, each with the run's own
+tokenizer and processor (sent once, at start), while the training process trains the step before.
+"""
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from tidal.models.vision import PictureInputs
+from tidal.trainer.data import TokenizedSample, tokenize_conversation
+from tidal.trainer.sources import Conversation
+
+MAX_AUTO_WORKERS = 8
+"""`data.picture_workers` unset: one worker per spare CPU core of this rank, at most this many."""
+
+
+def prepare_sample(
+    tokenizer: Any, pictures: PictureInputs | None, conversation: Conversation, images: list[str]
+) -> TokenizedSample:
+    """The conversation's ids and loss mask, its pictures' placeholders expanded into their image tokens
+    (which never carry loss) and the pictures themselves; a ValueError for a picture that is broken or
+    does not match its placeholders."""
+    sample = tokenize_conversation(tokenizer, conversation)
+    if not images:
+        return sample
+    if pictures is None:
+        raise ValueError("the conversation has pictures, but the run has no picture processor")
+    ids, mask, arrays = pictures.expand_masked(sample.input_ids, sample.loss_mask, images)
+    return TokenizedSample(ids, mask, arrays)
+
+
+def auto_workers(local_world_size: int, cpus: int | None = None) -> int:
+    """Workers for one rank when `data.picture_workers` is unset: the host's cores shared among its ranks,
+    one left to the rank itself, at least 1 and at most MAX_AUTO_WORKERS."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_AUTO_WORKERS, cpus // max(1, local_world_size) - 1))
+
+
+_worker: tuple[Any, PictureInputs | None] | None = None
+"""In a worker process: the run's tokenizer and picture processor."""
+
+
+def _start_worker(parent_pid: int, tokenizer: Any, pictures: PictureInputs | None) -> None:
+    # SIGKILL with the training process, even if that one was SIGKILLed: no worker outlives the run
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the closed pipe still ends an idle one
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run through its parent, not here
+    global _worker
+    _worker = (tokenizer, pictures)
+
+
+def _prepare_in_worker(conversation: Conversation, images: list[str]) -> TokenizedSample:
+    assert _worker is not None, "a sample worker runs _start_worker first"
+    tokenizer, pictures = _worker
+    return prepare_sample(tokenizer, pictures, conversation, images)
+
+
+class SamplePool:
+    """`workers` processes preparing samples; `submit` returns at once, the future holds the sample (or the
+    ValueError that `prepare_sample` raised)."""
+
+    def __init__(self, workers: int, tokenizer: Any, pictures: PictureInputs | None):
+        if workers < 1:
+            raise ValueError("a sample pool needs at least one worker")
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),  # the training process holds CUDA: no fork
+            initializer=_start_worker,
+            initargs=(os.getpid(), tokenizer, pictures),
+        )
+
+    def submit(self, conversation: Conversation, images: list[str]) -> Future[TokenizedSample]:
+        return self._pool.submit(_prepare_in_worker, conversation, images)
+
+    def close(self) -> None:
+        """Stop the workers, dropping what is still queued."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -32,7 +32,8 @@
 # teacher with every other layer dropped as the student, then distillation and RL from it side by side
 # (MAX_STEPS its --steps, default 40; no ENV arguments). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
-# connector) and runs real_models.py with `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
+# connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and runs real_models.py with
+# `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
 # held-out before and after; the RL run's metrics hold the step times and the bf16 mismatch KL.
 set -euo pipefail
 stage=${1:?copy, start or follow}
@@ -210,6 +211,11 @@ start)
             python3 -m tidal.models.smolvlm_shape --text "$local_text" --out /root/models/smolvlm-shape
         MODEL=/root/models/smolvlm-shape SUFFIX=smolvlm
         [ "$#" -gt 0 ] || set -- shapes
+        # SFT's picture preparation on this host's cores against the in-process baseline (~40 s, GPU idle)
+        mkdir -p "$RM_OUT"
+        timeout 180 python3 benchmarks/picture_prep.py --model "$MODEL" --steps 4 --step-seconds 1 \
+            --out "$RM_OUT/picture_prep_gpu_host.json" > "$RM_OUT/picture_prep.log" 2>&1 ||
+            echo "picture_prep.py failed: $RM_OUT/picture_prep.log"
         start_real_models "$@"
         ;;
     both) start_real_models "$@"; start_loop ;;

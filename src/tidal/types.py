@@ -325,6 +325,22 @@ class TrainSample:
 
 
 @dataclass
+class PictureTable:
+    """Pictures as they go out: each distinct Pictures object once, in `sent`; `index` gives its place."""
+
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    _index_of: dict[int, int] = field(default_factory=dict)
+    _held: list[Pictures] = field(default_factory=list)  # alive while indexed by id
+
+    def index(self, pictures: Pictures) -> int:
+        if id(pictures) not in self._index_of:
+            self._index_of[id(pictures)] = len(self.sent)
+            self.sent.append(pictures.to_dict())
+            self._held.append(pictures)
+        return self._index_of[id(pictures)]
+
+
+@dataclass
 class MicroBatch:
     """Packed rows for one forward pass; every field is a `[rows][width]` nested list, where width is the
     longest row's length rounded up (`padded_width`), at most the batch's seq_len.
@@ -361,28 +377,25 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return sum(sum(row) for row in self.loss_mask)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, table: PictureTable | None = None) -> dict[str, Any]:
         """The fields as JSON-ready values, the token lists themselves (not copies: `asdict` deep-copied
-        every element, 0.4 s of the orchestrator's event loop for a 256-sample step)."""
+        every element, 0.4 s of the orchestrator's event loop for a 256-sample step). The pictures go into
+        `table` when given (the batch's, shared by its micro-batches; `pictures` is then None), else here."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["routed_experts"] = None if self.routed_experts is None else asdict(self.routed_experts)
         # a group's samples share one prompt's Pictures object (orchestrator.batching): each goes out once,
         # and `picture_order` says which one every sample has
-        index_of: dict[int, int] = {}
-        sent: list[dict[str, Any]] = []
-        order: list[int] = []
-        for pictures in self.pictures:
-            if id(pictures) not in index_of:
-                index_of[id(pictures)] = len(sent)
-                sent.append(pictures.to_dict())
-            order.append(index_of[id(pictures)])
-        out["pictures"], out["picture_order"] = sent, order
+        mine = table if table is not None else PictureTable()
+        out["picture_order"] = [mine.index(pictures) for pictures in self.pictures]
+        out["pictures"] = None if table is not None else mine.sent
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MicroBatch:
+    def from_dict(cls, data: dict[str, Any], shared: list[Pictures] | None = None) -> MicroBatch:
+        """From `to_dict`'s values; `shared`: the batch's pictures, where `pictures` is None."""
         fields_ = dict(data)
-        sent = [Pictures.from_json(p) for p in fields_.pop("pictures", None) or []]
+        own = fields_.pop("pictures", None)
+        sent = [Pictures.from_json(p) for p in own] if own is not None else (shared or [])
         order = fields_.pop("picture_order", None)
         pictures = sent if order is None else [sent[index] for index in order]
         return cls(
@@ -446,15 +459,19 @@ class TrainBatch:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["micro_batches"] = [m.to_dict() for m in self.micro_batches]
+        # a group's samples land in several micro-batches: their pictures go out once for the whole batch
+        table = PictureTable()
+        out["micro_batches"] = [m.to_dict(table) for m in self.micro_batches]
+        out["pictures"] = table.sent
         out["metrics"] = dict(self.metrics)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainBatch:
+        shared = [Pictures.from_json(p) for p in data.get("pictures") or []]
         return cls(
             step=data["step"],
-            micro_batches=[MicroBatch.from_dict(m) for m in data["micro_batches"]],
+            micro_batches=[MicroBatch.from_dict(m, shared) for m in data["micro_batches"]],
             num_loss_tokens_global=data["num_loss_tokens_global"],
             num_samples_global=data["num_samples_global"],
             metrics=dict(data["metrics"]),

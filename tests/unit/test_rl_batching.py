@@ -215,7 +215,10 @@ def test_messages_round_trip_through_dicts_and_torch_save(tmp_path):
     assert Group.from_dict(g.to_dict()) == g
     batch = make_train_batches(1, make_train_samples([g], [[1.0]]), 1, 4, 1, PAD, {"reward/mean": 0.5})[0]
     wire = batch.to_dict()  # the wire format, without asdict's deep copies
+    assert wire.pop("pictures") == []  # the batch's pictures, each once
     assert [m.pop("picture_order") for m in wire["micro_batches"]] == [[]]  # which picture each sample has
+    assert [m.pop("pictures") for m in wire["micro_batches"]] == [None]  # (in the batch's)
+    wire["micro_batches"][0]["pictures"] = []
     assert wire == dataclasses.asdict(batch)
     assert g.to_dict() == dataclasses.asdict(g) and g.rollouts[0].to_dict() == dataclasses.asdict(
         g.rollouts[0]

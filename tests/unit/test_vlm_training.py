@@ -104,6 +104,23 @@ def test_packed_micro_batches_carry_pictures_in_token_order_through_json(picture
     again = MicroBatch.from_dict(sent)
     assert again.pictures[0] is again.pictures[1] and again.pictures == shared.pictures
     assert again.picture_tensors()["pixel_values"].shape[0] == 6  # 1 + 1 + 2 + 2 pictures' tiles
+    # a group's samples in different micro-batches: the batch sends each picture once for all of them
+    from tidal.transport.rollouts import decode, encode
+    from tidal.types import TrainBatch
+
+    split = [build_micro_batch([samples[i : i + 1]], 512, 0) for i in range(4)]
+    batch = TrainBatch(step=3, micro_batches=split, num_loss_tokens_global=12, num_samples_global=4)
+    wire = json.loads(encode(batch))
+    assert len(wire["pictures"]) == 2 and [m["picture_order"] for m in wire["micro_batches"]] == [
+        [0],
+        [0],
+        [1],
+        [1],
+    ]
+    assert all(m["pictures"] is None for m in wire["micro_batches"])
+    received = decode(encode(batch))
+    assert [m.pictures for m in received.micro_batches] == [m.pictures for m in split]
+    assert received.micro_batches[0].pictures[0] is received.micro_batches[1].pictures[0]
     image_id = pictures.placeholder_id
     in_rows = sum(row.count(image_id) for row in back.input_ids)
     per_picture = samples[0].input_ids.count(image_id)

@@ -82,6 +82,7 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (sft / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/data"] >= 0 for r in records if "loss" in r)  # the wait for each step's pictures
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and losses[-1] < losses[0], losses
     final = sft / "final"
@@ -108,6 +109,7 @@ def test_sft_then_rl_on_pictures_with_the_tiny_vlm(tmp_path: Path):
         json.loads(line) for line in (rl / "orchestrator" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in orchestrator] == [0, 1, 2]
+    assert all(0 < r["time/pictures"] < r["time/step"] for r in orchestrator)  # the processor's share
     # a rollout fails only where the barely trained model wrote the picture token itself (named in the log)
     failed = sum(r["rollouts/failed"] for r in orchestrator)
     log = (rl / "logs" / "orchestrator.log").read_text()

@@ -210,11 +210,13 @@ class Orchestrator:
         make = functools.partial(
             make_train_samples, groups, advantages, expand_pictures=self.expand_pictures, distill=self.distill
         )
+        made = time.perf_counter()
         try:
             # a picture costs its processor ~0.1-0.2 s (resize, tiles): off the loop, whose rollouts go on
             samples = await asyncio.to_thread(make) if self.expand_pictures is not None else make()
         except ValueError as exc:  # an environment's pictures that its prompt's placeholders do not match
             raise UserError(f"orchestrator.env: {exc}") from None
+        made = time.perf_counter() - made
         samples, too_long = drop_too_long(samples, b.seq_len)
         self._warn_too_long(step, too_long, len(samples))
         try:
@@ -229,6 +231,8 @@ class Orchestrator:
         # log, save the state past this step, send: whenever this process dies, a restart from its newest
         # state neither sends a batch twice nor skips one, and logs each step once (`_restore`)
         extra = {**evaluated, **replicas, "rollouts/dropped_too_long": float(too_long)}
+        if self.expand_pictures is not None:  # the processor's share of the step (tidal.models.vision)
+            extra["time/pictures"] = made
         if self.distill is not None:  # KL(student ‖ teacher) per token, sampled on what this step trains
             kl, tokens = reverse_kl([r for g in groups for r in g.rollouts if not r.failed])
             extra.update({"distill/reverse_kl": kl, "distill/tokens": float(tokens)})

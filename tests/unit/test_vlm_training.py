@@ -143,6 +143,17 @@ def test_packed_arrays_join_only_alike():
         PackedArray.from_numpy(np.ones(2))
     assert Pictures.concat([]) is None
 
+    # the array is kept beside its text: read without decoding, carried when pickled, decoded once from JSON
+    import pickle
+
+    c = PackedArray.concat([a, b])
+    assert c.to_numpy() is c.to_numpy() and not c.to_numpy().flags.writeable
+    copied = pickle.loads(pickle.dumps(c))
+    assert copied == c and "_array" in copied.__dict__ and np.array_equal(copied.to_numpy(), c.to_numpy())
+    parsed = PackedArray(**json.loads(json.dumps(dataclasses.asdict(c))))
+    assert parsed == c and "_array" not in parsed.__dict__  # JSON holds the text alone
+    assert parsed.to_numpy().tolist() == c.to_numpy().tolist() and parsed.to_numpy() is parsed.to_numpy()
+
 
 def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(pictures):
     model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME))

@@ -14,7 +14,6 @@ workers can prepare the next batch meanwhile, as in a real run.
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import time
@@ -23,10 +22,11 @@ from typing import Any
 
 import torch
 
+from tidal.config.deployment import usable_cores
 from tidal.config.sft import SFTConfig
 from tidal.models.vision import setup_pictures
 from tidal.trainer.parallel import DistInfo
-from tidal.trainer.sample_pool import SamplePool
+from tidal.trainer.sample_pool import SamplePool, auto_workers
 from tidal.trainer.sft import SFTData
 from tidal.trainer.sources import load_conversations
 
@@ -96,7 +96,7 @@ def join_seconds(batch: Any) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a vision-language model's directory (its processor)")
-    parser.add_argument("--workers", type=int, default=max(1, min(8, len(os.sched_getaffinity(0)) - 1)))
+    parser.add_argument("--workers", type=int, default=auto_workers(1), help="default: what tidal sft takes")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32, help="sft_smolvlm.toml's data.batch_size")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a stand-in for the GPU's step")
@@ -118,7 +118,7 @@ def main() -> None:
     result = {
         "what": "tidal sft's sample preparation for conversations with pictures: in the training process "
         "(baseline) against worker processes, the same batches (benchmarks/picture_prep.py)",
-        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "machine": f"{platform.processor() or platform.machine()}, {len(usable_cores())} cores",
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),

@@ -25,6 +25,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """Runs first in a worker started without exec (multiprocessing, a helper process): SIGKILL it when the
+    process (thread) that started it goes, even if that one was SIGKILLed; exit now if it already went."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the closed pipe or socket still ends it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 STOP_GRACE = 15.0
 """Seconds the launcher gives each child to stop before SIGKILL."""
 INNER_STOP_GRACE = 10.0

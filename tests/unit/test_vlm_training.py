@@ -463,3 +463,44 @@ def test_sft_picture_workers_prepare_the_same_batches_a_step_ahead_and_resume_wh
     assert setup_sample_pool(config.model_copy(update={"data": config.data.model_copy(update={"picture_workers": 0})}), info, tokenizer, pictures) is None  # fmt: skip
     with pytest.raises(UserError, match=r"^data.picture_workers = 2: data.train has no pictures"):
         setup_sample_pool(config.model_copy(update={"data": config.data.model_copy(update={"picture_workers": 2})}), info, tokenizer, None)  # fmt: skip
+
+
+def test_sft_picture_workers_die_when_the_training_process_is_sigkilled():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from tests.unit.test_reward_pool import alive
+
+    script = textwrap.dedent(
+        """
+        import time
+        from tidal.trainer.sample_pool import SamplePool
+
+        pool = SamplePool(2, None, None)
+        # two at once start both workers (no tokenizer: each call fails in its worker, which stays up)
+        calls = [pool.submit([{"role": "user", "content": "Hi"}], []) for _ in range(2)]
+        [call.exception() for call in calls]
+        print(*pool.pids(), flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids)

@@ -21,7 +21,6 @@ lost in a copy) runs inline on the event loop, with one warning naming it.
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import inspect
 import logging
@@ -47,6 +46,7 @@ from tidal.envs.base import (
     reward_runner,
     rewards_run_by,
 )
+from tidal.process import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ async def reward_workers(
 
 def serve(conn: Connection, parent_pid: int) -> None:
     """A worker's main loop: one pickled call in, one pickled reply out, until the parent closes the pipe."""
-    _die_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     while True:
         try:
@@ -436,11 +436,3 @@ def _stand_in_type(name: str) -> type[Exception]:
 
 def _stand_in(name: str, message: str) -> Exception:
     return _stand_in_type(name)(message)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this worker when the process (thread) that started it goes, even if that one was SIGKILLed."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: EOF on the pipe still ends an idle worker
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)

@@ -21,7 +21,6 @@ torch, no copy of the orchestrator's memory).
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import json
 import os
@@ -33,6 +32,8 @@ import sys
 from typing import Any, Literal
 
 import aiohttp
+
+from tidal.process import exit_with_parent
 
 Slim = Literal["completions", "chat"]
 """Which answer shape the worker reduces: `/v1/completions` or `/v1/chat/completions`."""
@@ -323,16 +324,9 @@ async def _exchange(
     outbox.put((request_id, "ok", (status, raw, None)))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: EOF on the socket still ends us
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def main(argv: list[str]) -> None:
     fd, parent_pid, connect_timeout, read_timeout = int(argv[0]), int(argv[1]), float(argv[2]), float(argv[3])
-    _die_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)

@@ -6,15 +6,15 @@ GPU idle between steps. `SamplePool` prepares them in `spawn` worker processes, 
 tokenizer and processor (sent once, at start), while the training process trains the step before.
 """
 
-import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
+from tidal.config.deployment import usable_cores
 from tidal.models.vision import PictureInputs
+from tidal.process import exit_with_parent
 from tidal.trainer.data import TokenizedSample, tokenize_conversation
 from tidal.trainer.sources import Conversation
 
@@ -40,7 +40,7 @@ def prepare_sample(
 def auto_workers(local_world_size: int, cpus: int | None = None) -> int:
     """Workers for one rank when `data.picture_workers` is unset: the host's cores shared among its ranks,
     one left to the rank itself, at least 1 and at most MAX_AUTO_WORKERS."""
-    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    cpus = cpus if cpus is not None else len(usable_cores())
     return max(1, min(MAX_AUTO_WORKERS, cpus // max(1, local_world_size) - 1))
 
 
@@ -49,11 +49,7 @@ _worker: tuple[Any, PictureInputs | None] | None = None
 
 
 def _start_worker(parent_pid: int, tokenizer: Any, pictures: PictureInputs | None) -> None:
-    # SIGKILL with the training process, even if that one was SIGKILLed: no worker outlives the run
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the closed pipe still ends an idle one
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+    exit_with_parent(parent_pid)  # no worker outlives the training process, even a SIGKILLed one
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run through its parent, not here
     global _worker
     _worker = (tokenizer, pictures)
@@ -82,6 +78,10 @@ class SamplePool:
 
     def submit(self, conversation: Conversation, images: list[str]) -> Future[TokenizedSample]:
         return self._pool.submit(_prepare_in_worker, conversation, images)
+
+    def pids(self) -> list[int]:
+        """Process ids of the started workers (for tests and diagnostics)."""
+        return sorted(self._pool._processes or {})
 
     def close(self) -> None:
         """Stop the workers, dropping what is still queued."""

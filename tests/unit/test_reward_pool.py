@@ -184,6 +184,12 @@ def test_workers_die_when_their_parent_is_sigkilled(tmp_path):
         asyncio.run(main())
         """
     )
+    assert_workers_die_with_parent(script, 2)
+
+
+def assert_workers_die_with_parent(script: str, count: int) -> None:
+    """Run `script` (it prints its `count` workers' pids on one line, then waits), SIGKILL it: every one of
+    them ends within 10 s."""
     parent = subprocess.Popen(
         [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
@@ -193,7 +199,7 @@ def test_workers_die_when_their_parent_is_sigkilled(tmp_path):
     try:
         assert parent.stdout is not None
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        assert len(pids) == count and all(alive(pid) for pid in pids)
     finally:
         parent.kill()
         parent.wait()

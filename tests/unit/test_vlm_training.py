@@ -466,13 +466,9 @@ def test_sft_picture_workers_prepare_the_same_batches_a_step_ahead_and_resume_wh
 
 
 def test_sft_picture_workers_die_when_the_training_process_is_sigkilled():
-    import os
-    import subprocess
-    import sys
     import textwrap
-    import time
 
-    from tests.unit.test_reward_pool import alive
+    from tests.unit.test_reward_pool import assert_workers_die_with_parent
 
     script = textwrap.dedent(
         """
@@ -487,20 +483,4 @@ def test_sft_picture_workers_die_when_the_training_process_is_sigkilled():
         time.sleep(60)
         """
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    try:
-        assert parent.stdout is not None
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
-    finally:
-        parent.kill()
-        parent.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(pid) for pid in pids)
+    assert_workers_die_with_parent(script, 2)

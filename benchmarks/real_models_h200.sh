@@ -33,7 +33,7 @@
 # (MAX_STEPS its --steps, default 40; no ENV arguments). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
-# HF model's own (benchmarks/vlm_step.py), then runs real_models.py with
+# HF model's own (benchmarks/vlm_step.py; VLM_PREP=0 or VLM_STEP=0 skips either), then runs real_models.py with
 # `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
 # held-out before and after; the RL run's metrics hold the step times and the bf16 mismatch KL.
 set -euo pipefail
@@ -214,12 +214,14 @@ start)
         [ "$#" -gt 0 ] || set -- shapes
         # SFT's picture preparation on this host's cores against the in-process baseline (~40 s, GPU idle)
         mkdir -p "$RM_OUT"
-        timeout 180 python3 benchmarks/picture_prep.py --model "$MODEL" --steps 4 --step-seconds 1 \
-            --out "$RM_OUT/picture_prep_gpu_host.json" > "$RM_OUT/picture_prep.log" 2>&1 ||
+        [ "${VLM_PREP:-1}" = 0 ] ||
+            timeout 180 python3 benchmarks/picture_prep.py --model "$MODEL" --steps 4 --step-seconds 1 \
+                --out "$RM_OUT/picture_prep_gpu_host.json" > "$RM_OUT/picture_prep.log" 2>&1 ||
             echo "picture_prep.py failed: $RM_OUT/picture_prep.log"
         # where the SFT step's GPU time goes: tidal's train step against the HF model in bf16 (~90 s)
-        timeout 240 python3 benchmarks/vlm_step.py --model "$MODEL" --out "$RM_OUT/vlm_step_gpu.json" \
-            > "$RM_OUT/vlm_step.log" 2>&1 || echo "vlm_step.py failed: $RM_OUT/vlm_step.log"
+        [ "${VLM_STEP:-1}" = 0 ] ||
+            timeout 240 python3 benchmarks/vlm_step.py --model "$MODEL" --out "$RM_OUT/vlm_step_gpu.json" \
+                > "$RM_OUT/vlm_step.log" 2>&1 || echo "vlm_step.py failed: $RM_OUT/vlm_step.log"
         start_real_models "$@"
         ;;
     both) start_real_models "$@"; start_loop ;;

@@ -1,5 +1,7 @@
 """How fast `tidal sft` turns conversations with pictures into samples: in the training process (the
-baseline, `data.picture_workers = 0`) against worker processes (`SamplePool`), in one call.
+baseline, `data.picture_workers = 0`) against worker processes (`SamplePool`), in one call; and what
+receiving them costs the training process, with the pictures piped back whole (the way before) against
+through shared memory.
 
 No model runs and no GPU is needed: this is the CPU work that, in the training process, left the GPU idle
 between steps (SmolVLM's processor cuts each picture into five 512-pixel tiles). Each side draws the same
@@ -32,14 +34,21 @@ from tidal.trainer.sources import load_conversations
 
 
 def side(
-    config: SFTConfig, conversations: list, pictures: Any, workers: int, steps: int, step_s: float
+    config: SFTConfig,
+    conversations: list,
+    pictures: Any,
+    workers: int,
+    steps: int,
+    step_s: float,
+    shared_memory: bool = True,
 ) -> dict:
-    """Seconds each step waited for its batch, with `workers` processes (0: prepared in this process)."""
+    """Seconds each step waited for its batch, with `workers` processes (0: prepared in this process), and
+    the CPU seconds this process spent while the step ran (receiving the next batch from the workers)."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     started = time.perf_counter()
-    pool = SamplePool(workers, pictures.tokenizer, pictures) if workers else None
+    pool = SamplePool(workers, pictures.tokenizer, pictures, shared_memory) if workers else None
     data = SFTData(config, conversations, pictures.tokenizer, info, pictures, pool)
-    waits, tokens, joins = [], 0, []
+    waits, tokens, joins, busy = [], 0, [], []
     try:
         for _ in range(steps):
             begin = time.perf_counter()
@@ -47,13 +56,19 @@ def side(
             waits.append(time.perf_counter() - begin)
             tokens += batch.num_tokens
             joins.append(join_seconds(batch))
+            cpu = time.process_time()
             time.sleep(step_s)  # the GPU's step, during which the workers prepare the next batch
+            busy.append(time.process_time() - cpu)
     finally:
         data.close()
     wall = time.perf_counter() - started
     samples = steps * config.data.batch_size
     return {
         "workers": workers,
+        "pictures_through": "shared memory" if shared_memory else "the pipe, with their text",
+        # a real step launches GPU kernels from this process's Python thread: CPU taken here meanwhile
+        # (unpickling what the workers send, under the GIL) slows the step itself
+        "trainer_cpu_during_step_s": [round(b, 3) for b in busy],
         "wait_per_step_s": [round(w, 3) for w in waits],
         "mean_wait_after_first_s": round(sum(waits[1:]) / max(1, len(waits) - 1), 3),
         "wall_s": round(wall, 2),
@@ -114,6 +129,7 @@ def main() -> None:
     conversations = load_conversations(config.data.train)
     pictures = setup_pictures(args.model)
     baseline = side(config, conversations, pictures, 0, args.steps, args.step_seconds)
+    piped = side(config, conversations, pictures, args.workers, args.steps, args.step_seconds, False)
     pooled = side(config, conversations, pictures, args.workers, args.steps, args.step_seconds)
     result = {
         "what": "tidal sft's sample preparation for conversations with pictures: in the training process "
@@ -126,11 +142,17 @@ def main() -> None:
         "batch_size": args.batch_size,
         "step_seconds_stand_in": args.step_seconds,
         "in_process": baseline,
+        "workers_piped": piped,
         "workers": pooled,
         "wait_ratio_workers_to_in_process": round(
             pooled["mean_wait_after_first_s"] / max(1e-9, baseline["mean_wait_after_first_s"]), 3
         ),
         "samples_per_s_ratio": round(pooled["samples_per_s"] / baseline["samples_per_s"], 2),
+        "trainer_cpu_during_step_ratio_shared_to_piped": round(
+            sum(pooled["trainer_cpu_during_step_s"][1:])
+            / max(1e-9, sum(piped["trainer_cpu_during_step_s"][1:])),
+            3,
+        ),
     }
     print(json.dumps(result, indent=1))
     if args.out:

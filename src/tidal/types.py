@@ -88,18 +88,26 @@ _ARRAY_DTYPES = {"float32": "<f4", "int64": "<i8", "bool": "|b1"}
 """The element types a PackedArray carries, by name: numpy's little-endian codes."""
 
 
-@dataclass(frozen=True)
 class PackedArray:
     """A numeric array as JSON: base64 of its C-order little-endian bytes, its shape and its dtype's name
     (`float32`, `int64` or `bool`). What a model's vision inputs travel as (`Pictures`).
 
-    The array itself is kept beside the text once made or decoded (not a field: JSON and equality see the
-    text alone), and goes along when pickled: decoding base64 ran at ~0.1 s per SmolVLM picture, in the
-    trainer's step, for every micro-batch it was in."""
+    The array itself is kept beside the text once made or decoded (JSON and equality see the values alone)
+    and goes along when pickled: decoding base64 ran at ~0.1 s per SmolVLM picture, in the trainer's step,
+    for every micro-batch it was in. `text_free` makes a copy without the text, whose array crosses to
+    another process through shared memory; its text is made only if asked for (`data`, `to_json`)."""
 
-    data: str
-    shape: list[int]
-    dtype: str
+    __slots__ = ("_text", "shape", "dtype", "_array")
+
+    def __init__(self, data: str | None, shape: Sequence[int], dtype: str, array: Any = None):
+        if dtype not in _ARRAY_DTYPES:
+            raise ValueError(f"packed arrays hold {', '.join(_ARRAY_DTYPES)}, not {dtype}")
+        if data is None and array is None:
+            raise ValueError("a packed array needs its text or its array")
+        self._text = data
+        self.shape = [int(n) for n in shape]
+        self.dtype = dtype
+        self._array = array  # a numpy array, or a torch tensor in shared memory (`text_free`)
 
     @classmethod
     def from_numpy(cls, array: Any) -> PackedArray:
@@ -109,23 +117,68 @@ class PackedArray:
         if name not in _ARRAY_DTYPES:
             raise ValueError(f"packed arrays hold {', '.join(_ARRAY_DTYPES)}, not {name}")
         raw = np.ascontiguousarray(array, dtype=_ARRAY_DTYPES[name]).tobytes()
-        packed = cls(base64.b64encode(raw).decode("ascii"), [int(n) for n in array.shape], name)
-        packed._keep(np.frombuffer(raw, dtype=_ARRAY_DTYPES[name]).reshape(packed.shape))
-        return packed
+        kept = np.frombuffer(raw, dtype=_ARRAY_DTYPES[name]).reshape(array.shape)
+        return cls(base64.b64encode(raw).decode("ascii"), array.shape, name, kept)
+
+    @property
+    def data(self) -> str:
+        """The base64 text (made from the array the first time, for a `text_free` copy)."""
+        if self._text is None:
+            import numpy as np
+
+            raw = np.ascontiguousarray(self.to_numpy(), dtype=_ARRAY_DTYPES[self.dtype]).tobytes()
+            self._text = base64.b64encode(raw).decode("ascii")
+        return self._text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"data": self.data, "shape": self.shape, "dtype": self.dtype}
 
     def to_numpy(self) -> Any:
         """The array (read-only: it is shared by every caller)."""
         import numpy as np
 
-        kept = self.__dict__.get("_array")
+        kept = self._array
         if kept is None:
-            flat = np.frombuffer(base64.b64decode(self.data), dtype=_ARRAY_DTYPES[self.dtype])
-            kept = self._keep(flat.reshape(self.shape))
+            flat = np.frombuffer(base64.b64decode(self._text or ""), dtype=_ARRAY_DTYPES[self.dtype])
+            kept = self._array = flat.reshape(self.shape)
+        elif not isinstance(kept, np.ndarray):  # a shared-memory tensor: its numpy view from now on
+            kept = kept.numpy()
+            kept.flags.writeable = False
+            self._array = kept
         return kept
 
-    def _keep(self, array: Any) -> Any:
-        object.__setattr__(self, "_array", array)  # frozen for its fields; this is a cache of them
-        return array
+    def text_free(self) -> PackedArray:
+        """A copy without the text whose array, pickled, goes through shared memory (torch's reduction for
+        tensors): one process hands another a SmolVLM picture's 16 MB of tiles without piping it, nor its
+        21 MB of base64, which held the receiving trainer's GIL ~1 s a step (benchmarks/picture_prep.py)."""
+        import torch
+
+        dtype = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}[self.dtype]
+        shared = torch.empty(self.shape, dtype=dtype).share_memory_()
+        shared.numpy()[...] = self.to_numpy()
+        return PackedArray(None, self.shape, self.dtype, shared)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self._text, self.shape, self.dtype, self._array
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self._text, self.shape, self.dtype, self._array = state
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedArray):
+            return NotImplemented
+        if (self.shape, self.dtype) != (other.shape, other.dtype):
+            return False
+        if self._text is not None and other._text is not None:
+            return self._text == other._text
+        import numpy as np
+
+        return bool(np.array_equal(self.to_numpy(), other.to_numpy()))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable caches; compared by value
+
+    def __repr__(self) -> str:
+        return f"PackedArray(shape={self.shape}, dtype={self.dtype!r})"
 
     @classmethod
     def concat(cls, arrays: list[PackedArray]) -> PackedArray:
@@ -198,7 +251,19 @@ class Pictures:
         return {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"count": self.count} | {
+            name: None if array is None else array.to_json()
+            for name, array in (
+                ("pixel_values", self.pixel_values),
+                ("pixel_attention_mask", self.pixel_attention_mask),
+                ("image_grid_thw", self.image_grid_thw),
+            )
+        }
+
+    def text_free(self) -> Pictures:
+        """The same pictures without their arrays' text, to hand to another process (`PackedArray.text_free`)."""
+        arrays = {name: array.text_free() for name, array in self.arrays().items()}
+        return Pictures(self.count, **arrays)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Pictures | None:

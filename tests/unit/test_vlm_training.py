@@ -149,10 +149,33 @@ def test_packed_arrays_join_only_alike():
     c = PackedArray.concat([a, b])
     assert c.to_numpy() is c.to_numpy() and not c.to_numpy().flags.writeable
     copied = pickle.loads(pickle.dumps(c))
-    assert copied == c and "_array" in copied.__dict__ and np.array_equal(copied.to_numpy(), c.to_numpy())
-    parsed = PackedArray(**json.loads(json.dumps(dataclasses.asdict(c))))
-    assert parsed == c and "_array" not in parsed.__dict__  # JSON holds the text alone
+    assert copied == c and copied._array is not None and np.array_equal(copied.to_numpy(), c.to_numpy())
+    parsed = PackedArray(**json.loads(json.dumps(c.to_json())))
+    assert parsed == c and parsed._array is None  # JSON holds the text alone
     assert parsed.to_numpy().tolist() == c.to_numpy().tolist() and parsed.to_numpy() is parsed.to_numpy()
+    assert parsed != PackedArray.from_numpy(np.ones((3, 3), dtype=np.float32))
+
+
+def test_a_text_free_copy_crosses_processes_through_shared_memory_and_makes_its_text_when_asked():
+    import multiprocessing
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+
+    values = np.arange(4 * 3 * 64 * 64, dtype=np.float32).reshape(4, 3, 64, 64)  # 192 KiB: four small tiles
+    original = Pictures(1, PackedArray.from_numpy(values), PackedArray.from_numpy(values[:, 0] > 5000))
+    free = original.text_free()
+    assert free.pixel_values._text is None and free.pixel_values._array.is_shared()
+    # what a sample worker sends: a handle to the shared tensor, not its bytes (the text: none at all)
+    assert len(ForkingPickler.dumps(free)) < 4_000 < 200_000 < len(pickle.dumps(original))
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:  # a spawn worker sends one back as SamplePool's workers do
+        received = pool.apply(Pictures.text_free, (original,))
+    assert received == original  # compared by value: arrays where one side has no text
+    assert received.pixel_values.to_numpy().tolist() == values.tolist()
+    assert received.to_dict() == original.to_dict()  # the text is made from the array when asked for
+    assert Pictures.from_json(json.loads(json.dumps(received.to_dict()))) == original
 
 
 def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(pictures):

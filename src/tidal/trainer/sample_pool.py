@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from tidal.config.deployment import usable_cores
@@ -51,24 +52,39 @@ _worker: tuple[Any, PictureInputs | None] | None = None
 def _start_worker(parent_pid: int, tokenizer: Any, pictures: PictureInputs | None) -> None:
     exit_with_parent(parent_pid)  # no worker outlives the training process, even a SIGKILLed one
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run through its parent, not here
+    import torch
+
+    torch.set_num_threads(1)  # one core each (auto_workers counts one per core), none taken from the trainer
     global _worker
     _worker = (tokenizer, pictures)
 
 
-def _prepare_in_worker(conversation: Conversation, images: list[str]) -> TokenizedSample:
+def _prepare_in_worker(
+    conversation: Conversation, images: list[str], shared_memory: bool = True
+) -> TokenizedSample:
     assert _worker is not None, "a sample worker runs _start_worker first"
     tokenizer, pictures = _worker
-    return prepare_sample(tokenizer, pictures, conversation, images)
+    sample = prepare_sample(tokenizer, pictures, conversation, images)
+    if sample.pictures is None or not shared_memory:
+        return sample
+    # the tiles go back through shared memory, without their base64 text: piped and unpickled, a step's
+    # ~1.2 GB (32 SmolVLM conversations) held the training process's GIL for seconds
+    return replace(sample, pictures=sample.pictures.text_free())
 
 
 class SamplePool:
     """`workers` processes preparing samples; `submit` returns at once, the future holds the sample (or the
     ValueError that `prepare_sample` raised)."""
 
-    def __init__(self, workers: int, tokenizer: Any, pictures: PictureInputs | None):
+    def __init__(
+        self, workers: int, tokenizer: Any, pictures: PictureInputs | None, shared_memory: bool = True
+    ):
+        """`shared_memory=False` pipes each sample's pictures whole, text and all (the way before; kept as
+        benchmarks/picture_prep.py's baseline)."""
         if workers < 1:
             raise ValueError("a sample pool needs at least one worker")
         self.workers = workers
+        self.shared_memory = shared_memory
         self._pool = ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),  # the training process holds CUDA: no fork
@@ -77,7 +93,7 @@ class SamplePool:
         )
 
     def submit(self, conversation: Conversation, images: list[str]) -> Future[TokenizedSample]:
-        return self._pool.submit(_prepare_in_worker, conversation, images)
+        return self._pool.submit(_prepare_in_worker, conversation, images, self.shared_memory)
 
     def pids(self) -> list[int]:
         """Process ids of the started workers (for tests and diagnostics)."""

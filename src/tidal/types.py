@@ -232,11 +232,15 @@ class Pictures:
 
     @staticmethod
     def join_tensors(
-        parts: Sequence[Pictures], device: torch.device | str = "cpu"
+        parts: Sequence[Pictures], device: torch.device | str = "cpu", once: bool = False
     ) -> dict[str, torch.Tensor]:
         """The model inputs of several samples' pictures, in order, as one tensor per argument name on
         `device`; {} for none. Joined here, where the model runs, rather than re-encoded where batches are
-        packed (the orchestrator's event loop)."""
+        packed (the orchestrator's event loop).
+
+        `once`: parts that are one object (a group's samples share their prompt's pictures) are joined once,
+        and `REPEAT + name` holds, for each input that repeats, the index that spreads its rows back into
+        `parts`' order (tidal.trainer.chunked runs the vision tower once per picture with it)."""
         if not parts:
             return {}
         import numpy as np
@@ -247,8 +251,13 @@ class Pictures:
         for part in parts:
             if id(part) not in decoded:
                 decoded[id(part)] = {name: array.to_numpy() for name, array in part.arrays().items()}
-        joined = {name: np.concatenate([decoded[id(p)][name] for p in parts]) for name in names}
-        return {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
+        joined_parts = [decoded[key] for key in decoded] if once else [decoded[id(p)] for p in parts]
+        joined = {name: np.concatenate([d[name] for d in joined_parts]) for name in names}
+        out = {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
+        if once and len(decoded) < len(parts):
+            for name in names:
+                out[REPEAT + name] = _repeat_index(parts, decoded, name).to(device)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"count": self.count} | {
@@ -280,6 +289,22 @@ class Pictures:
         if values is None:
             raise ValueError("pictures without pixel_values")
         return cls(data["count"], values, array("pixel_attention_mask"), array("image_grid_thw"))
+
+
+REPEAT = "repeat/"
+"""The prefix of `Pictures.join_tensors(once=True)`'s index entries (not model inputs)."""
+
+
+def _repeat_index(parts: Sequence[Pictures], decoded: dict[int, dict[str, Any]], name: str) -> Any:
+    """For input `name`, the row of the once-joined tensor behind each row of `parts` joined in order."""
+    import torch
+
+    start, offset = {}, 0
+    for key, arrays in decoded.items():  # the once-joined order: first appearance
+        start[key] = offset
+        offset += len(arrays[name])
+    spans = [torch.arange(len(decoded[id(p)][name])) + start[id(p)] for p in parts]
+    return torch.cat(spans)
 
 
 def _input_names(parts: Sequence[Pictures]) -> set[str]:
@@ -485,10 +510,12 @@ class MicroBatch:
             }
         )
 
-    def picture_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    def picture_tensors(
+        self, device: torch.device | str = "cpu", once: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The pictures' model inputs as tensors on `device` (float32, int64, bool), by argument name; {}
-        for text."""
-        return Pictures.join_tensors(self.pictures, device)
+        for text. `once`: shared pictures joined once, with their repeat indices (`Pictures.join_tensors`)."""
+        return Pictures.join_tensors(self.pictures, device, once)
 
     def routes_tensors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
         """(experts [rows · seq, layers, k] int64, mask [rows · seq] bool) for routing replay; None without."""

@@ -222,6 +222,45 @@ def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(
     assert (base - moved).abs().max() > 1e-4
 
 
+def test_a_groups_shared_picture_goes_through_the_tower_once_with_the_same_logprobs_and_gradients(pictures):
+    model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME, train_vision=True))
+    scorer = TokenScorer(model)
+    samples = []
+    for k, n in enumerate((1, 2)):  # two groups of three samples: each group's samples share one Pictures
+        prompt, urls = _prompt(pictures, n)
+        rollouts = [
+            Rollout(
+                prompt, [10 + j, 11, 12 + k], [-1.0] * 3, [1] * 3, float(j), 0, 0, "shapes", "t", images=urls
+            )
+            for j in range(3)
+        ]
+        samples += make_train_samples([Group(f"t{k}", "shapes", rollouts)], expand_pictures=pictures)
+    micro = build_micro_batch([samples[:3], samples[3:]], 2048, 0)
+    t = micro.to_tensors()
+    once = micro.picture_tensors(once=True)
+    # the first group's picture is one tile, the second's two: 3 distinct tiles, spread back to 9
+    assert once["pixel_values"].shape[0] == 3
+    assert once["repeat/pixel_values"].tolist() == [0, 0, 0, 1, 2, 1, 2, 1, 2]
+    tiles_seen = []
+    tower = model.model.vision_model
+    hook = tower.register_forward_pre_hook(
+        lambda m, args, kwargs: tiles_seen.append(kwargs["pixel_values"].shape[0]), with_kwargs=True
+    )
+    results = []
+    for joined in (micro.picture_tensors(), once):
+        model.zero_grad()
+        logprobs, _ = scorer(t["input_ids"], t["position_ids"], t["target_ids"], pictures=joined)
+        (logprobs * (t["sample_ids"] >= 0)).sum().backward()
+        grad = tower.encoder.layers[0].self_attn.q_proj.weight.grad.clone()
+        results.append((logprobs.detach(), grad))
+    hook.remove()
+    assert tiles_seen == [9, 3]  # 3 samples x 1 tile + 3 samples x 2 tiles, then 1 + 2 distinct tiles
+    (every, shared), (every_grad, shared_grad) = zip(*results, strict=True)
+    assert torch.allclose(every, shared, atol=1e-5) and torch.allclose(every_grad, shared_grad, atol=1e-5)
+    assert every_grad.abs().sum() > 0
+    assert tower.forward.__func__ is type(tower).forward  # the tower is itself again afterwards
+
+
 def test_vision_tower_trains_on_request_and_a_text_model_refuses_it():
     model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME, train_vision=True))
     assert all(p.requires_grad for p in model.model.vision_model.parameters())

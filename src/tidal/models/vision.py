@@ -270,6 +270,55 @@ def picture_from_bytes(raw: bytes, number: int) -> Any:
         raise ValueError(f"picture {number}: cannot be read as an image ({exc})") from None
 
 
+def split_repeats(kind: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """A micro-batch's picture tensors joined once per shared picture (`picture_tensors(once=True)`) as
+    (the model's inputs, the index that repeats the vision tower's output per tile, or None).
+
+    Idefics3 runs its tower on the distinct tiles and `repeated_tower` spreads the output back: a group's
+    samples share their prompt's picture, so the tower runs once where it ran once per sample. Other models
+    get their inputs repeated back (their towers are not split here), as without `once`."""
+    from tidal.types import REPEAT
+
+    repeats = {k.removeprefix(REPEAT): v for k, v in tensors.items() if k.startswith(REPEAT)}
+    inputs = {k: v for k, v in tensors.items() if not k.startswith(REPEAT)}
+    if not repeats:
+        return inputs, None
+    if kind in IDEFICS3_TYPES and set(repeats) <= {"pixel_values", "pixel_attention_mask"}:
+        return inputs, repeats["pixel_values"]
+    return {k: v.index_select(0, repeats[k]) if k in repeats else v for k, v in inputs.items()}, None
+
+
+class repeated_tower:
+    """While entered: `decoder`'s Idefics3 vision tower, given the distinct tiles, returns its output for
+    every tile of the micro-batch (`index` from `split_repeats`); autograd adds the repeated tiles'
+    gradients into the one computation. No index: nothing changes."""
+
+    def __init__(self, decoder: Any, index: Any):
+        self.tower = getattr(decoder, "vision_model", None) if index is not None else None
+        self.index = index
+
+    def __enter__(self) -> None:
+        if self.tower is None:
+            return
+        forward, index = self.tower.forward, self.index
+
+        def spread(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            distinct = int(index.max()) + 1
+            if out.last_hidden_state.shape[0] != distinct:  # the model dropped tiles (all-zero padding)
+                raise ValueError(
+                    f"the vision tower returned {out.last_hidden_state.shape[0]} tiles for {distinct} distinct"
+                )
+            out.last_hidden_state = out.last_hidden_state.index_select(0, index)
+            return out
+
+        self.tower.forward = spread
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tower is not None:
+            del self.tower.forward  # the class's forward again
+
+
 def forward_pictures(kind: str, tensors: dict[str, Any]) -> dict[str, Any]:
     """A micro-batch's picture tensors (`MicroBatch.picture_tensors`) as the forward of a model of type
     `kind` takes them: Idefics3 wants [batch, images, …], and all of a micro-batch's pictures go in one

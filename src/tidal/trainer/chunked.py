@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tidal.models.vision import QWEN_VL_TYPES, rope_positions
+from tidal.models.vision import QWEN_VL_TYPES, repeated_tower, rope_positions, split_repeats
 from tidal.trainer.attention import ATTN_NAME, document_bounds
 from tidal.trainer.context_parallel import CP_ATTN_NAME, ContextParallel
 from tidal.trainer.moe import MoERouting, Routes
@@ -267,8 +267,9 @@ class TokenScorer(torch.nn.Module):
         # use_cache=False: with a KV cache transformers ignores the position-id resets of packed rows
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
         collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
+        pictures, tile_repeats = self._pictures(pictures)
         position_ids = self._positions(decoder, input_ids, position_ids, pictures)
-        with collect, self._compute():
+        with collect, self._compute(), repeated_tower(decoder, tile_repeats):
             inputs = self._inputs(decoder, input_ids, pictures)
             hidden = decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]
@@ -296,6 +297,14 @@ class TokenScorer(torch.nn.Module):
             return contextlib.nullcontext()
         device = next(self.lm.parameters()).device.type
         return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _pictures(
+        self, pictures: dict[str, torch.Tensor] | None
+    ) -> tuple[dict[str, torch.Tensor] | None, Any]:
+        """The model's picture inputs and the vision tower's repeat index (`split_repeats`), or as given."""
+        if not pictures:
+            return pictures, None
+        return split_repeats(str(getattr(self.lm.config, "model_type", "")), pictures)
 
     def _positions(
         self,

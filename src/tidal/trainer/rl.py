@@ -219,7 +219,7 @@ def forward_backward(
         # logprobs / T of the targets and the entropy [rows, seq], straight from hidden states (chunked head)
         logprobs, entropy = scorer(
             t["input_ids"], t["position_ids"], t["target_ids"], config.temperature, with_entropy=True,
-            token_mask=t["sample_ids"] >= 0, routes=routes, pictures=micro.picture_tensors(info.device),
+            token_mask=t["sample_ids"] >= 0, routes=routes, pictures=micro.picture_tensors(info.device, once=True),
         )  # fmt: skip
         loss, metrics = rl_loss(
             logprobs, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["sample_ids"], config.loss,

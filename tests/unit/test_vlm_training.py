@@ -222,6 +222,28 @@ def test_trainer_logprobs_over_packed_rows_with_pictures_are_each_samples_alone(
     assert (base - moved).abs().max() > 1e-4
 
 
+def test_pictures_go_through_shared_memory_only_where_it_has_room(tmp_path, monkeypatch):
+    import os
+
+    import numpy as np
+
+    from tidal.trainer import sample_pool
+
+    tiles = Pictures(1, PackedArray.from_numpy(np.zeros((5, 3, 512, 512), dtype=np.float32)))  # 15.7 MB
+    assert sample_pool.room_in_shared_memory(tiles, str(tmp_path)) == (
+        os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize >= 4 * 15_728_640 + 256 * 2**20
+    )
+    assert not sample_pool.room_in_shared_memory(tiles, str(tmp_path / "missing"))
+
+    class Mounted:  # a container's default /dev/shm: 64 MB
+        f_bavail, f_frsize = 16_384, 4_096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Mounted)
+    assert not sample_pool.room_in_shared_memory(tiles)
+    Mounted.f_bavail = 2**20  # 4 GiB
+    assert sample_pool.room_in_shared_memory(tiles)
+
+
 def test_a_groups_shared_picture_goes_through_the_tower_once_with_the_same_logprobs_and_gradients(pictures):
     model = load_model(ModelConfig(name=TINY_VLM_MODEL_NAME, train_vision=True))
     scorer = TokenScorer(model)

@@ -18,6 +18,7 @@ from tidal.models.vision import PictureInputs
 from tidal.process import exit_with_parent
 from tidal.trainer.data import TokenizedSample, tokenize_conversation
 from tidal.trainer.sources import Conversation
+from tidal.types import Pictures
 
 MAX_AUTO_WORKERS = 8
 """`data.picture_workers` unset: one worker per spare CPU core of this rank, at most this many."""
@@ -65,11 +66,29 @@ def _prepare_in_worker(
     assert _worker is not None, "a sample worker runs _start_worker first"
     tokenizer, pictures = _worker
     sample = prepare_sample(tokenizer, pictures, conversation, images)
-    if sample.pictures is None or not shared_memory:
+    if sample.pictures is None or not shared_memory or not room_in_shared_memory(sample.pictures):
         return sample
     # the tiles go back through shared memory, without their base64 text: piped and unpickled, a step's
     # ~1.2 GB (32 SmolVLM conversations) held the training process's GIL for seconds
     return replace(sample, pictures=sample.pictures.text_free())
+
+
+SHARED_MEMORY = "/dev/shm"
+"""Where torch puts tensors it shares between processes (POSIX shared memory, a tmpfs on Linux)."""
+SHARED_MEMORY_RESERVE = 256 * 2**20
+"""Bytes left free in SHARED_MEMORY beyond a margin of four samples' pictures (eight workers write at once)."""
+
+
+def room_in_shared_memory(pictures: Pictures, path: str = SHARED_MEMORY) -> bool:
+    """Whether `path` has room for these pictures with a margin. Containers often mount 64 MB there, and a
+    write past a tmpfs's size kills the writer (SIGBUS): without room a sample's pictures go through the
+    pipe (slower for the training process, as `shared_memory=False`)."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return False
+    need = sum(array.to_numpy().nbytes for array in pictures.arrays().values())
+    return stat.f_bavail * stat.f_frsize >= 4 * need + SHARED_MEMORY_RESERVE
 
 
 class SamplePool:

@@ -88,6 +88,13 @@ _ARRAY_DTYPES = {"float32": "<f4", "int64": "<i8", "bool": "|b1"}
 """The element types a PackedArray carries, by name: numpy's little-endian codes."""
 
 
+def _array_bytes(array: Any, dtype: str) -> bytes:
+    """`array`'s C-order little-endian bytes as a PackedArray of `dtype` carries them."""
+    import numpy as np
+
+    return np.ascontiguousarray(array, dtype=_ARRAY_DTYPES[dtype]).tobytes()
+
+
 class PackedArray:
     """A numeric array as JSON: base64 of its C-order little-endian bytes, its shape and its dtype's name
     (`float32`, `int64` or `bool`). What a model's vision inputs travel as (`Pictures`).
@@ -116,7 +123,7 @@ class PackedArray:
         name = str(array.dtype)
         if name not in _ARRAY_DTYPES:
             raise ValueError(f"packed arrays hold {', '.join(_ARRAY_DTYPES)}, not {name}")
-        raw = np.ascontiguousarray(array, dtype=_ARRAY_DTYPES[name]).tobytes()
+        raw = _array_bytes(array, name)
         kept = np.frombuffer(raw, dtype=_ARRAY_DTYPES[name]).reshape(array.shape)
         return cls(base64.b64encode(raw).decode("ascii"), array.shape, name, kept)
 
@@ -124,10 +131,7 @@ class PackedArray:
     def data(self) -> str:
         """The base64 text (made from the array the first time, for a `text_free` copy)."""
         if self._text is None:
-            import numpy as np
-
-            raw = np.ascontiguousarray(self.to_numpy(), dtype=_ARRAY_DTYPES[self.dtype]).tobytes()
-            self._text = base64.b64encode(raw).decode("ascii")
+            self._text = base64.b64encode(_array_bytes(self.to_numpy(), self.dtype)).decode("ascii")
         return self._text
 
     def to_json(self) -> dict[str, Any]:
@@ -260,14 +264,8 @@ class Pictures:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count} | {
-            name: None if array is None else array.to_json()
-            for name, array in (
-                ("pixel_values", self.pixel_values),
-                ("pixel_attention_mask", self.pixel_attention_mask),
-                ("image_grid_thw", self.image_grid_thw),
-            )
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v.to_json() if isinstance(v, PackedArray) else v for k, v in values.items()}
 
     def text_free(self) -> Pictures:
         """The same pictures without their arrays' text, to hand to another process (`PackedArray.text_free`)."""

@@ -289,22 +289,22 @@ def split_repeats(kind: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], A
 
 
 class repeated_tower:
-    """While entered: `decoder`'s Idefics3 vision tower, given the distinct tiles, returns its output for
+    """While entered: `decoder`'s Idefics3 vision tower, given the `distinct` tiles, returns its output for
     every tile of the micro-batch (`index` from `split_repeats`); autograd adds the repeated tiles'
     gradients into the one computation. No index: nothing changes."""
 
-    def __init__(self, decoder: Any, index: Any):
+    def __init__(self, decoder: Any, index: Any, distinct: int):
         self.tower = getattr(decoder, "vision_model", None) if index is not None else None
         self.index = index
+        self.distinct = distinct  # from the inputs' shape: the index's maximum would wait for the GPU
 
     def __enter__(self) -> None:
         if self.tower is None:
             return
-        forward, index = self.tower.forward, self.index
+        forward, index, distinct = self.tower.forward, self.index, self.distinct
 
         def spread(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            distinct = int(index.max()) + 1
             if out.last_hidden_state.shape[0] != distinct:  # the model dropped tiles (all-zero padding)
                 raise ValueError(
                     f"the vision tower returned {out.last_hidden_state.shape[0]} tiles for {distinct} distinct"

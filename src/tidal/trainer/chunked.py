@@ -268,8 +268,9 @@ class TokenScorer(torch.nn.Module):
         assert routes is None or self.moe is not None, "routes given to a model without MoE layers"
         collect = self.moe.collect(token_mask, routes) if self.moe is not None else contextlib.nullcontext()
         pictures, tile_repeats = self._pictures(pictures)
+        distinct_tiles = len(pictures["pixel_values"]) if tile_repeats is not None and pictures else 0
         position_ids = self._positions(decoder, input_ids, position_ids, pictures)
-        with collect, self._compute(), repeated_tower(decoder, tile_repeats):
+        with collect, self._compute(), repeated_tower(decoder, tile_repeats, distinct_tiles):
             inputs = self._inputs(decoder, input_ids, pictures)
             hidden = decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
         head = self.lm.get_output_embeddings()  # type: ignore[operator]

@@ -33,8 +33,8 @@
 # (MAX_STEPS its --steps, default 40; no ENV arguments). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
-# HF model's own (benchmarks/vlm_step.py) and RL's tower once per shared picture (vlm_rl_step.py; VLM_PREP=0
-# or VLM_STEP=0 skips them), then runs real_models.py with
+# HF model's own (benchmarks/vlm_step.py) and RL's tower once per shared picture (vlm_rl_step.py; VLM_PREP=0,
+# VLM_STEP=0 or VLM_RL_STEP=0 skips each), then runs real_models.py with
 # `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
 # held-out before and after; the RL run's metrics hold the step times and the bf16 mismatch KL.
 set -euo pipefail
@@ -224,7 +224,7 @@ start)
             timeout 240 python3 benchmarks/vlm_step.py --model "$MODEL" --out "$RM_OUT/vlm_step_gpu.json" \
                 > "$RM_OUT/vlm_step.log" 2>&1 || echo "vlm_step.py failed: $RM_OUT/vlm_step.log"
         # RL's tower once per sample against once per shared picture, two groups of eight (~30 s)
-        [ "${VLM_STEP:-1}" = 0 ] ||
+        [ "${VLM_RL_STEP:-1}" = 0 ] ||
             timeout 180 python3 benchmarks/vlm_rl_step.py --model "$MODEL" --groups 2 --group-size 8 \
                 --out "$RM_OUT/vlm_rl_step_gpu.json" > "$RM_OUT/vlm_rl_step.log" 2>&1 ||
             echo "vlm_rl_step.py failed: $RM_OUT/vlm_rl_step.log"

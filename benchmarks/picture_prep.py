@@ -60,7 +60,8 @@ def side(
             time.sleep(step_s)  # the GPU's step, during which the workers prepare the next batch
             busy.append(time.process_time() - cpu)
     finally:
-        data.close()
+        if pool is not None:
+            pool.close()
     wall = time.perf_counter() - started
     samples = steps * config.data.batch_size
     return {

@@ -144,7 +144,6 @@ def tidal_side(args: argparse.Namespace, info: Any, work: Path) -> tuple[dict[st
     t = open_trainer(config, info, work / "metrics.jsonl", work / "ckpt")
     data = SFTData(config, conversations, t.tokenizer, info, setup_pictures(args.model), None)
     batches = [data.next_batch() for _ in range(args.steps + 1)]
-    data.close()
 
     def step(batch: StepBatch) -> None:
         train_step(t.scorer, t.optimizer, t.scheduler, batch, info, 1.0)

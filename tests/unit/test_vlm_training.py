@@ -549,6 +549,22 @@ def test_sft_picture_workers_prepare_the_same_batches_a_step_ahead_and_resume_wh
         setup_sample_pool(config.model_copy(update={"data": config.data.model_copy(update={"picture_workers": 2})}), info, tokenizer, None)  # fmt: skip
 
 
+def test_a_sample_pool_starts_its_workers_when_made_not_at_its_first_submit():
+    """`tidal sft` makes its pool before loading the model: the workers must start then, to overlap it."""
+    import time
+
+    from tidal.trainer.sample_pool import SamplePool
+
+    pool = SamplePool(2, None, None)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pool.pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool.pids()) == 2  # nothing submitted yet
+    finally:
+        pool.close()
+
+
 def test_sft_picture_workers_die_when_the_training_process_is_sigkilled():
     import textwrap
 

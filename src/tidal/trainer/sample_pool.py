@@ -60,6 +60,10 @@ def _start_worker(parent_pid: int, tokenizer: Any, pictures: PictureInputs | Non
     _worker = (tokenizer, pictures)
 
 
+def _started() -> None:
+    """A task that only makes the executor start a worker (`SamplePool.__init__`)."""
+
+
 def _prepare_in_worker(
     conversation: Conversation, images: list[str], shared_memory: bool = True
 ) -> TokenizedSample:
@@ -110,6 +114,11 @@ class SamplePool:
             initializer=_start_worker,
             initargs=(os.getpid(), tokenizer, pictures),
         )
+        # every worker starts now, not at the first step's submits: a spawned worker's start (imports, the
+        # processor) then overlaps whatever the training process does meanwhile (loading the model). The
+        # executor starts one process per submit that finds no idle worker.
+        for _ in range(workers):
+            self._pool.submit(_started)
 
     def submit(self, conversation: Conversation, images: list[str]) -> Future[TokenizedSample]:
         return self._pool.submit(_prepare_in_worker, conversation, images, self.shared_memory)

@@ -22,6 +22,7 @@ from tidal import run_layout
 from tidal.config.sft import SFTConfig
 from tidal.envs.chat import IMAGE_PART_TYPES, message_images
 from tidal.errors import UserError
+from tidal.inference.tokenizer import load_tokenizer
 from tidal.models.vision import PictureInputs, setup_pictures, training_problem
 from tidal.monitor.metrics import MetricsLogger
 from tidal.trainer.chunked import TokenScorer
@@ -116,10 +117,6 @@ class SFTData:
         self.sampler.load_state_dict(state)
         self.position, self._ahead = self.sampler.position, None
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
     def _start(self, indices: list[int]) -> tuple[list[int], list[Future[TokenizedSample] | None]]:
         """Submit what is neither kept nor text-only to the pool (None: prepared here, when needed)."""
         pending: list[Future[TokenizedSample] | None] = []
@@ -189,14 +186,19 @@ def main(config: SFTConfig) -> int:
 def train(config: SFTConfig, info: DistInfo) -> int:
     out = config.output_dir
     conversations = load_conversations(config.data.train)  # before the model: bad data fails fast
-    t = open_trainer(config, info, run_layout.sft_metrics_path(out), run_layout.trainer_checkpoints_dir(out))
     pictures = setup_sft_pictures(config, conversations)
-    pool = setup_sample_pool(config, info, t.tokenizer, pictures)
-    data = SFTData(config, conversations, t.tokenizer, info, pictures, pool)
+    # the picture workers start before the model loads, so that their start overlaps it
+    tokenizer = load_tokenizer(config.model) if pictures is not None else None
+    pool = setup_sample_pool(config, info, tokenizer, pictures)
     try:
+        t = open_trainer(
+            config, info, run_layout.sft_metrics_path(out), run_layout.trainer_checkpoints_dir(out)
+        )
+        data = SFTData(config, conversations, t.tokenizer, info, pictures, pool)
         return _train(config, info, t, data)
     finally:
-        data.close()
+        if pool is not None:
+            pool.close()
 
 
 def _train(config: SFTConfig, info: DistInfo, t: Any, data: SFTData) -> int:

@@ -255,7 +255,7 @@ class Pictures:
         for part in parts:
             if id(part) not in decoded:
                 decoded[id(part)] = {name: array.to_numpy() for name, array in part.arrays().items()}
-        joined_parts = [decoded[key] for key in decoded] if once else [decoded[id(p)] for p in parts]
+        joined_parts = list(decoded.values()) if once else [decoded[id(p)] for p in parts]
         joined = {name: np.concatenate([d[name] for d in joined_parts]) for name in names}
         out = {name: torch.from_numpy(array).to(device) for name, array in joined.items()}
         if once and len(decoded) < len(parts):

@@ -50,10 +50,12 @@ def open_trainer(
     metrics_path: Path,
     ckpt_root: Path,
     before_gpu: Callable[[], None] | None = None,
+    tokenizer: Any = None,
 ) -> Trainer:
     """Set up a trainer process the same way for SFT and RL: threads, seed, output-dir check, model → device
     → sharding, optimizer, schedule, metrics. Resuming is left to `maybe_resume` (it needs the data state).
-    `before_gpu`: called once the model is loaded on the CPU, before it goes to the device."""
+    `before_gpu`: called once the model is loaded on the CPU, before it goes to the device. `tokenizer`: the
+    model's, where the caller loaded it already (else loaded here)."""
     set_num_threads(config.cpu_threads(), info)
     quiet_transformers()
     torch.manual_seed(config.seed)
@@ -61,7 +63,7 @@ def open_trainer(
     say = make_printer(info)
     if config.resume:  # before the model loads: a damaged checkpoint must not cost a minute of setup first
         verify_resume_checkpoint(ckpt_root, info, say)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
     model = load_model(config.model, config.perf.master_dtype)
     # before sharding: FSDP2 then groups each layer's frozen base and trainable adapters together
     lora_modules = apply_lora(model, config.lora)

@@ -191,9 +191,8 @@ def train(config: SFTConfig, info: DistInfo) -> int:
     tokenizer = load_tokenizer(config.model) if pictures is not None else None
     pool = setup_sample_pool(config, info, tokenizer, pictures)
     try:
-        t = open_trainer(
-            config, info, run_layout.sft_metrics_path(out), run_layout.trainer_checkpoints_dir(out)
-        )
+        metrics, checkpoints = run_layout.sft_metrics_path(out), run_layout.trainer_checkpoints_dir(out)
+        t = open_trainer(config, info, metrics, checkpoints, tokenizer=tokenizer)
         data = SFTData(config, conversations, t.tokenizer, info, pictures, pool)
         return _train(config, info, t, data)
     finally:

@@ -1,20 +1,23 @@
-"""On-policy distillation against RL at the same generation budget, on a real teacher and student (issue 38).
+"""On-policy distillation against RL, and a curriculum against uniform order, at the same generation budget,
+on a real teacher and student (issue 38).
 
 The teacher is a real model (the Qwen2.5-Coder-0.5B-Instruct GGUF from the real-model issue, converted); the
 student is the teacher with every other decoder layer dropped (`drop_layers`): the same tokenizer, half the
 depth, a model that starts far from the teacher. From the student, side by side on one GPU (each vLLM with a
 fixed KV cache, as benchmarks/real_models.py runs its recipes):
 
-    rl:       tidal rl @ examples/distill/rl_math.toml       (the environment's reward alone)
-    distill:  tidal rl @ examples/distill/rl_math_distill.toml  (the teacher's reverse KL alone; tidal rl serves
-              the teacher, `[teacher_server]`)
+    rl:         tidal rl @ examples/distill/rl_math.toml       (the environment's reward alone, uniform order)
+    curriculum: tidal rl @ examples/distill/rl_math_curriculum.toml  (the same with [orchestrator.curriculum])
+    distill:    tidal rl @ examples/distill/rl_math_distill.toml  (the teacher's reverse KL alone; tidal rl
+                serves the teacher, `[teacher_server]`)
 
-Both draw the same tasks with the same group size, max tokens and number of steps, so they pay for the same
-generation (each logs `rollouts/tokens_generated`). Reported per run: held-out greedy avg@1 at step 0 and
-after the last step (the online evals), wall time, tokens generated, and the reverse KL per step (distill).
+All three draw from the same pool of 256 problems with the same group size, max tokens and number of steps,
+so they pay for about the same generation (each logs `rollouts/tokens_generated`; the report has it). Reported
+per run: held-out greedy avg@1 every 10 steps (the online evals), wall time, tokens generated, groups run
+and kept, the reward and the reverse KL (distill) per step. `--runs` picks a subset.
 
     python benchmarks/distill_vs_rl.py --teacher /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
-        --workdir /root/dv --out /root/out/distill_vs_rl.json --steps 40
+        --workdir /root/dv --out /root/out/distill_curriculum.json --steps 40
     python benchmarks/distill_vs_rl.py --cpu --teacher tidal-testing/tiny-qwen3 --workdir /tmp/dv \\
         --out /tmp/dv.json --steps 2          # the whole path on CPU with the tiny model (no GPU numbers)
     python benchmarks/distill_vs_rl.py student TEACHER OUT_DIR   # only make the student
@@ -42,9 +45,10 @@ CPU_FLAGS = [
 """The CPU smoke run: the tiny model, a few tokens."""
 
 
-def drop_layers(teacher: str, out: Path, keep_every: int = 2) -> Path:
-    """The teacher's model with only every `keep_every`-th decoder layer (the first, the third, …), written to
-    `out` with the teacher's tokenizer: a student of the same tokenizer and a fraction of the depth."""
+def drop_layers(teacher: str, out: Path, drop: list[int] | None = None) -> Path:
+    """The teacher's model without the decoder layers numbered in `drop` (None: every other one, the second,
+    the fourth, …), written to `out` with the teacher's tokenizer: a student of the same tokenizer and less
+    depth."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +57,10 @@ def drop_layers(teacher: str, out: Path, keep_every: int = 2) -> Path:
     source = resolve_model_name(teacher, lambda line: print(f"[distill_vs_rl] {line}", flush=True))
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     layers = model.model.layers
-    kept = list(range(0, len(layers), keep_every))
+    dropped = set(range(1, len(layers), 2) if drop is None else drop)
+    if not dropped <= set(range(len(layers))):
+        raise SystemExit(f"drop_layers: the teacher has layers 0-{len(layers) - 1}, not {sorted(dropped)}")
+    kept = [i for i in range(len(layers)) if i not in dropped]
     model.model.layers = torch.nn.ModuleList(layers[i] for i in kept)
     for new_index, layer in enumerate(model.model.layers):  # the KV cache is indexed by it
         if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
@@ -69,6 +76,11 @@ def drop_layers(teacher: str, out: Path, keep_every: int = 2) -> Path:
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     print(f"[distill_vs_rl] student: {len(kept)} of {len(layers)} layers of {teacher} -> {out}", flush=True)
     return out
+
+
+def parse_drop(text: str) -> list[int]:
+    """`--drop 20,21,22` as layer numbers."""
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def run_rl(
@@ -98,6 +110,11 @@ def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str,
         "wall_s": round(wall, 1),
         "steps": len(rows),
         "tokens_generated": sum(r.get("rollouts/tokens_generated", 0) for r in rows),
+        # generation per kept group: what a curriculum should lower (zero-signal groups are paid, then dropped)
+        "groups_run": sum(r.get("rollouts/groups_run", 0) for r in rows),
+        "groups_kept": sum(r.get("rollouts/groups_kept", 0) for r in rows),
+        "zero_signal_groups": sum(r.get("rollouts/zero_signal_groups", 0) for r in rows),
+        "sum_step_time_s": round(sum(r.get("time/step", 0.0) for r in rows), 1),
         "heldout": heldout,
         "reward_per_step": [round(r["reward/mean"], 4) for r in rows],
         "reverse_kl_per_step": [round(r["distill/reverse_kl"], 4) for r in rows if "distill/reverse_kl" in r],
@@ -106,47 +123,69 @@ def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str,
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "student":
-        drop_layers(sys.argv[2], Path(sys.argv[3]))
+        drop_layers(sys.argv[2], Path(sys.argv[3]), parse_drop(sys.argv[4]) if len(sys.argv) > 4 else None)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teacher", required=True, help="the teacher: a .gguf, an HF directory or a hub id")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--drop",
+        default=None,
+        help="the teacher's layers the student lacks, e.g. 20,21,22 (default: every other)",
+    )
     parser.add_argument("--cpu", action="store_true", help="the tiny CPU smoke run (no GPU flags)")
-    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds both runs may take")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds the runs may take")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["rl", "curriculum", "distill"],
+        choices=["rl", "curriculum", "distill"],
+        help="which of the three (side by side)",
+    )
     args = parser.parse_args()
-    student = drop_layers(args.teacher, args.workdir / "student")
+    student = drop_layers(
+        args.teacher, args.workdir / "student", parse_drop(args.drop) if args.drop else None
+    )
     common = ["--max-steps", str(args.steps), *(CPU_FLAGS if args.cpu else SHARED_GPU_FLAGS)]
     teacher_flags = ["--teacher-server.model", args.teacher]
     runs = {
         "rl": (REPO / "examples/distill/rl_math.toml", 18960, common),
+        "curriculum": (REPO / "examples/distill/rl_math_curriculum.toml", 18962, common),
         "distill": (REPO / "examples/distill/rl_math_distill.toml", 18961, [*common, *teacher_flags]),
     }
+    runs = {name: run for name, run in runs.items() if name in args.runs}
     started, begun = {}, time.monotonic()
     for name, (config, port, extra) in runs.items():
         out = args.workdir / name
         process, command = run_rl(config, student, out, port, extra, args.workdir / f"{name}.log")
         started[name] = (process, out, command)
-    results: dict[str, Any] = {}
-    deadline = begun + args.timeout
-    for name, (process, out, command) in started.items():
-        try:
-            code: int | None = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            code = process.wait(timeout=120)
-        results[name] = summary(out, time.monotonic() - begun, code, command)
-        print(f"[distill_vs_rl] {name}: {json.dumps(results[name])[:400]}", flush=True)
     document = {
-        "what": "issue 38: on-policy distillation against RL from the same student at the same generation budget",
+        "what": "issue 38: on-policy distillation against RL, and a curriculum against uniform order, from the same"
+        " student on the same pool of problems at the same generation budget",
         "teacher": args.teacher,
-        "student": f"{student} (every other layer of the teacher)",
+        "student": f"{student}: the teacher without layers {args.drop or 'every other'}",
         "cpu_smoke": args.cpu,
-        "runs": results,
+        "runs": {},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1) + "\n")
+    deadline = begun + args.timeout
+    while started:  # each run's wall time is its own: poll them all, and write the file as each one ends
+        time.sleep(2.0)
+        late = time.monotonic() > deadline
+        for name, (process, out, command) in list(started.items()):
+            if process.poll() is None and not late:
+                continue
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=120)
+            result = summary(out, time.monotonic() - begun, process.returncode, command)
+            result["stopped_by_deadline"] = late
+            document["runs"][name] = result
+            del started[name]
+            print(f"[distill_vs_rl] {name}: {json.dumps(result)[:400]}", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(document, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@
 # (each then measures under the other's load: say so with their numbers), or loop_then_real_models: the loop
 # benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
 # BENCH. BENCH=distill (issue 38, with MODEL_ASSET=qwen: the teacher) runs benchmarks/distill_vs_rl.py: the
-# teacher with every other layer dropped as the student, then distillation and RL from it side by side
-# (MAX_STEPS its --steps, default 40; no ENV arguments). BENCH=vlm (issue 36, SmolLM2's slices) builds a
+# teacher with every other layer dropped as the student, then RL, RL with a curriculum and distillation from it
+# side by side (DV_STEPS its --steps, default 40; DV_DROP its --drop; ENV... given: real_models.py on them beside it, with MAX_STEPS). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
 # HF model's own (benchmarks/vlm_step.py) and RL's tower once per shared picture (vlm_rl_step.py; VLM_PREP=0,
@@ -61,7 +61,7 @@ LT_WORKS=$LT_WORK
 for ((i = 2; i <= ${#LOOPS[@]}; i++)); do LT_WORKS="$LT_WORKS $LT_WORK$i"; done
 case "$BENCH" in
 real_models | vlm) WORKS="$RM_WORK" ;;
-distill) WORKS="$DV_WORK" ;;
+distill) WORKS="$DV_WORK $RM_WORK" ;;
 loop) WORKS="$LT_WORKS" ;;
 both | loop_then_real_models) WORKS="$RM_WORK $LT_WORKS" ;;
 *) echo "BENCH is real_models, loop, both, loop_then_real_models, distill or vlm, not $BENCH" >&2; exit 2 ;;
@@ -118,7 +118,7 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
     while running && [ "$SECONDS" -lt "$CALL_LIMIT" ]; do
         sleep 30
         echo "--- $(date +%T) (${SECONDS}s)"
-        for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl $DV_WORK/rl $DV_WORK/distill; do
+        for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl $DV_WORK/rl $DV_WORK/curriculum $DV_WORK/distill; do
             [ -f "$run/orchestrator/metrics.jsonl" ] && { summary "$run" || true; }
         done
     done
@@ -130,7 +130,7 @@ follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
             $(cd /root && ls -d lt lt[0-9] 2>/dev/null) 2>/dev/null || true
     fi
     if [ -d "$DV_WORK" ]; then  # distill_vs_rl's runs: logs, metrics, evals, no weights (the student's either)
-        tar czf "$RM_OUT/distill_vs_rl_raw.tar.gz" -C /root --exclude='*.safetensors' --exclude='*.pt' \
+        tar czf "$RM_OUT/distill_curriculum_raw.tar.gz" -C /root --exclude='*.safetensors' --exclude='*.pt' \
             --exclude='*.bin' --exclude='weights' --exclude='checkpoints' --exclude='final' \
             --exclude='rollouts' --exclude='states' dv 2>/dev/null || true
     fi
@@ -170,8 +170,10 @@ start_real_models() {  # MODEL and SUFFIX: the GGUF's (or, BENCH=vlm, the VLM's 
 
 start_distill() {  # benchmarks/distill_vs_rl.py in its own session; its results and logs land in $RM_OUT
     mkdir -p "$DV_WORK" "$RM_OUT"
-    setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" \
-        --out "$RM_OUT/distill_vs_rl_h200.json" --steps "${MAX_STEPS:-40}" --timeout $((BENCH_DEADLINE - SECONDS)) \
+    local drop=()
+    [ -n "${DV_DROP:-}" ] && drop=(--drop "$DV_DROP")  # the teacher's layers the student lacks
+    setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" "${drop[@]}" \
+        --out "$RM_OUT/distill_curriculum_h200.json" --steps "${DV_STEPS:-40}" --timeout $((BENCH_DEADLINE - SECONDS)) \
         > "$DV_WORK/driver.log" 2>&1 < /dev/null &
     echo $! > "$DV_WORK/driver.pid"
 }
@@ -206,7 +208,7 @@ start)
     case "$BENCH" in
     real_models) start_real_models "$@" ;;
     loop) start_loop ;;
-    distill) start_distill ;;
+    distill) start_distill; [ "$#" -eq 0 ] || start_real_models "$@" ;;  # ENV...: real_models beside it
     vlm)
         local_text=$(python3 -c "from tidal.models import resolve_model_name; print(resolve_model_name('$MODEL'))")
         [ -f /root/models/smolvlm-shape/config.json ] ||

@@ -191,6 +191,13 @@ def test_the_benchmarks_student_keeps_every_other_layer_and_the_teachers_tokeniz
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     assert torch.isfinite(student(ids).logits).all()
     check_same_tokenizer(AutoTokenizer.from_pretrained(student_dir), str(teacher_dir))
+    # named layers instead (`--drop`): the rest kept in order, the teacher's own weights
+    last = teacher.config.num_hidden_layers - 1
+    named = AutoModelForCausalLM.from_pretrained(drop_layers(str(teacher_dir), tmp_path / "named", [0]))
+    assert named.config.num_hidden_layers == last
+    assert torch.equal(named.model.layers[-1].mlp.up_proj.weight, teacher.model.layers[last].mlp.up_proj.weight)
+    with pytest.raises(SystemExit, match=f"the teacher has layers 0-{last}, not \\[{last + 1}\\]"):
+        drop_layers(str(teacher_dir), tmp_path / "bad", [last + 1])
 
 
 def test_an_environment_with_pictures_is_not_distilled_and_says_so_in_one_line():

@@ -1,0 +1,90 @@
+"""Which decoder layers a student may lack: the teacher's pass rate on math arithmetic with layers removed.
+
+distill_vs_rl.py's student is the teacher without some layers. Too few removed and there is nothing to
+distil; too many and the student writes garbage, RL's reward is 0 everywhere and RL stops at step 0. This
+samples each candidate (transformers, temperature 1, the chat template) on the first problems of the pool
+the distill recipes train on and scores them with the environment's own answer check:
+
+    python benchmarks/distill_student_probe.py <teacher dir or .gguf> all 22 21,22 8,16 every-other \\
+        --out benchmarks/results/distill_student_probe_cpu.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tidal.envs.math_env import MathEnv, verify_answer
+from tidal.models import resolve_model_name
+
+
+def kept_layers(spec: str, count: int) -> list[int]:
+    """`all`, `every-other` (drop the second, fourth, …) or comma-separated layers to drop."""
+    if spec == "all":
+        return list(range(count))
+    if spec == "every-other":
+        return list(range(0, count, 2))
+    dropped = {int(part) for part in spec.split(",")}
+    return [i for i in range(count) if i not in dropped]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("teacher")
+    parser.add_argument("candidates", nargs="+", help="all, every-other, or layers to drop (e.g. 8,16)")
+    parser.add_argument("--tasks", type=int, default=24)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    source = resolve_model_name(args.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.padding_side = "left"
+    env = MathEnv(level="arithmetic", num_examples=256, split="train")  # the recipes' pool
+    tasks = [env.task(i) for i in range(args.tasks)]
+    prompts = [
+        tokenizer.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True) for t in tasks
+    ]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    every = list(model.model.layers)
+    results = []
+    for spec in args.candidates:
+        kept = kept_layers(spec, len(every))
+        model.model.layers = torch.nn.ModuleList(every[i] for i in kept)
+        for index, layer in enumerate(model.model.layers):  # the KV cache is indexed by it
+            layer.self_attn.layer_idx = index
+        model.config.num_hidden_layers = len(kept)
+        if isinstance(getattr(model.config, "layer_types", None), list):
+            model.config.layer_types = [model.config.layer_types[0]] * len(kept)
+        torch.manual_seed(0)
+        began = time.monotonic()
+        with torch.no_grad():
+            out = model.generate(
+                **batch,
+                max_new_tokens=160,
+                do_sample=True,
+                temperature=1.0,
+                num_return_sequences=args.samples,
+            )
+        texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
+        scores = [verify_answer(text, tasks[k // args.samples].answer) for k, text in enumerate(texts)]
+        row = {
+            "candidate": spec,
+            "layers": len(kept),
+            "pass_rate": round(sum(scores) / len(scores), 4),
+            "samples": len(scores),
+            "seconds": round(time.monotonic() - began, 1),
+            "first_reply": texts[0][:160],
+        }
+        results.append(row)
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+    if args.out:
+        document = {"what": __doc__.splitlines()[0], "teacher": args.teacher, "results": results}
+        with open(args.out, "w") as handle:
+            handle.write(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()

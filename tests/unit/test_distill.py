@@ -195,7 +195,9 @@ def test_the_benchmarks_student_keeps_every_other_layer_and_the_teachers_tokeniz
     last = teacher.config.num_hidden_layers - 1
     named = AutoModelForCausalLM.from_pretrained(drop_layers(str(teacher_dir), tmp_path / "named", [0]))
     assert named.config.num_hidden_layers == last
-    assert torch.equal(named.model.layers[-1].mlp.up_proj.weight, teacher.model.layers[last].mlp.up_proj.weight)
+    assert torch.equal(
+        named.model.layers[-1].mlp.up_proj.weight, teacher.model.layers[last].mlp.up_proj.weight
+    )
     with pytest.raises(SystemExit, match=f"the teacher has layers 0-{last}, not \\[{last + 1}\\]"):
         drop_layers(str(teacher_dir), tmp_path / "bad", [last + 1])
 

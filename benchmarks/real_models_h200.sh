@@ -13,7 +13,8 @@
 #   3. carry .gpu/vllm/part3 .gpu/model/slice3:      bash benchmarks/real_models_h200.sh copy
 #   4. carry .gpu/model/slice4 .gpu/whl [.gpu/whl2]: bash benchmarks/real_models_h200.sh copy
 #   5. carry .gpu/model/slice5:                      bash benchmarks/real_models_h200.sh start ENV...
-#      (joins and checks the model, unpacks vLLM, converts the GGUF, starts the benchmark(s) in their own session
+#      (joins and checks the model, unpacks vLLM unless the copy call that brought its last part did so behind
+#      the calls after it, converts the GGUF, starts the benchmark(s) in their own session
 #      so that they outlive the call, and follows them)
 #   (MODEL_ASSET=qwen: Qwen2.5-Coder-0.5B-Instruct, 469 MiB, the recipes' `_qwen05b` configs; its slices from
 #    `carry_model.py split qwen2.5-coder-0.5b --out .gpu/qwen --sizes 9 9 9 45 52 52 52 52 52 52 52`
@@ -73,7 +74,11 @@ export TIDAL_CACHE_DIR=/root/tidal-cache
 
 copy_parts() {
     mkdir -p "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
-    for d in .gpu/vllm/part*; do [ -d "$d" ] && cp "$d"/* "$VLLM_PARTS"/; done
+    local f
+    for f in .gpu/vllm/part*/*; do  # a part already here is not written again: an unpack may be reading it
+        [ -f "$f" ] || continue
+        [ "$(stat -c%s "$f")" = "$(stat -c%s "$VLLM_PARTS/${f##*/}" 2>/dev/null)" ] || cp "$f" "$VLLM_PARTS"/
+    done
     for d in "$SLICES"/slice*; do [ -d "$d" ] && cp "$d"/* "$MODEL_PARTS"/; done
     for d in .gpu/whl*; do [ -d "$d" ] && cp "$d"/*.whl "$WHEELS"/; done
     ls -l "$VLLM_PARTS" "$MODEL_PARTS" "$WHEELS"
@@ -82,6 +87,32 @@ copy_parts() {
     done
     # the code recipe's sandbox: without bubblewrap real_models.py runs its code under rlimits only (noted)
     PYTHONPATH=$PWD/src python3 -c "from tidal.envs import bwrap; print('bwrap:', bwrap.probe() or 'works')" || true
+}
+
+UNPACK_PID=/root/vllm-unpack.pid
+unpack_vllm() {  # join the parts, check the whole, extract through a temporary folder (never half a vllm-site)
+    (cd "$VLLM_PARTS" && cat vllm-site.tar.xz.[0-9][0-9] > vllm-site.tar.xz && sha256sum --quiet -c SHA256SUMS) ||
+        return 1
+    rm -rf /root/vllm-site.part
+    python3 -c "import tarfile; tarfile.open('$VLLM_PARTS/vllm-site.tar.xz').extractall('/root/vllm-site.part', filter='data')"
+    mv /root/vllm-site.part /root/vllm-site
+}
+
+unpack_vllm_behind() {  # once every part is here, unpack while the next copy calls run (saves `start` ~the unpack)
+    [ -d /root/vllm-site/vllm ] && return 0
+    [ -f "$UNPACK_PID" ] && kill -0 "$(cat "$UNPACK_PID")" 2>/dev/null && return 0
+    [ "$(ls "$VLLM_PARTS"/vllm-site.tar.xz.[0-9][0-9] 2>/dev/null | wc -l)" -ge 3 ] || return 0
+    declare -f unpack_vllm > /root/vllm-unpack.sh
+    echo unpack_vllm >> /root/vllm-unpack.sh
+    VLLM_PARTS=$VLLM_PARTS setsid nohup bash /root/vllm-unpack.sh > /root/vllm-unpack.log 2>&1 < /dev/null &
+    echo $! > "$UNPACK_PID"
+    echo "vLLM's parts are all here: unpacking behind the next calls (/root/vllm-unpack.log)"
+}
+
+wait_for_unpack() {  # an unpack started by a copy call: let it finish (a failed one is redone by `start`)
+    [ -f "$UNPACK_PID" ] || return 0
+    while kill -0 "$(cat "$UNPACK_PID")" 2>/dev/null; do sleep 1; done
+    cat /root/vllm-unpack.log
 }
 
 summary() {  # one line per RL run: step, reward, step time, online evals
@@ -196,11 +227,12 @@ start_loop() {  # one loop_throughput.py per '|'-separated group of PARTS, each 
 case "$stage" in
 copy)
     copy_parts
+    unpack_vllm_behind
     ;;
 start)
     copy_parts
-    (cd "$VLLM_PARTS" && cat vllm-site.tar.xz.[0-9][0-9] > vllm-site.tar.xz && sha256sum -c SHA256SUMS)
-    [ -d /root/vllm-site/vllm ] || python3 -c "import tarfile; tarfile.open('$VLLM_PARTS/vllm-site.tar.xz').extractall('/root/vllm-site', filter='data')"
+    wait_for_unpack
+    [ -d /root/vllm-site/vllm ] || unpack_vllm
     python3 benchmarks/carry_model.py join "$MODEL_PARTS" --out "$MODEL"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$WHEELS"/*.whl

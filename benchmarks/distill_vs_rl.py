@@ -2,9 +2,11 @@
 on a real teacher and student (issue 38).
 
 The teacher is a real model (the Qwen2.5-Coder-0.5B-Instruct GGUF from the real-model issue, converted); the
-student is the teacher with every other decoder layer dropped (`drop_layers`): the same tokenizer, half the
-depth, a model that starts far from the teacher. From the student, side by side on one GPU (each vLLM with a
-fixed KV cache, as benchmarks/real_models.py runs its recipes):
+student is the teacher without some decoder layers (`drop_layers`, `--drop`): the same tokenizer, less depth,
+a model that starts below the teacher. Dropping every other layer (the default) leaves Qwen2.5-Coder-0.5B
+writing garbage, which gives RL no reward to learn from; without layers 8 and 16 it keeps a part of the
+teacher's pass rate (benchmarks/distill_student_probe.py, its results in
+benchmarks/results/distill_student_probe_cpu.json). From the student, side by side on one GPU (each vLLM with a fixed KV cache, as benchmarks/real_models.py runs its recipes):
 
     rl:         tidal rl @ examples/distill/rl_math.toml       (the environment's reward alone, uniform order)
     curriculum: tidal rl @ examples/distill/rl_math_curriculum.toml  (the same with [orchestrator.curriculum])
@@ -16,11 +18,11 @@ so they pay for about the same generation (each logs `rollouts/tokens_generated`
 per run: held-out greedy avg@1 every 10 steps (the online evals), wall time, tokens generated, groups run
 and kept, the reward and the reverse KL (distill) per step. `--runs` picks a subset.
 
-    python benchmarks/distill_vs_rl.py --teacher /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
+    python benchmarks/distill_vs_rl.py --teacher /root/models/qwen2.5-coder-0.5b-instruct.gguf --drop 8,16 \\
         --workdir /root/dv --out /root/out/distill_curriculum.json --steps 40
     python benchmarks/distill_vs_rl.py --cpu --teacher tidal-testing/tiny-qwen3 --workdir /tmp/dv \\
         --out /tmp/dv.json --steps 2          # the whole path on CPU with the tiny model (no GPU numbers)
-    python benchmarks/distill_vs_rl.py student TEACHER OUT_DIR   # only make the student
+    python benchmarks/distill_vs_rl.py student TEACHER OUT_DIR [8,16]   # only make the student
 """
 
 import argparse
@@ -176,9 +178,13 @@ def main() -> None:
         for name, (process, out, command) in list(started.items()):
             if process.poll() is None and not late:
                 continue
-            if process.poll() is None:
+            if process.poll() is None:  # SIGTERM: tidal rl stops its children and keeps what it wrote
                 process.terminate()
-                process.wait(timeout=120)
+                try:
+                    process.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
             result = summary(out, time.monotonic() - begun, process.returncode, command)
             result["stopped_by_deadline"] = late
             document["runs"][name] = result

@@ -30,8 +30,9 @@
 # (each then measures under the other's load: say so with their numbers), or loop_then_real_models: the loop
 # benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
 # BENCH. BENCH=distill (issue 38, with MODEL_ASSET=qwen: the teacher) runs benchmarks/distill_vs_rl.py: the
-# teacher with every other layer dropped as the student, then RL, RL with a curriculum and distillation from it
-# side by side (DV_STEPS its --steps, default 40; DV_DROP its --drop; ENV... given: real_models.py on them beside it, with MAX_STEPS). BENCH=vlm (issue 36, SmolLM2's slices) builds a
+# teacher without layers DV_DROP as the student, then RL, RL with a curriculum and distillation from it
+# side by side (DV_STEPS its --steps, default 40; DV_DROP its --drop, default 8,16; ENV... given:
+# real_models.py on them beside it, with MAX_STEPS). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
 # HF model's own (benchmarks/vlm_step.py) and RL's tower once per shared picture (vlm_rl_step.py; VLM_PREP=0,
@@ -201,9 +202,8 @@ start_real_models() {  # MODEL and SUFFIX: the GGUF's (or, BENCH=vlm, the VLM's 
 
 start_distill() {  # benchmarks/distill_vs_rl.py in its own session; its results and logs land in $RM_OUT
     mkdir -p "$DV_WORK" "$RM_OUT"
-    local drop=()
-    [ -n "${DV_DROP:-}" ] && drop=(--drop "$DV_DROP")  # the teacher's layers the student lacks
-    setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" "${drop[@]}" \
+    # the teacher's layers the student lacks (every other one leaves Qwen2.5-Coder-0.5B writing garbage)
+    setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" --drop "${DV_DROP:-8,16}" \
         --out "$RM_OUT/distill_curriculum_h200.json" --steps "${DV_STEPS:-40}" --timeout $((BENCH_DEADLINE - SECONDS)) \
         > "$DV_WORK/driver.log" 2>&1 < /dev/null &
     echo $! > "$DV_WORK/driver.pid"

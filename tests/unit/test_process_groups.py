@@ -148,3 +148,31 @@ def test_inner_stop_grace_is_shorter_than_the_launchers():
     inner = inspect.signature(ServerProcess.stop).parameters["grace"].default
     outer = inspect.signature(ManagedProcess.stop).parameters["grace"].default
     assert outer == STOP_GRACE and inner < outer
+
+
+def test_a_servers_ipc_sockets_go_in_a_folder_of_its_own_removed_when_it_stops(tmp_path: Path, monkeypatch):
+    """vLLM makes its ZMQ sockets as /tmp/<uuid> and never removes them: ServerProcess points them into a
+    folder of its own (VLLM_RPC_BASE_PATH) and removes it at stop; a path the user set is left alone."""
+    from tidal.inference.server import RPC_BASE_ENV, Launch
+
+    monkeypatch.delenv(RPC_BASE_ENV, raising=False)
+    # stands in for vLLM: a socket-like file where it is told to make them, then wait to be stopped
+    script = f"import os, time; open(os.path.join(os.environ[{RPC_BASE_ENV!r}], 'sock'), 'w'); time.sleep(60)"
+    launch = Launch(argv=[sys.executable, "-c", script], env={}, url="http://127.0.0.1:1")
+    server = ServerProcess(launch).start()
+    ipc_dir = Path(str(server.ipc_dir))
+    deadline = time.monotonic() + 20
+    while not (ipc_dir / "sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (ipc_dir / "sock").exists()
+    server.stop(grace=2)
+    assert not ipc_dir.exists() and server.ipc_dir is None
+
+    monkeypatch.setenv(RPC_BASE_ENV, str(tmp_path))  # the user's choice: kept, nothing removed
+    server = ServerProcess(launch).start()
+    assert server.ipc_dir is None
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=2)
+    assert (tmp_path / "sock").exists()

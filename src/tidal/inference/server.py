@@ -15,10 +15,12 @@ It runs in its own session (process group); stopping kills the whole group, engi
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -45,6 +47,10 @@ from tidal.transport.nccl import ENGINE_NAME as NCCL_ENGINE_NAME
 from tidal.transport.nccl import RENDEZVOUS_ENV
 
 VLLM_SERVER_MODULE = "tidal.inference.vllm_main"
+
+
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its inter-process ZMQ sockets (its default: the temp folder). Set by hand, it is kept."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,7 @@ class ServerProcess:
 
     launch: Launch
     child: ManagedProcess | None = None
+    ipc_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -247,7 +254,12 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         log = Path(self.launch.log_file) if self.launch.log_file is not None else None
-        self.child = ManagedProcess("vLLM server", self.launch.argv, log, self.launch.env).start()
+        env = dict(self.launch.env)
+        if RPC_BASE_ENV not in env and RPC_BASE_ENV not in os.environ:
+            # vLLM names each ZMQ socket between its processes /tmp/<uuid> and never removes it (thousands
+            # after a day of runs): this server's go into a folder of its own, removed when it stops
+            self.ipc_dir = env[RPC_BASE_ENV] = tempfile.mkdtemp(prefix="tidal-vllm-ipc-")
+        self.child = ManagedProcess("vLLM server", self.launch.argv, log, env).start()
         return self
 
     def alive(self) -> bool:
@@ -268,8 +280,12 @@ class ServerProcess:
 
     def stop(self, grace: float = INNER_STOP_GRACE) -> int | None:
         """SIGTERM the whole group at once (also when the server itself is dead already), SIGKILL what is
-        left after `grace` seconds; returns the server's exit code."""
-        return self.child.stop(grace) if self.child is not None else None
+        left after `grace` seconds, then remove its sockets' folder; returns the server's exit code."""
+        code = self.child.stop(grace) if self.child is not None else None
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+        return code
 
     def _log_hint(self) -> str:
         return f" (see {self.launch.log_file})" if self.launch.log_file else " (see its output above)"

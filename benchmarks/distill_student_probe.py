@@ -14,20 +14,16 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from distill_vs_rl import load_student, parse_drop  # a sibling benchmark
+from transformers import AutoTokenizer
 
 from tidal.envs.math_env import MathEnv, verify_answer
 from tidal.models import resolve_model_name
 
 
-def kept_layers(spec: str, count: int) -> list[int]:
-    """`all`, `every-other` (drop the second, fourth, …) or comma-separated layers to drop."""
-    if spec == "all":
-        return list(range(count))
-    if spec == "every-other":
-        return list(range(0, count, 2))
-    dropped = {int(part) for part in spec.split(",")}
-    return [i for i in range(count) if i not in dropped]
+def dropped_layers(spec: str) -> list[int] | None:
+    """`all` (none dropped), `every-other` (None: load_student's default) or comma-separated layers to drop."""
+    return [] if spec == "all" else None if spec == "every-other" else parse_drop(spec)
 
 
 def main() -> None:
@@ -47,17 +43,9 @@ def main() -> None:
         tokenizer.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True) for t in tasks
     ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    every = list(model.model.layers)
     results = []
     for spec in args.candidates:
-        kept = kept_layers(spec, len(every))
-        model.model.layers = torch.nn.ModuleList(every[i] for i in kept)
-        for index, layer in enumerate(model.model.layers):  # the KV cache is indexed by it
-            layer.self_attn.layer_idx = index
-        model.config.num_hidden_layers = len(kept)
-        if isinstance(getattr(model.config, "layer_types", None), list):
-            model.config.layer_types = [model.config.layer_types[0]] * len(kept)
+        model = load_student(source, dropped_layers(spec))  # a fresh load each: ~1 s for a 0.5B model
         torch.manual_seed(0)
         began = time.monotonic()
         with torch.no_grad():
@@ -72,7 +60,7 @@ def main() -> None:
         scores = [verify_answer(text, tasks[k // args.samples].answer) for k, text in enumerate(texts)]
         row = {
             "candidate": spec,
-            "layers": len(kept),
+            "layers": model.config.num_hidden_layers,
             "pass_rate": round(sum(scores) / len(scores), 4),
             "samples": len(scores),
             "seconds": round(time.monotonic() - began, 1),

@@ -47,16 +47,12 @@ CPU_FLAGS = [
 """The CPU smoke run: the tiny model, a few tokens."""
 
 
-def drop_layers(teacher: str, out: Path, drop: list[int] | None = None) -> Path:
-    """The teacher's model without the decoder layers numbered in `drop` (None: every other one, the second,
-    the fourth, …), written to `out` with the teacher's tokenizer: a student of the same tokenizer and less
-    depth."""
+def load_student(source: str, drop: list[int] | None = None) -> Any:
+    """The model at `source` (an HF directory) without the decoder layers numbered in `drop` (None: every
+    other one, the second, the fourth, …), in float32: a student of the same tokenizer and less depth."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from tidal.models import resolve_model_name
-
-    source = resolve_model_name(teacher, lambda line: print(f"[distill_vs_rl] {line}", flush=True))
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     layers = model.model.layers
     dropped = set(range(1, len(layers), 2) if drop is None else drop)
@@ -73,10 +69,26 @@ def drop_layers(teacher: str, out: Path, drop: list[int] | None = None) -> Path:
         config.layer_types = [config.layer_types[i] for i in kept]
     if getattr(config, "max_window_layers", None) is not None:
         config.max_window_layers = min(config.max_window_layers, len(kept))
+    return model
+
+
+def drop_layers(teacher: str, out: Path, drop: list[int] | None = None) -> Path:
+    """`load_student` of the teacher (a .gguf, an HF directory or a hub id), written to `out` with the
+    teacher's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from tidal.models import resolve_model_name
+
+    source = resolve_model_name(teacher, lambda line: print(f"[distill_vs_rl] {line}", flush=True))
+    model = load_student(source, drop)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
-    print(f"[distill_vs_rl] student: {len(kept)} of {len(layers)} layers of {teacher} -> {out}", flush=True)
+    layers = model.config.num_hidden_layers
+    print(
+        f"[distill_vs_rl] student: {layers} layers of {teacher} (without {drop or 'every other'}) -> {out}",
+        flush=True,
+    )
     return out
 
 

@@ -103,9 +103,7 @@ unpack_vllm_behind() {  # once every part is here, unpack while the next copy ca
     [ -d /root/vllm-site/vllm ] && return 0
     [ -f "$UNPACK_PID" ] && kill -0 "$(cat "$UNPACK_PID")" 2>/dev/null && return 0
     [ "$(ls "$VLLM_PARTS"/vllm-site.tar.xz.[0-9][0-9] 2>/dev/null | wc -l)" -ge 3 ] || return 0
-    declare -f unpack_vllm > /root/vllm-unpack.sh
-    echo unpack_vllm >> /root/vllm-unpack.sh
-    VLLM_PARTS=$VLLM_PARTS setsid nohup bash /root/vllm-unpack.sh > /root/vllm-unpack.log 2>&1 < /dev/null &
+    setsid nohup bash "$0" _unpack > /root/vllm-unpack.log 2>&1 < /dev/null &
     echo $! > "$UNPACK_PID"
     echo "vLLM's parts are all here: unpacking behind the next calls (/root/vllm-unpack.log)"
 }
@@ -268,6 +266,9 @@ start)
     loop_then_real_models) start_sequence "$@" ;;
     esac
     follow
+    ;;
+_unpack)  # started by unpack_vllm_behind, in its own session so that it outlives the copy call
+    unpack_vllm
     ;;
 _sequence)  # started by start_sequence: SECONDS counts from the `start` call's own start
     SECONDS=$(( $(date +%s) - BENCH_STARTED + ${START_OFFSET:-0} ))

@@ -161,18 +161,21 @@ def test_a_servers_ipc_sockets_go_in_a_folder_of_its_own_removed_when_it_stops(t
     launch = Launch(argv=[sys.executable, "-c", script], env={}, url="http://127.0.0.1:1")
     server = ServerProcess(launch).start()
     ipc_dir = Path(str(server.ipc_dir))
-    deadline = time.monotonic() + 20
-    while not (ipc_dir / "sock").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (ipc_dir / "sock").exists()
+    assert appears(ipc_dir / "sock")
     server.stop(grace=2)
     assert not ipc_dir.exists() and server.ipc_dir is None
 
     monkeypatch.setenv(RPC_BASE_ENV, str(tmp_path))  # the user's choice: kept, nothing removed
     server = ServerProcess(launch).start()
     assert server.ipc_dir is None
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "sock").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert appears(tmp_path / "sock")
     server.stop(grace=2)
     assert (tmp_path / "sock").exists()
+
+
+def appears(path: Path, timeout: float = 20.0) -> bool:
+    """Whether `path` exists within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()

@@ -16,10 +16,12 @@
 #      (joins and checks the model, unpacks vLLM unless the copy call that brought its last part did so behind
 #      the calls after it, converts the GGUF, starts the benchmark(s) in their own session
 #      so that they outlive the call, and follows them)
-#   (MODEL_ASSET=qwen: Qwen2.5-Coder-0.5B-Instruct, 469 MiB, the recipes' `_qwen05b` configs; its slices from
-#    `carry_model.py split qwen2.5-coder-0.5b --out .gpu/qwen --sizes 9 9 9 45 52 52 52 52 52 52 52`
-#    take twelve calls: slices 1-3 beside the vLLM parts, 4 beside .gpu/whl, 5-11 alone, 12 with `start`;
-#    a vLLM part, a slice and the working tree must fit 64 MiB (67.1 MB): 46.9 + 9.4 + 9.7 MB on 2026-12-06;
+#   (MODEL_ASSET=qwen: Qwen2.5-Coder-0.5B-Instruct, the recipes' `_qwen05b` configs, carried with its tied
+#    embedding once (379 MiB, not 469; it converts to the same weights: carry_model.py's docstring); slices from
+#    `carry_model.py split qwen2.5-coder-0.5b --one-embedding --out .gpu/qwen --sizes 13 13 13 52 57.7 57.7 57.7 57.7`
+#    take nine calls: slices 1-3 beside the vLLM parts, 4 beside .gpu/whl, 5-8 alone, 9 with `start`;
+#    a vLLM part, a slice and the working tree must fit 64 MiB: 46.9 + 9.4 + 9.7 MB fit on 2026-12-06,
+#    46.9 + 9.4 + 10.4 MB did not (the tool counts a little more than the bytes);
 #    the tree grows with every results file, so check `git ls-files -z | xargs -0 du -cb` before a sequence)
 #   6. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)

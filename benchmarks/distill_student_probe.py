@@ -7,6 +7,8 @@ the distill recipes train on and scores them with the environment's own answer c
 
     python benchmarks/distill_student_probe.py <teacher dir or .gguf> all 22 21,22 8,16 every-other \\
         --out benchmarks/results/distill_student_probe_cpu.json
+    # the teacher and the student as the online evals score them: held-out problems, greedy
+    python benchmarks/distill_student_probe.py <teacher> all 8,16 --split heldout --greedy --tasks 100
 """
 
 import argparse
@@ -32,12 +34,20 @@ def main() -> None:
     parser.add_argument("candidates", nargs="+", help="all, every-other, or layers to drop (e.g. 8,16)")
     parser.add_argument("--tasks", type=int, default=24)
     parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument(
+        "--split", default="train", help="train (the recipes' pool) or heldout (the online evals')"
+    )
+    parser.add_argument(
+        "--greedy", action="store_true", help="greedy, one sample a task (as the online evals)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     source = resolve_model_name(args.teacher)
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.padding_side = "left"
-    env = MathEnv(level="arithmetic", num_examples=256, split="train")  # the recipes' pool
+    env = MathEnv(level="arithmetic", num_examples=256, split=args.split)  # train: the recipes' pool
+    samples = 1 if args.greedy else args.samples
+    sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": 1.0}
     tasks = [env.task(i) for i in range(args.tasks)]
     prompts = [
         tokenizer.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True) for t in tasks
@@ -52,12 +62,11 @@ def main() -> None:
             out = model.generate(
                 **batch,
                 max_new_tokens=160,
-                do_sample=True,
-                temperature=1.0,
-                num_return_sequences=args.samples,
+                num_return_sequences=samples,
+                **sampling,
             )
         texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
-        scores = [verify_answer(text, tasks[k // args.samples].answer) for k, text in enumerate(texts)]
+        scores = [verify_answer(text, tasks[k // samples].answer) for k, text in enumerate(texts)]
         row = {
             "candidate": spec,
             "layers": model.config.num_hidden_layers,

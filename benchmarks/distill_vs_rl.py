@@ -1,5 +1,5 @@
-"""On-policy distillation against RL, and a curriculum against uniform order, at the same generation budget,
-on a real teacher and student (issue 38).
+"""On-policy distillation against RL, and a curriculum against uniform order, at the same number of steps, on
+a real teacher and student (issue 38).
 
 The teacher is a real model (the Qwen2.5-Coder-0.5B-Instruct GGUF from the real-model issue, converted); the
 student is the teacher without some decoder layers (`drop_layers`, `--drop`): the same tokenizer, less depth,
@@ -13,8 +13,10 @@ benchmarks/results/distill_student_probe_cpu.json). From the student, side by si
     distill:    tidal rl @ examples/distill/rl_math_distill.toml  (the teacher's reverse KL alone; tidal rl
                 serves the teacher, `[teacher_server]`)
 
-All three draw from the same pool of 256 problems with the same group size, max tokens and number of steps,
-so they pay for about the same generation (each logs `rollouts/tokens_generated`; the report has it). Reported
+All three draw from the same pool of 256 problems with the same group size, max tokens and number of steps.
+That is not the same generation: RL pays for the zero-signal groups it drops and distillation keeps every
+group (8.5x fewer tokens in 10 steps on one H100, benchmarks/results/distill_curriculum_h100.json), so
+compare them by `tokens_generated`, which the report has. Reported
 per run: held-out greedy avg@1 every 10 steps (the online evals), wall time, tokens generated, groups run
 and kept, the reward and the reverse KL (distill) per step. `--runs` picks a subset.
 
@@ -177,7 +179,7 @@ def main() -> None:
         started[name] = (process, out, command)
     document = {
         "what": "issue 38: on-policy distillation against RL, and a curriculum against uniform order, from the same"
-        " student on the same pool of problems at the same generation budget",
+        " student on the same pool of problems, the same number of steps (compare tokens_generated)",
         "teacher": args.teacher,
         "student": f"{student}: the teacher without layers {args.drop or 'every other'}",
         "cpu_smoke": args.cpu,

@@ -105,6 +105,8 @@ def test_the_served_teacher_scores_every_rollout_from_a_kl_of_zero_and_goes_with
     kls = [m["distill/reverse_kl"] for m in steps]
     print(f"\nreverse KL per step: {kls}")
     assert all(math.isfinite(k) for k in kls) and abs(kls[0]) < 1e-3
+    # the whole-completion KL is logged too, 0 where the per-token one is (the teacher is the student)
+    assert abs(steps[0]["distill/reverse_kl_per_sequence"]) < 1e-2
     listening = [
         c
         for c in psutil.net_connections("tcp")

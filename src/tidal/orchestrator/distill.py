@@ -58,6 +58,24 @@ def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
     return (total / count if count else 0.0), count
 
 
+def reverse_kl_per_sequence(rollouts: Sequence[Rollout]) -> float:
+    """The mean over rollouts of student − teacher logprob summed over each one's model-written tokens: the
+    sampled KL(student ‖ teacher) of whole completions. When distillation changes how long the student
+    writes, the per-token mean alone misleads (shorter replies made of the hardest tokens raise it while
+    the KL of the replies falls); 0.0 with no rollouts."""
+    sums = [
+        sum(
+            student - teacher
+            for teacher, student, trained in zip(
+                rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
+            )
+            if trained
+        )
+        for rollout in rollouts
+    ]
+    return sum(sums) / len(sums) if sums else 0.0
+
+
 def check_teacher(
     envs: Sequence[EnvSpec], student_tokenizer: Any, teacher: str, trust_remote_code: bool, key: str
 ) -> None:

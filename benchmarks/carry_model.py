@@ -85,16 +85,20 @@ def one_embedding(source: Path, out: Path) -> Path:
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    names = [tensor.name for tensor in reader.tensors if tensor.name != "output.weight"]
-    kept = [head if name == "token_embd.weight" else tensors[name] for name in names]
-    for name, tensor in zip(names, kept, strict=True):
+    # the file's tensors in their order, output.weight's data under token_embd's name and no output.weight
+    kept = [
+        (tensor.name, head if tensor.name == "token_embd.weight" else tensor)
+        for tensor in reader.tensors
+        if tensor.name != "output.weight"
+    ]
+    for name, tensor in kept:
         writer.add_tensor_info(
             name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
         )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for tensor in kept:
+    for _, tensor in kept:
         writer.write_tensor_data(tensor.data)
     writer.close()
     return out

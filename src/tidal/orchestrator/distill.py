@@ -44,18 +44,23 @@ def completion_advantages(rollout: Rollout, advantage: float, weights: DistillWe
     ]
 
 
+def kl_terms(rollout: Rollout) -> list[float]:
+    """Student − teacher logprob at each model-written completion token: the sampled terms of
+    KL(student ‖ teacher) (an environment's tokens in a multi-turn completion have none)."""
+    return [
+        student - teacher
+        for teacher, student, trained in zip(
+            rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
+        )
+        if trained
+    ]
+
+
 def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
     """(mean, count) over the model-written completion tokens of student − teacher logprob: the sampled
     estimate of KL(student ‖ teacher) per token, and how many tokens it is over (0.0, 0 with none)."""
-    total, count = 0.0, 0
-    for rollout in rollouts:
-        for teacher, student, trained in zip(
-            rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
-        ):
-            if trained:
-                total += student - teacher
-                count += 1
-    return (total / count if count else 0.0), count
+    terms = [term for rollout in rollouts for term in kl_terms(rollout)]
+    return (sum(terms) / len(terms) if terms else 0.0), len(terms)
 
 
 def reverse_kl_per_sequence(rollouts: Sequence[Rollout]) -> float:
@@ -63,16 +68,7 @@ def reverse_kl_per_sequence(rollouts: Sequence[Rollout]) -> float:
     sampled KL(student ‖ teacher) of whole completions. When distillation changes how long the student
     writes, the per-token mean alone misleads (shorter replies made of the hardest tokens raise it while
     the KL of the replies falls); 0.0 with no rollouts."""
-    sums = [
-        sum(
-            student - teacher
-            for teacher, student, trained in zip(
-                rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
-            )
-            if trained
-        )
-        for rollout in rollouts
-    ]
+    sums = [sum(kl_terms(rollout)) for rollout in rollouts]
     return sum(sums) / len(sums) if sums else 0.0
 
 

@@ -40,12 +40,18 @@ def main() -> None:
     parser.add_argument(
         "--greedy", action="store_true", help="greedy, one sample a task (as the online evals)"
     )
+    parser.add_argument(
+        "--level",
+        default="arithmetic",
+        help="math's level: arithmetic (the recipes'), products, word_problems",
+    )
+    parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out")
     args = parser.parse_args()
     source = resolve_model_name(args.teacher)
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.padding_side = "left"
-    env = MathEnv(level="arithmetic", num_examples=256, split=args.split)  # train: the recipes' pool
+    env = MathEnv(level=args.level, num_examples=256, split=args.split)  # train: the recipes' pool
     samples = 1 if args.greedy else args.samples
     sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": 1.0}
     tasks = [env.task(i) for i in range(args.tasks)]
@@ -61,14 +67,17 @@ def main() -> None:
         with torch.no_grad():
             out = model.generate(
                 **batch,
-                max_new_tokens=160,
+                max_new_tokens=args.max_tokens,
                 num_return_sequences=samples,
                 **sampling,
             )
         texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
         scores = [verify_answer(text, tasks[k // samples].answer) for k, text in enumerate(texts)]
+        lengths = (out[:, batch.input_ids.shape[1] :] != tokenizer.pad_token_id).sum(dim=1).float()
         row = {
             "candidate": spec,
+            "level": args.level,
+            "mean_tokens": round(lengths.mean().item(), 1),
             "layers": model.config.num_hidden_layers,
             "pass_rate": round(sum(scores) / len(scores), 4),
             "samples": len(scores),

@@ -1,29 +1,33 @@
-"""On-policy distillation against RL, and a curriculum against uniform order, at the same number of steps, on
-a real teacher and student (issue 38).
+"""On-policy distillation against RL, and a curriculum against uniform order, at an equal generation budget,
+on a real teacher and student (issue 38).
 
 The teacher is a real model (the Qwen2.5-Coder-0.5B-Instruct GGUF from the real-model issue, converted); the
 student is the teacher without some decoder layers (`drop_layers`, `--drop`): the same tokenizer, less depth,
-a model that starts below the teacher. Dropping every other layer (the default) leaves Qwen2.5-Coder-0.5B
-writing garbage, which gives RL no reward to learn from; without layers 8 and 16 it keeps a part of the
-teacher's pass rate (benchmarks/distill_student_probe.py, its results in
-benchmarks/results/distill_student_probe_cpu.json). From the student, side by side on one GPU (each vLLM with a fixed KV cache, as benchmarks/real_models.py runs its recipes):
+a model that starts below the teacher. Without layers 8 and 16 it keeps the teacher's step-by-step style on
+math word problems but not its answers: held-out greedy 0.02 against the teacher's 0.94
+(benchmarks/distill_student_probe.py --level word_problems; results/distill_student_probe_word_problems_cpu.json).
+Dropping every other layer leaves it writing garbage. From the student, side by side on one GPU (each vLLM
+with a fixed KV cache, as benchmarks/real_models.py runs its recipes):
 
     rl:         tidal rl @ examples/distill/rl_math.toml       (the environment's reward alone, uniform order)
     curriculum: tidal rl @ examples/distill/rl_math_curriculum.toml  (the same with [orchestrator.curriculum])
     distill:    tidal rl @ examples/distill/rl_math_distill.toml  (the teacher's reverse KL alone; tidal rl
                 serves the teacher, `[teacher_server]`)
 
-All three draw from the same pool of 256 problems with the same group size, max tokens and number of steps.
-That is not the same generation: RL pays for the zero-signal groups it drops and distillation keeps every
-group (8.5x fewer tokens in 10 steps on one H100, benchmarks/results/distill_curriculum_h100.json), so
-compare them by `tokens_generated`, which the report has. Reported
-per run: held-out greedy avg@1 every 10 steps (the online evals), wall time, tokens generated, groups run
-and kept, the reward and the reverse KL (distill) per step. `--runs` picks a subset.
+All three draw from the same pool of 256 problems with the same group size and max tokens. Equal steps are
+not equal generation: RL pays for the zero-signal groups it drops, distillation keeps every group (8.5x fewer
+tokens in 10 steps on one H100, results/distill_curriculum_h100.json). With `--budget N` each run stops at its
+first online eval whose policy was trained on N of generation (`--budget-unit samples`: completions sampled,
+dropped groups included; or `tokens`: completion tokens), and that eval is its score at the budget, with the
+eval before it beside it (`--eval-interval` sets how close the two are). Reported per run: held-out greedy
+avg@1 at each eval with the generation behind it, wall time (to the budget's eval; the runs share one GPU),
+tokens and samples generated, groups run and kept, the reward and the reverse KL (distill) per step.
+`--runs` picks a subset.
 
     python benchmarks/distill_vs_rl.py --teacher /root/models/qwen2.5-coder-0.5b-instruct.gguf --drop 8,16 \\
-        --workdir /root/dv --out /root/out/distill_curriculum.json --steps 40
+        --workdir /root/dv --out /root/out/distill_curriculum.json --steps 40 --budget 5120 --eval-interval 2
     python benchmarks/distill_vs_rl.py --cpu --teacher tidal-testing/tiny-qwen3 --workdir /tmp/dv \\
-        --out /tmp/dv.json --steps 2          # the whole path on CPU with the tiny model (no GPU numbers)
+        --out /tmp/dv.json --steps 6 --budget 12 --eval-interval 2  # the whole path on CPU, tiny model
     python benchmarks/distill_vs_rl.py student TEACHER OUT_DIR [8,16]   # only make the student
 """
 
@@ -112,8 +116,7 @@ def run_rl(
 
 def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str, Any]:
     """What one run measured: held-out at step 0 and at the end, tokens generated, KL per step, wall time."""
-    logged = run / "orchestrator" / "metrics.jsonl"  # absent when a run stopped before its first step
-    rows = [json.loads(line) for line in logged.read_text().splitlines()] if logged.exists() else []
+    rows = read_rows(run)
     heldout = [
         {"step": e["step"], "final": e["final"], **score(report)}
         for e in online_evals(run)
@@ -135,6 +138,67 @@ def summary(run: Path, wall: float, code: int | None, command: str) -> dict[str,
         "reward_per_step": [round(r["reward/mean"], 4) for r in rows],
         "reverse_kl_per_step": [round(r["distill/reverse_kl"], 4) for r in rows if "distill/reverse_kl" in r],
     }
+
+
+def spent_before(rows: list[dict[str, Any]], step: int, unit: str, group_size: int) -> float:
+    """The generation that trained the policy of `step` (the batches of the steps before it), in `unit`:
+    tokens (completion tokens generated) or samples (completions sampled, kept groups or not)."""
+    earlier = [row for row in rows if row["step"] < step]
+    if unit == "tokens":
+        return float(sum(row.get("rollouts/tokens_generated", 0) for row in earlier))
+    return float(group_size * sum(row.get("rollouts/groups_run", 0) for row in earlier))
+
+
+def scored_evals(
+    rows: list[dict[str, Any]], evals: list[dict[str, Any]], unit: str, group_size: int
+) -> list[dict[str, Any]]:
+    """Each online eval in step order: its step, the generation that trained its policy, its held-out score."""
+    scored = []
+    for record in sorted(evals, key=lambda e: e["step"]):
+        reports = [report for report in record["envs"].values() if "avg@1" in report]
+        if reports:
+            spent = spent_before(rows, record["step"], unit, group_size)
+            scored.append({"step": record["step"], unit: spent, "heldout": score(reports[0])})
+    return scored
+
+
+def at_budget(
+    rows: list[dict[str, Any]], evals: list[dict[str, Any]], budget: float, unit: str, group_size: int
+) -> dict[str, Any] | None:
+    """The first online eval whose policy was trained on at least `budget` of generation, with the eval
+    before it (the budget lies between the two); None while no eval has reached it."""
+    scored = scored_evals(rows, evals, unit, group_size)
+    for index, entry in enumerate(scored):
+        if entry[unit] >= budget:
+            return {
+                "budget": budget,
+                "unit": unit,
+                "at": entry,
+                "before": scored[index - 1] if index else None,
+            }
+    return None
+
+
+def read_rows(run: Path) -> list[dict[str, Any]]:
+    logged = run / "orchestrator" / "metrics.jsonl"  # absent before a run's first step
+    return [json.loads(line) for line in logged.read_text().splitlines()] if logged.exists() else []
+
+
+def group_size_of(config: Path, cpu: bool) -> int:
+    """The recipe's group size (the CPU smoke run overrides it with 2)."""
+    import tomllib
+
+    return 2 if cpu else int(tomllib.loads(config.read_text())["orchestrator"]["batch"]["group_size"])
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM (tidal rl stops its children and keeps what it wrote), then SIGKILL after two minutes."""
+    process.terminate()
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def main() -> None:
@@ -160,11 +224,23 @@ def main() -> None:
         choices=["rl", "curriculum", "distill"],
         help="which of the three (side by side)",
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="stop each run at its first online eval trained on this much generation (0: run --steps steps)",
+    )
+    parser.add_argument("--budget-unit", choices=["tokens", "samples"], default="samples")
+    parser.add_argument(
+        "--eval-interval", type=int, default=0, help="every run's online eval interval (0: the recipes' own)"
+    )
     args = parser.parse_args()
     student = drop_layers(
         args.teacher, args.workdir / "student", parse_drop(args.drop) if args.drop else None
     )
     common = ["--max-steps", str(args.steps), *(CPU_FLAGS if args.cpu else SHARED_GPU_FLAGS)]
+    if args.eval_interval:
+        common += ["--orchestrator.online-eval.interval", str(args.eval_interval)]
     teacher_flags = ["--teacher-server.model", args.teacher]
     runs = {
         "rl": (REPO / "examples/distill/rl_math.toml", 18960, common),
@@ -172,17 +248,19 @@ def main() -> None:
         "distill": (REPO / "examples/distill/rl_math_distill.toml", 18961, [*common, *teacher_flags]),
     }
     runs = {name: run for name, run in runs.items() if name in args.runs}
-    started, begun = {}, time.monotonic()
+    started, begun, group_sizes = {}, time.monotonic(), {}
     for name, (config, port, extra) in runs.items():
         out = args.workdir / name
         process, command = run_rl(config, student, out, port, extra, args.workdir / f"{name}.log")
         started[name] = (process, out, command)
+        group_sizes[name] = group_size_of(config, args.cpu)
     document = {
         "what": "issue 38: on-policy distillation against RL, and a curriculum against uniform order, from the same"
         " student on the same pool of problems, the same number of steps (compare tokens_generated)",
         "teacher": args.teacher,
         "student": f"{student}: the teacher without layers {args.drop or 'every other'}",
         "cpu_smoke": args.cpu,
+        "budget": {"amount": args.budget, "unit": args.budget_unit} if args.budget else None,
         "runs": {},
     }
     deadline = begun + args.timeout
@@ -190,17 +268,25 @@ def main() -> None:
         time.sleep(2.0)
         late = time.monotonic() > deadline
         for name, (process, out, command) in list(started.items()):
-            if process.poll() is None and not late:
+            reached = None
+            if args.budget:  # the eval that closes the budget is written: this run has had its share
+                reached = at_budget(
+                    read_rows(out), online_evals(out), args.budget, args.budget_unit, group_sizes[name]
+                )
+            if process.poll() is None and not late and reached is None:
                 continue
-            if process.poll() is None:  # SIGTERM: tidal rl stops its children and keeps what it wrote
-                process.terminate()
-                try:
-                    process.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            result = summary(out, time.monotonic() - begun, process.returncode, command)
-            result["stopped_by_deadline"] = late
+            wall = time.monotonic() - begun  # before the stop: its wall time to the budget's eval
+            if process.poll() is None:
+                stop(process)
+            result = summary(out, wall, process.returncode, command)
+            result["samples_generated"] = group_sizes[name] * result["groups_run"]
+            result["stopped_by_deadline"] = late and reached is None
+            if args.budget:
+                scored = scored_evals(read_rows(out), online_evals(out), args.budget_unit, group_sizes[name])
+                result["evals_by_generation"] = scored
+                result["budget_reached"] = reached is not None
+                # not reached (deadline, or a failure): its last eval, short of the budget
+                result["at_budget"] = reached or {"at": scored[-1] if scored else None, "short": True}
             document["runs"][name] = result
             del started[name]
             print(f"[distill_vs_rl] {name}: {json.dumps(result)[:400]}", flush=True)

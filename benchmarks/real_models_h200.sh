@@ -33,7 +33,9 @@
 # benchmark alone on the GPU, then real_models with what is left of BENCH_DEADLINE. Every call names the same
 # BENCH. BENCH=distill (issue 38, with MODEL_ASSET=qwen: the teacher) runs benchmarks/distill_vs_rl.py: the
 # teacher without layers DV_DROP as the student, then RL, RL with a curriculum and distillation from it
-# side by side (DV_STEPS its --steps, default 40; DV_DROP its --drop, default 8,16; ENV... given:
+# side by side (DV_STEPS its --steps, default 40; DV_DROP its --drop, default 8,16; DV_BUDGET, DV_UNIT and
+# DV_EVAL its --budget, --budget-unit and --eval-interval, each run stopped at its first eval past the budget;
+# DV_ARGS more of its flags; ENV... given:
 # real_models.py on them beside it, with MAX_STEPS). BENCH=vlm (issue 36, SmolLM2's slices) builds a
 # model of SmolVLM-256M's shape from the converted SmolLM2 (tidal.models.smolvlm_shape: random tower and
 # connector), measures SFT's picture preparation (benchmarks/picture_prep.py) and its train step against the
@@ -205,7 +207,8 @@ start_distill() {  # benchmarks/distill_vs_rl.py in its own session; its results
     # the teacher's layers the student lacks (every other one leaves Qwen2.5-Coder-0.5B writing garbage)
     setsid nohup python3 benchmarks/distill_vs_rl.py --teacher "$MODEL" --workdir "$DV_WORK" --drop "${DV_DROP:-8,16}" \
         --out "$RM_OUT/distill_curriculum_h200.json" --steps "${DV_STEPS:-40}" --timeout $((BENCH_DEADLINE - SECONDS)) \
-        > "$DV_WORK/driver.log" 2>&1 < /dev/null &
+        --budget "${DV_BUDGET:-0}" --budget-unit "${DV_UNIT:-samples}" --eval-interval "${DV_EVAL:-0}" \
+        ${DV_ARGS:-} > "$DV_WORK/driver.log" 2>&1 < /dev/null &
     echo $! > "$DV_WORK/driver.pid"
 }
 

@@ -149,7 +149,10 @@ running() {  # true while a started driver still runs
 }
 
 follow() {  # until the benchmarks end or CALL_LIMIT; then their files into $OUT
-    while running && [ "$SECONDS" -lt "$CALL_LIMIT" ]; do
+    # a round is a 30 s sleep and the summaries, and the files after the loop take ~10 s more: stop a round
+    # early, so that a CALL_LIMIT near the call's own limit still brings the files back (on 2026-12-07 a
+    # CALL_LIMIT of 588 in a 600 s call overran it, and the call ended with nothing under $OUT)
+    while running && [ $((SECONDS + 45)) -lt "$CALL_LIMIT" ]; do
         sleep 30
         echo "--- $(date +%T) (${SECONDS}s)"
         for run in $RM_WORK/*/rl /root/lt*/loop/rl /root/lt*/vs_trl/rl $DV_WORK/rl $DV_WORK/curriculum $DV_WORK/distill; do

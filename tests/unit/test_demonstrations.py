@@ -14,9 +14,10 @@ from tidal.config.loader import load_config
 from tidal.config.rl import heldout_spec
 from tidal.config.sft import SFTConfig
 from tidal.envs import reverse_text
-from tidal.envs.base import render_prompt, run_episode
+from tidal.envs.base import run_episode, token_ids
 from tidal.envs.demonstrations import env_demonstrations, generate_demonstrations
 from tidal.envs.registry import load_env
+from tidal.envs.tools import conversation_template_inputs
 from tidal.envs.wordle import WORDS
 from tidal.errors import UserError
 from tidal.trainer.data import tokenize_conversation
@@ -58,8 +59,13 @@ def test_demonstrations_replayed_by_the_environment_earn_full_marks(name, kwargs
         assert episode.reward == pytest.approx(FULL_MARKS[name]), (task.task_id, episode.messages)
         # the environment's own turns (feedback, new names, tool results) are the demonstration's
         assert episode.messages[1:] == demonstration[1:]
-        # the prompt the rollout rendered is the demonstration's (tool_use: the tools in the system message)
-        assert sampler.prompts[0] == render_prompt(sampler.tokenizer, demonstration[:2])
+        # the prompt the rollout rendered is the demonstration's, as SFT renders it (tool environments: the
+        # tools the demonstration carries, described as the rollout's prompt describes them)
+        shown, template_kwargs = conversation_template_inputs(sampler.tokenizer, demonstration[:2])
+        text = sampler.tokenizer.apply_chat_template(
+            shown, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        assert sampler.prompts[0] == token_ids(sampler.tokenizer, text)
         # SFT learns exactly the tokens the rollout sampled, and nothing the environment said
         sample = tokenize_conversation(sampler.tokenizer, demonstration)
         context = episode.context_ids

@@ -233,3 +233,82 @@ def test_tool_use_adversarial_replies_never_fail_the_rollout(reply):
     if "tool_call" in reply:
         assert episode.metrics["tools/num_tool_errors"] == episode.metrics["tools/num_tool_calls"] > 0
         assert episode.messages[3]["role"] == "tool" and episode.messages[3]["content"].startswith("error:")
+
+
+TOOL_AWARE_PREFIX = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+)
+
+
+def tool_env(name: str):  # type: ignore[no-untyped-def]
+    from tidal.envs.search import SearchEnv
+    from tidal.envs.swe import SweEnv
+
+    return {
+        "tool_use": lambda: ToolUseEnv(num_examples=5),
+        "search": lambda: SearchEnv(corpus_size=30),
+        "swe": lambda: SweEnv(num_examples=2, sandbox="process"),
+    }[name]()
+
+
+@pytest.mark.parametrize("tool_aware", [False, True])
+@pytest.mark.parametrize("name", ["tool_use", "search", "swe"])
+def test_a_demonstration_trains_on_the_prompt_its_rollout_samples_from(name: str, tool_aware: bool) -> None:
+    """SFT of a tool environment's demonstration starts with the very ids of the rollout's prompt, whether
+    the chat template renders `tools=` itself (Qwen2.5) or not (the tools then go in the system message),
+    and its first trained token is the first reply's. Before, the demonstrations always listed the tools in
+    the system message, which a tool-aware template never shows at RL time."""
+    from tidal.trainer.data import tokenize_conversation
+    from tidal.trainer.evaluate import prompt_text
+
+    tok = build_tokenizer()
+    if tool_aware:
+        tok.chat_template = TOOL_AWARE_PREFIX + tok.chat_template
+    env = tool_env(name)
+    task = env.task(0)
+    demonstration = env.demonstration(task)
+    prompt = render_tool_prompt(tok, task.messages, list(env.tools.values()))
+    sample = tokenize_conversation(tok, demonstration)
+    assert sample.input_ids[: len(prompt)] == prompt
+    assert sample.loss_mask.index(1) == len(prompt)
+    shown = tok.decode(prompt)
+    assert ("TOOLS:" in shown) == tool_aware and ("Tools:\n" in shown) != tool_aware
+    # SFT's held-out exact-match eval prompts the model the same way
+    assert tok(prompt_text(tok, demonstration[:2]), add_special_tokens=False)["input_ids"] == prompt
+
+
+def test_sft_data_carries_tools_on_its_first_message_and_bad_tools_are_one_line_errors(tmp_path) -> None:
+    from tidal.config.common import FileDataset
+    from tidal.errors import UserError
+    from tidal.trainer.data import tokenize_conversation
+    from tidal.trainer.sources import load_conversations
+
+    env = ToolUseEnv(num_examples=5)
+    schemas = [tool.schema() for tool in env.tools.values()]
+    messages = [
+        {"role": "user", "content": "What is 2 + 2?", "tools": schemas},
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>'},
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "<answer>4</answer>"},
+    ]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"messages": messages}) + "\n")
+    (loaded,) = load_conversations(FileDataset(path=data))
+    tok = build_tokenizer()  # plain ChatML: the tools go in a system message, as in a rollout's prompt
+    prompt = render_tool_prompt(
+        tok, [{"role": "user", "content": "What is 2 + 2?"}], list(env.tools.values())
+    )
+    assert tokenize_conversation(tok, loaded).input_ids[: len(prompt)] == prompt
+    for bad, problem in [
+        ("calculator", "must be a non-empty list"),
+        ([{"name": "calculator"}], r"\[0\]: a schema is"),
+        ([{"function": {"name": "f", "parameters": []}}], r"\[0\].function.parameters must be"),
+    ]:
+        data.write_text(json.dumps({"messages": [messages[0] | {"tools": bad}, *messages[1:]]}) + "\n")
+        with pytest.raises(UserError, match=rf"train.jsonl:1: messages\[0\].tools {problem}") as caught:
+            load_conversations(FileDataset(path=data))
+        assert "\n" not in str(caught.value)
+    data.write_text(json.dumps({"messages": [*messages[:3], messages[3] | {"tools": schemas}]}) + "\n")
+    with pytest.raises(UserError, match=r"messages\[3\].tools go on the first message only"):
+        load_conversations(FileDataset(path=data))

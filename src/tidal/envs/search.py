@@ -24,7 +24,7 @@ from typing import Any
 from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.multiturn import Message
 from tidal.envs.splits import SplitTasks, check_split
-from tidal.envs.tools import Tool, ToolEnv, tagged_answer, tool_call_text, with_tool_system_prompt
+from tidal.envs.tools import Tool, ToolEnv, tagged_answer, tool_call_text, with_tools
 
 SYSTEM_PROMPT = "Reply <answer>name</answer> once you know the answer."
 QUESTION_PROMPT = "Search the encyclopedia to answer this question (call the search tool first): {question}"
@@ -373,7 +373,7 @@ class SearchEnv(ToolEnv):
         if not task.info["hops"]:
             return None
         schemas = [tool.schema() for tool in self.tools.values()]
-        messages: list[Message] = with_tool_system_prompt(task.messages, schemas)
+        messages: list[Message] = with_tools(task.messages, schemas)  # rendered as the rollout renders them
         for title in task.info["hops"]:
             messages += self._lookup(title)
         return [*messages, {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]

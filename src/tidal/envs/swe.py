@@ -47,7 +47,7 @@ from tidal.envs.tools import (
     call_tool,
     tool_call_text,
     truncate,
-    with_tool_system_prompt,
+    with_tools,
 )
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class SweEnv(ToolEnv):
         if not repo.fix:
             return None
         schemas = [tool.schema() for tool in self.tools.values()]
-        messages: list[Message] = with_tool_system_prompt(task.messages, schemas)
+        messages: list[Message] = with_tools(task.messages, schemas)  # rendered as the rollout renders them
         ((path, fixed),) = repo.fix.items()
         check = f"{repo.test_command} 2>&1 | tail -n 1"  # "OK": a result that does not vary with timing
         with repo_workspace("tidal-swe-demo-") as workspace:

@@ -19,7 +19,7 @@ from tidal.envs.base import Episode, RewardFn, Task, completion_text
 from tidal.envs.multiturn import Message
 from tidal.envs.sandbox import CALCULATOR, PythonSandbox, python_tool
 from tidal.envs.splits import SplitTasks, check_split
-from tidal.envs.tools import ToolEnv, tagged_answer, tool_call_text, with_tool_system_prompt
+from tidal.envs.tools import ToolEnv, tagged_answer, tool_call_text, with_tools
 
 SYSTEM_PROMPT = (
     "Use the tools to compute the answer. After the tool's result comes back, reply <answer>number</answer>."
@@ -138,13 +138,13 @@ class ToolUseEnv(ToolEnv):
         )
 
     def demonstration(self, task: Task) -> list[Message]:
-        """One tool call that computes the answer, the tool's reply, then `<answer>`. The tools are described
-        in the system message, as the rollout's prompt has them for a chat template that does not render
-        `tools=` itself (the tiny models' ChatML); a template that does renders its own tool section."""
+        """One tool call that computes the answer, the tool's reply, then `<answer>`. The conversation carries
+        its tools (`with_tools`): SFT describes them as the rollout's prompt does, by the chat template where
+        it renders `tools=`, else in the system message."""
         question = make_question(task.info["draw"], self.seed)
         schemas = [tool.schema() for tool in self.tools.values()]
         return [
-            *with_tool_system_prompt(task.messages, schemas),
+            *with_tools(task.messages, schemas),
             {"role": "assistant", "content": tool_call_text(question.tool, question.arguments)},
             {"role": "tool", "content": tool_output(question)},
             {"role": "assistant", "content": f"<answer>{question.answer}</answer>"},

@@ -132,19 +132,58 @@ def _json_objects(text: str) -> list[Any]:
 
 def render_tool_prompt(tokenizer: Any, messages: list[Message], tools: list[Tool]) -> list[int]:
     """Prompt ids with the tools described: by the chat template if it renders them, else in the system message."""
-    schemas = [t.schema() for t in tools]
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    shown, kwargs = tool_template_inputs(tokenizer, messages, [t.schema() for t in tools])
+    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True, **kwargs)
+    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
+
+def tool_template_inputs(
+    tokenizer: Any, messages: list[Message], schemas: list[dict[str, Any]]
+) -> tuple[list[Message], dict[str, Any]]:
+    """The messages and `apply_chat_template` arguments that describe the tools the way a rollout's prompt
+    does: `tools=` where the template renders them (Qwen's `# Tools` block), else the tools in the system
+    message (`with_tool_system_prompt`; the tiny models' ChatML ignores `tools=`). Decided on the messages
+    before the first reply, so a whole conversation (SFT) and its prompt (a rollout) get the same answer."""
+    prompt = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        prompt.append(message)
+    plain = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=schemas, tokenize=False, add_generation_prompt=True
+            prompt, tools=schemas, tokenize=False, add_generation_prompt=True
         )
     except Exception:  # noqa: BLE001 - a template that rejects `tools=` is the same as one that ignores them
         text = plain
     if text == plain:
-        text = tokenizer.apply_chat_template(
-            with_tool_system_prompt(messages, schemas), tokenize=False, add_generation_prompt=True
-        )
-    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+        return with_tool_system_prompt(messages, schemas), {}
+    return messages, {"tools": schemas}
+
+
+TOOLS_KEY = "tools"
+"""A demonstration's tool schemas ride on its first message under this key (`with_tools`), and SFT renders
+them as the rollout's prompt does (`conversation_template_inputs`): the warm-up then trains on the very
+prompt that RL and eval sample from. Before, demonstrations always listed the tools in the system message,
+and a template that renders `tools=` itself (Qwen2.5) showed the model another prompt at RL time: after a
+40-step swe warm-up Qwen2.5-Coder-0.5B called `bash` with `path` instead of `command` in every held-out episode."""
+
+
+def with_tools(messages: list[Message], schemas: list[dict[str, Any]]) -> list[Message]:
+    """The conversation carrying its tools (on its first message) for SFT to render."""
+    first, *rest = messages
+    return [{**first, TOOLS_KEY: schemas}, *rest]
+
+
+def conversation_template_inputs(
+    tokenizer: Any, messages: list[Message]
+) -> tuple[list[Message], dict[str, Any]]:
+    """The messages and `apply_chat_template` arguments of an SFT conversation: one that carries tools
+    (`with_tools`) gets them described as the rollout's prompt describes them; any other is left as it is."""
+    if not messages or TOOLS_KEY not in messages[0]:
+        return list(messages), {}
+    first = {key: value for key, value in messages[0].items() if key != TOOLS_KEY}
+    return tool_template_inputs(tokenizer, [first, *messages[1:]], messages[0][TOOLS_KEY])
 
 
 def with_tool_system_prompt(messages: list[Message], schemas: list[dict[str, Any]]) -> list[Message]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tidal.envs.tools import conversation_template_inputs
 from tidal.types import PAD_MULTIPLE, Pictures, padded_width
 
 IGNORE_INDEX = -100
@@ -58,14 +59,18 @@ class PackedRow:
 
 def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> TokenizedSample:
     """Tokenise with the chat template; mark the tokens each assistant turn adds (up to its EOS) as trainable.
+    A conversation that carries its tools (a tool environment's demonstration) has them described as in the
+    rollout's prompt (`tidal.envs.tools.conversation_template_inputs`).
 
     The assistant span is found by rendering the conversation up to each assistant turn with and without it,
     which works for any template that renders a prefix of the conversation as a prefix of the text.
     """
 
+    messages, template_kwargs = conversation_template_inputs(tokenizer, list(messages))
+
     def encode(msgs: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = tokenizer.apply_chat_template(
-            list(msgs), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(msgs), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

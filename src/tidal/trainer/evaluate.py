@@ -47,15 +47,24 @@ def greedy_exact_match(
     for start in range(0, len(conversations), batch_size):
         chunk = conversations[start : start + batch_size]
         prompts, references = zip(*(split_prompt(c) for c in chunk), strict=True)
-        texts = [
-            str(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)) for p in prompts
-        ]
+        texts = [prompt_text(tokenizer, p) for p in prompts]
         generated = _generate(model, tokenizer, texts, max_new_tokens, device)
         for prompt, reference, answer in zip(prompts, references, generated, strict=True):
             correct += answer.strip() == reference.strip()
             if len(examples) < 5:
                 examples.append((prompt[-1]["content"], reference, answer))
     return ExactMatchResult(correct / max(1, len(conversations)), len(conversations), examples)
+
+
+def prompt_text(tokenizer: Any, messages: Conversation) -> str:
+    """A held-out conversation's prompt as the rollout renders it (the tools a demonstration carries
+    included, `tidal.envs.tools.conversation_template_inputs`), with the generation prompt."""
+    from tidal.envs.tools import conversation_template_inputs
+
+    shown, template_kwargs = conversation_template_inputs(tokenizer, list(messages))
+    return str(
+        tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    )
 
 
 def _generate(

@@ -147,7 +147,28 @@ def _check_messages(row: Any, field: str, where: str) -> Conversation:
             raise UserError(f"{where}: {field}[{j}].content {problem}")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message to train on")
+    for j, message in enumerate(messages):
+        problem = _tools_problem(message.get("tools")) if "tools" in message else None
+        if problem is None and j and "tools" in message:
+            problem = "go on the first message only (they describe the whole conversation)"
+        if problem is not None:
+            raise UserError(f"{where}: {field}[{j}].tools {problem}")
     return messages
+
+
+def _tools_problem(tools: Any) -> str | None:
+    """What is wrong with a conversation's tools (rendered as a rollout's prompt renders them,
+    `tidal.envs.tools.conversation_template_inputs`): a list of OpenAI function schemas, each
+    `{"type": "function", "function": {"name": …, "parameters": {…}}}`; None when they are fine."""
+    if not isinstance(tools, list) or not tools:
+        return "must be a non-empty list of function schemas"
+    for k, schema in enumerate(tools):
+        function = schema.get("function") if isinstance(schema, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f'[{k}]: a schema is {{"type": "function", "function": {{"name": …, "parameters": …}}}}'
+        if not isinstance(function.get("parameters", {}), dict):
+            return f"[{k}].function.parameters must be a JSON schema object"
+    return None
 
 
 def _content_problem(content: Any) -> str | None:

@@ -162,12 +162,9 @@ def scored_evals(
     return scored
 
 
-def at_budget(
-    rows: list[dict[str, Any]], evals: list[dict[str, Any]], budget: float, unit: str, group_size: int
-) -> dict[str, Any] | None:
-    """The first online eval whose policy was trained on at least `budget` of generation, with the eval
-    before it (the budget lies between the two); None while no eval has reached it."""
-    scored = scored_evals(rows, evals, unit, group_size)
+def at_budget(scored: list[dict[str, Any]], budget: float, unit: str) -> dict[str, Any] | None:
+    """Of `scored_evals`, the first eval whose policy was trained on at least `budget` of generation, with
+    the eval before it (the budget lies between the two); None while no eval has reached it."""
     for index, entry in enumerate(scored):
         if entry[unit] >= budget:
             return {
@@ -256,7 +253,8 @@ def main() -> None:
         group_sizes[name] = group_size_of(config, args.cpu)
     document = {
         "what": "issue 38: on-policy distillation against RL, and a curriculum against uniform order, from the same"
-        " student on the same pool of problems, the same number of steps (compare tokens_generated)",
+        " student on the same pool of problems, at an equal generation budget (`budget`; without one, the"
+        " same number of steps: compare tokens_generated)",
         "teacher": args.teacher,
         "student": f"{student}: the teacher without layers {args.drop or 'every other'}",
         "cpu_smoke": args.cpu,
@@ -270,9 +268,8 @@ def main() -> None:
         for name, (process, out, command) in list(started.items()):
             reached = None
             if args.budget:  # the eval that closes the budget is written: this run has had its share
-                reached = at_budget(
-                    read_rows(out), online_evals(out), args.budget, args.budget_unit, group_sizes[name]
-                )
+                scored = scored_evals(read_rows(out), online_evals(out), args.budget_unit, group_sizes[name])
+                reached = at_budget(scored, args.budget, args.budget_unit)
             if process.poll() is None and not late and reached is None:
                 continue
             wall = time.monotonic() - begun  # before the stop: its wall time to the budget's eval
@@ -282,6 +279,7 @@ def main() -> None:
             result["samples_generated"] = group_sizes[name] * result["groups_run"]
             result["stopped_by_deadline"] = late and reached is None
             if args.budget:
+                # read again after the stop: the evals it wrote meanwhile are in the report too
                 scored = scored_evals(read_rows(out), online_evals(out), args.budget_unit, group_sizes[name])
                 result["evals_by_generation"] = scored
                 result["budget_reached"] = reached is not None

@@ -16,7 +16,6 @@ from tidal.orchestrator.distill import (
     DistillWeights,
     completion_advantages,
     reverse_kl,
-    reverse_kl_per_sequence,
 )
 from tidal.trainer.loss import rl_loss, selective_log_softmax
 from tidal.types import Group, Rollout
@@ -41,12 +40,12 @@ def test_each_token_gets_the_weighted_group_advantage_plus_the_weighted_teacher_
     r = rollout([7, 8, 9], student=[-1.0, -2.0, -0.5], teacher=[-0.5, -3.0, -0.5], mask=[1, 0, 1])
     got = completion_advantages(r, advantage=2.0, weights=DistillWeights(kl_weight=0.5, reward_weight=0.25))
     assert got == pytest.approx([0.5 + 0.25, 0.5, 0.5 + 0.0])  # the environment's token: group part only
-    assert reverse_kl([r]) == (pytest.approx(((-1.0 + 0.5) + 0.0) / 2), 2)  # model-written tokens only
+    assert reverse_kl([r])[:2] == (pytest.approx(((-1.0 + 0.5) + 0.0) / 2), 2)  # model-written tokens only
     short = rollout([7], student=[-3.0], teacher=[-1.0])
     # per sequence: the mean of each rollout's sum (-0.5 and -2.0), not the per-token mean over all three
-    assert reverse_kl_per_sequence([r, short]) == pytest.approx((-0.5 + -2.0) / 2)
-    assert reverse_kl([r, short])[0] == pytest.approx((-0.5 + -2.0) / 3)
-    assert reverse_kl_per_sequence([]) == 0.0
+    assert reverse_kl([r, short]).per_sequence == pytest.approx((-0.5 + -2.0) / 2)
+    assert reverse_kl([r, short]).per_token == pytest.approx((-0.5 + -2.0) / 3)
+    assert reverse_kl([]).per_sequence == 0.0
     with pytest.raises(ValueError, match="teacher logprobs"):
         completion_advantages(rollout([7], [-1.0], []), 0.0, DistillWeights(1.0, 0.0))
     with pytest.raises(ValueError, match="teacher logprobs"):

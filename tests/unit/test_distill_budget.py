@@ -43,11 +43,12 @@ def test_the_budget_closes_at_the_first_eval_that_reaches_it(
     budget: float, unit: str, step: int, before: int | None
 ) -> None:
     evals = [eval_at(0, 0.1), eval_at(2, 0.3), eval_at(3, 0.6)]
-    found = at_budget(rows(), evals, budget, unit, 4)
+    found = at_budget(scored_evals(rows(), evals, unit, 4), budget, unit)
     assert found is not None and found["at"]["step"] == step
     assert (found["before"] or {}).get("step") == before
 
 
 def test_a_budget_no_eval_has_reached_is_not_closed() -> None:
-    assert at_budget(rows(), [eval_at(0, 0.1), eval_at(2, 0.3)], 10_000, "tokens", 8) is None
-    assert at_budget(rows(), [], 0, "tokens", 8) is None
+    evals = [eval_at(0, 0.1), eval_at(2, 0.3)]
+    assert at_budget(scored_evals(rows(), evals, "tokens", 8), 10_000, "tokens") is None
+    assert at_budget(scored_evals(rows(), [], "tokens", 8), 0, "tokens") is None

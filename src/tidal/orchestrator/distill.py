@@ -14,7 +14,7 @@ than the student are pushed up, the others down. It is added to the task's group
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tidal.config.envs import EnvSpec
 from tidal.errors import UserError
@@ -44,32 +44,38 @@ def completion_advantages(rollout: Rollout, advantage: float, weights: DistillWe
     ]
 
 
-def kl_terms(rollout: Rollout) -> list[float]:
-    """Student − teacher logprob at each model-written completion token: the sampled terms of
-    KL(student ‖ teacher) (an environment's tokens in a multi-turn completion have none)."""
-    return [
-        student - teacher
-        for teacher, student, trained in zip(
-            rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
-        )
-        if trained
-    ]
+class ReverseKL(NamedTuple):
+    """The sampled KL(student ‖ teacher) of a step's rollouts, over their model-written completion tokens
+    (student − teacher logprob; an environment's tokens in a multi-turn completion have none)."""
+
+    per_token: float
+    """The mean over all those tokens (0.0 with none)."""
+    tokens: int
+    """How many tokens that mean is over."""
+    per_sequence: float
+    """The mean over rollouts of each one's sum: the KL of whole completions. When distillation changes how
+    long the student writes, the per-token mean alone misleads (shorter replies made of the hardest tokens
+    raise it while the KL of the replies falls); 0.0 with no rollouts."""
 
 
-def reverse_kl(rollouts: Sequence[Rollout]) -> tuple[float, int]:
-    """(mean, count) over the model-written completion tokens of student − teacher logprob: the sampled
-    estimate of KL(student ‖ teacher) per token, and how many tokens it is over (0.0, 0 with none)."""
-    terms = [term for rollout in rollouts for term in kl_terms(rollout)]
-    return (sum(terms) / len(terms) if terms else 0.0), len(terms)
-
-
-def reverse_kl_per_sequence(rollouts: Sequence[Rollout]) -> float:
-    """The mean over rollouts of student − teacher logprob summed over each one's model-written tokens: the
-    sampled KL(student ‖ teacher) of whole completions. When distillation changes how long the student
-    writes, the per-token mean alone misleads (shorter replies made of the hardest tokens raise it while
-    the KL of the replies falls); 0.0 with no rollouts."""
-    sums = [sum(kl_terms(rollout)) for rollout in rollouts]
-    return sum(sums) / len(sums) if sums else 0.0
+def reverse_kl(rollouts: Sequence[Rollout]) -> ReverseKL:
+    """`ReverseKL` of `rollouts`, in one pass over their tokens."""
+    total, tokens, sequence_sums = 0.0, 0, []
+    for rollout in rollouts:
+        terms = [
+            student - teacher
+            for teacher, student, trained in zip(
+                rollout.teacher_logprobs, rollout.completion_logprobs, rollout.completion_mask, strict=False
+            )
+            if trained
+        ]
+        total, tokens = total + sum(terms), tokens + len(terms)
+        sequence_sums.append(sum(terms))
+    return ReverseKL(
+        per_token=total / tokens if tokens else 0.0,
+        tokens=tokens,
+        per_sequence=sum(sequence_sums) / len(sequence_sums) if sequence_sums else 0.0,
+    )
 
 
 def check_teacher(

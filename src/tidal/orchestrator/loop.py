@@ -38,7 +38,7 @@ from tidal.orchestrator.batching import (
     make_train_samples,
 )
 from tidal.orchestrator.curriculum import Curriculum
-from tidal.orchestrator.distill import DistillWeights, check_teacher, reverse_kl, reverse_kl_per_sequence
+from tidal.orchestrator.distill import DistillWeights, check_teacher, reverse_kl
 from tidal.orchestrator.inflight import GroupPool, KeepRate, LaunchRule
 from tidal.orchestrator.lag import LoopLagMonitor, frozen_heap, lag_metrics
 from tidal.orchestrator.policy import PolicyWatcher
@@ -234,10 +234,14 @@ class Orchestrator:
         if self.expand_pictures is not None:  # the processor's share of the step (tidal.models.vision)
             extra["time/pictures"] = made
         if self.distill is not None:  # KL(student ‖ teacher) per token, sampled on what this step trains
-            scored = [r for g in groups for r in g.rollouts if not r.failed]
-            kl, tokens = reverse_kl(scored)
-            extra.update({"distill/reverse_kl": kl, "distill/tokens": float(tokens)})
-            extra["distill/reverse_kl_per_sequence"] = reverse_kl_per_sequence(scored)
+            kl = reverse_kl([r for g in groups for r in g.rollouts if not r.failed])
+            extra.update(
+                {
+                    "distill/reverse_kl": kl.per_token,
+                    "distill/tokens": float(kl.tokens),
+                    "distill/reverse_kl_per_sequence": kl.per_sequence,
+                }
+            )
         self._log(step, groups, stats, policy, elapsed, waited, extra)
         self._keep_samples(step, groups)
         self.state.step = step + 1

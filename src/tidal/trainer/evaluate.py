@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from tidal.envs.tools import conversation_template_inputs
 from tidal.trainer.sources import Conversation
 
 
@@ -59,8 +60,6 @@ def greedy_exact_match(
 def prompt_text(tokenizer: Any, messages: Conversation) -> str:
     """A held-out conversation's prompt as the rollout renders it (the tools a demonstration carries
     included, `tidal.envs.tools.conversation_template_inputs`), with the generation prompt."""
-    from tidal.envs.tools import conversation_template_inputs
-
     shown, template_kwargs = conversation_template_inputs(tokenizer, list(messages))
     return str(
         tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True, **template_kwargs)

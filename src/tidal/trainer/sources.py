@@ -6,6 +6,7 @@ from typing import Any
 
 from tidal.config.common import BuiltinDataset, FileDataset, HFDataset
 from tidal.envs.chat import IMAGE_PART_TYPES
+from tidal.envs.tools import TOOLS_KEY
 from tidal.errors import UserError, first_line
 
 Conversation = list[dict[str, Any]]
@@ -148,11 +149,15 @@ def _check_messages(row: Any, field: str, where: str) -> Conversation:
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message to train on")
     for j, message in enumerate(messages):
-        problem = _tools_problem(message.get("tools")) if "tools" in message else None
-        if problem is None and j and "tools" in message:
-            problem = "go on the first message only (they describe the whole conversation)"
+        if TOOLS_KEY not in message:
+            continue
+        problem = (
+            "go on the first message only (they describe the whole conversation)"
+            if j
+            else _tools_problem(message[TOOLS_KEY])
+        )
         if problem is not None:
-            raise UserError(f"{where}: {field}[{j}].tools {problem}")
+            raise UserError(f"{where}: {field}[{j}].{TOOLS_KEY} {problem}")
     return messages
 
 

@@ -183,12 +183,16 @@ class Recipe:
     optionally `+steps` for a warm-up of that many SFT steps, and `@lr` for another RL learning rate (each its
     own directory, and ports 2 above those of the same config's recipe before it, so it runs beside it)."""
 
-    def __init__(self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None):
+    def __init__(
+        self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None,
+        eval_interval: int | None = None,
+    ):  # fmt: skip
         recipe, _, self.lr = spec.partition("@")
         recipe, _, self.warmup_steps = recipe.partition("+")
         self.env, _, variant = recipe.partition(":")
         self.model = model
         self.max_steps = max_steps
+        self.eval_interval = eval_interval
         self.sft_config, self.rl_config = recipe_files(self.env, suffix, variant)
         if self.warmup_steps and self.sft_config is None:
             raise SystemExit(f"real_models: {spec}: +{self.warmup_steps} names a warm-up this recipe has not")
@@ -244,6 +248,8 @@ class Recipe:
             args += ["--trainer.optim.lr", self.lr]
         if self.max_steps:
             args += ["--max-steps", str(self.max_steps)]
+        if self.eval_interval:
+            args += ["--orchestrator.online-eval.interval", str(self.eval_interval)]
         return args + self.sandbox_fallback()
 
     def check(self) -> None:
@@ -358,7 +364,10 @@ def machine() -> str:
 
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
-    recipes = [Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps) for env in args.envs]
+    recipes = [
+        Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps, args.eval_interval)
+        for env in args.envs
+    ]
     assign_ports(recipes)
     for recipe in recipes:
         recipe.check()
@@ -409,6 +418,10 @@ def main() -> None:
     parser.add_argument(
         "--max-steps", type=int, default=None,
         help="every RL run's max_steps (default: each recipe's); the deadline may stop a run first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-interval", type=int, default=None,
+        help="every RL run's online eval interval (default: each recipe's): an eval before a deadline stops it",
     )  # fmt: skip
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)

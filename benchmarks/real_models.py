@@ -185,14 +185,14 @@ class Recipe:
 
     def __init__(
         self, spec: str, suffix: str, model: str, workdir: Path, max_steps: int | None = None,
-        eval_interval: int | None = None,
+        eval_interval: int | None = None, samples_interval: int | None = None,
     ):  # fmt: skip
         recipe, _, self.lr = spec.partition("@")
         recipe, _, self.warmup_steps = recipe.partition("+")
         self.env, _, variant = recipe.partition(":")
         self.model = model
         self.max_steps = max_steps
-        self.eval_interval = eval_interval
+        self.eval_interval, self.samples_interval = eval_interval, samples_interval
         self.sft_config, self.rl_config = recipe_files(self.env, suffix, variant)
         if self.warmup_steps and self.sft_config is None:
             raise SystemExit(f"real_models: {spec}: +{self.warmup_steps} names a warm-up this recipe has not")
@@ -250,6 +250,8 @@ class Recipe:
             args += ["--max-steps", str(self.max_steps)]
         if self.eval_interval:
             args += ["--orchestrator.online-eval.interval", str(self.eval_interval)]
+        if self.samples_interval:
+            args += ["--orchestrator.samples.interval", str(self.samples_interval)]
         return args + self.sandbox_fallback()
 
     def check(self) -> None:
@@ -364,8 +366,9 @@ def machine() -> str:
 
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline
+    intervals = (args.eval_interval, args.samples_interval)
     recipes = [
-        Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps, args.eval_interval)
+        Recipe(env, args.suffix, str(args.model), args.workdir, args.max_steps, *intervals)
         for env in args.envs
     ]
     assign_ports(recipes)
@@ -422,6 +425,10 @@ def main() -> None:
     parser.add_argument(
         "--eval-interval", type=int, default=None,
         help="every RL run's online eval interval (default: each recipe's): an eval before a deadline stops it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--samples-interval", type=int, default=None,
+        help="every RL run's samples.jsonl interval (default: each recipe's, 10): 1-2 to read a short run's rollouts",
     )  # fmt: skip
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)

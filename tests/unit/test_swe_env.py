@@ -152,6 +152,24 @@ def test_an_agent_that_never_submits_ends_at_the_turn_budget_and_is_scored_on_th
     assert episode.metrics["swe/submitted"] == 0.0
 
 
+def test_require_submit_pays_nothing_for_a_fix_left_unsubmitted():
+    """RL from Qwen2.5-Coder-0.5B's 6-step warm-up stopped calling submit (the turn budget ended its episodes
+    and they were scored all the same); `require_submit` makes the call part of the reward."""
+    for require_submit, paid in ((False, 1.0), (True, 0.0)):
+        env = SweEnv(timeout=5, max_turns=4, all_or_nothing=True, require_submit=require_submit)
+        task = env.task(2)
+        demo = env.demonstration(task)
+        assert demo is not None
+        replies = [m["content"] for m in demo if m["role"] == "assistant"]
+        assert "submit" in replies[-1]
+        unsubmitted = asyncio.run(run_episode(env, task, Agent(replies[:-1])))  # the fix, then `ls`
+        assert not unsubmitted.info["submitted"] and unsubmitted.num_turns == 4
+        assert unsubmitted.reward == paid
+        assert unsubmitted.metrics["swe/hidden_passed"] == unsubmitted.metrics["swe/hidden_total"]  # fixed
+        submitted = asyncio.run(run_episode(env, task, Agent(replies)))
+        assert submitted.info["submitted"] and submitted.reward == 1.0
+
+
 def test_a_users_repositories_load_and_bad_lines_are_named(tmp_path):
     repo = {
         "id": "calc",

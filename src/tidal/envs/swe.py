@@ -12,7 +12,7 @@ When the episode ends (submit, an answer without a tool call, or the turn budget
 changed are kept in `episode.info["changes"]` and the copy is deleted. The reward copies the original
 repository afresh, applies those changes, adds the hidden tests and runs them in a new sandbox (a reward
 worker): the share that pass. Rollouts that never submit are scored the same way (`swe/submitted` says
-which did).
+which did), unless `require_submit` pays them 0.
 """
 
 import contextvars
@@ -89,7 +89,9 @@ class SweEnv(ToolEnv):
     The share pays for leaving the repository alone: a seeded bug fails only some hidden tests, so an agent
     that changes nothing scores what the unchanged repository passes, and sampled edits that break the
     module score below it; RL on a real model learnt to change nothing (examples/swe/README.md).
-    `all_or_nothing` pays only for a fix, as the RL recipes set it."""
+    `all_or_nothing` pays only for a fix, as the RL recipes set it. `require_submit` pays 0 to an episode
+    that never called submit (its hidden tests still run, for the metrics): RL on a real model stopped
+    submitting and ran every episode to the turn budget when that cost nothing (examples/swe/README.md)."""
 
     name = "swe"
     max_turns = 12
@@ -107,6 +109,7 @@ class SweEnv(ToolEnv):
         max_output: int = 2000,
         max_context_tokens: int | None = None,
         all_or_nothing: bool = False,
+        require_submit: bool = False,
     ):
         if max_turns < 1 or timeout <= 0 or memory_mb <= 0 or max_output < 100:
             raise ValueError("swe: need max_turns ≥ 1, timeout > 0, memory_mb > 0 and max_output ≥ 100")
@@ -116,7 +119,7 @@ class SweEnv(ToolEnv):
         self.max_context_tokens = max_context_tokens
         self.box = RepoSandbox(timeout=timeout, memory_mb=memory_mb, max_output=max_output, mode=sandbox)
         self.max_turns, self.max_output = max_turns, max_output
-        self.all_or_nothing = all_or_nothing
+        self.all_or_nothing, self.require_submit = all_or_nothing, require_submit
         self.tool_timeout = timeout + 5  # the sandbox's own timeout fires first
         self.split = check_split(split, "swe")
         self.num_examples = num_examples
@@ -220,12 +223,15 @@ class SweEnv(ToolEnv):
         await super().score(task, episode)
         repo = self.repo(task)
         passed, total = await call_off_loop(run_hidden_tests, repo, episode.info.get("changes", {}), self.box)
+        submitted = bool(episode.info.get("submitted"))
         episode.reward = tests_reward(passed, total, self.all_or_nothing)  # total ≥ 1 (`_count_hidden`)
+        if self.require_submit and not submitted:
+            episode.reward = 0.0
         episode.metrics.update(
             {
                 "swe/hidden_passed": float(passed),
                 "swe/hidden_total": float(total),
-                "swe/submitted": float(bool(episode.info.get("submitted"))),
+                "swe/submitted": float(submitted),
                 "swe/files_changed": float(len(episode.info.get("changes", {}))),
             }
         )

@@ -80,11 +80,11 @@ def test_a_recipe_that_asks_for_bwrap_runs_its_code_in_process_only_where_bwrap_
     assert "bwrap is not installed" in code.notes["sandbox"]
 
 
-def test_the_rl_run_takes_the_steps_and_intervals_it_is_given_and_the_config_reads_them(tmp_path: Path) -> None:
+def test_the_rl_run_gets_its_steps_and_intervals_and_the_config_reads_them(tmp_path: Path) -> None:
     from tidal.config.loader import load_config, parse_args
     from tidal.config.rl import RLConfig
 
-    given = Recipe("swe", "qwen05b", "model.gguf", tmp_path, max_steps=10, eval_interval=4, samples_interval=2)
+    given = Recipe("swe", "qwen05b", "model.gguf", tmp_path, 10, eval_interval=4, samples_interval=2)
     default = Recipe("swe", "qwen05b", "model.gguf", tmp_path)
     args = given.rl_args("start")
     assert args[args.index("--orchestrator.online-eval.interval") + 1] == "4"

@@ -418,18 +418,12 @@ def main() -> None:
         "--envs", nargs="+", required=True,
         help="ENV or ENV:VARIANT (rl_<suffix>_<variant>.toml), then +STEPS (warm-up steps) and/or @LR (RL lr)",
     )  # fmt: skip
-    parser.add_argument(
-        "--max-steps", type=int, default=None,
-        help="every RL run's max_steps (default: each recipe's); the deadline may stop a run first",
-    )  # fmt: skip
-    parser.add_argument(
-        "--eval-interval", type=int, default=None,
-        help="every RL run's online eval interval (default: each recipe's): an eval before a deadline stops it",
-    )  # fmt: skip
-    parser.add_argument(
-        "--samples-interval", type=int, default=None,
-        help="every RL run's samples.jsonl interval (default: each recipe's, 10): 1-2 to read a short run's rollouts",
-    )  # fmt: skip
+    for flag, what in (  # each RL run's; default: each recipe's own
+        ("--max-steps", "max_steps (the deadline may stop a run first)"),
+        ("--eval-interval", "online eval interval (an eval before a deadline stops it)"),
+        ("--samples-interval", "samples.jsonl interval (recipes: 10; 1-2 to read a short run's rollouts)"),
+    ):
+        parser.add_argument(flag, type=int, default=None, help=f"every RL run's {what}; default: the recipe's")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline", type=float, default=540, help="seconds from now: every run is stopped")

@@ -423,7 +423,9 @@ def main() -> None:
         ("--eval-interval", "online eval interval (an eval before a deadline stops it)"),
         ("--samples-interval", "samples.jsonl interval (recipes: 10; 1-2 to read a short run's rollouts)"),
     ):
-        parser.add_argument(flag, type=int, default=None, help=f"every RL run's {what}; default: the recipe's")
+        parser.add_argument(
+            flag, type=int, default=None, help=f"every RL run's {what}; default: the recipe's"
+        )
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline", type=float, default=540, help="seconds from now: every run is stopped")

@@ -26,7 +26,8 @@
 #   6. nothing carried:                              bash benchmarks/real_models_h200.sh follow
 #      (follows them to their end or this call's limit; results and a tar.gz of the runs land in $OUT)
 # BENCH picks what `start` runs: real_models (default; ENV... are its --envs, e.g. alphabet_sort:short@1e-4 or
-# tool_use+12@3e-5, MAX_STEPS its --max-steps, EVAL_INTERVAL its --eval-interval, SAMPLES_INTERVAL its --samples-interval, default 2), loop
+# tool_use+12@3e-5, MAX_STEPS its --max-steps, EVAL_INTERVAL its --eval-interval, SAMPLES_INTERVAL its
+# --samples-interval, default 2), loop
 # (benchmarks/loop_throughput.py, issue 34: tidal rl against vLLM alone and TRL; its parts in PARTS, default
 # "offline tidal trl", LOOP_ARGS added to its command; no ENV arguments), or both side by side on the one GPU
 # (each then measures under the other's load: say so with their numbers), or loop_then_real_models: the loop
@@ -199,11 +200,11 @@ sequence() {  # (the `_sequence` stage) start_loop, wait for every loop driver, 
 
 start_real_models() {  # MODEL and SUFFIX: the GGUF's (or, BENCH=vlm, the VLM's built from it)
     mkdir -p "$RM_WORK" "$RM_OUT"
-    local steps=()
-    [ -n "$MAX_STEPS" ] && steps=(--max-steps "$MAX_STEPS")
-    [ -n "$EVAL_INTERVAL" ] && steps+=(--eval-interval "$EVAL_INTERVAL")
-    [ -n "$SAMPLES_INTERVAL" ] && steps+=(--samples-interval "$SAMPLES_INTERVAL")
-    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix "$SUFFIX" --envs "$@" "${steps[@]}" \
+    local flags=()
+    [ -n "$MAX_STEPS" ] && flags=(--max-steps "$MAX_STEPS")
+    [ -n "$EVAL_INTERVAL" ] && flags+=(--eval-interval "$EVAL_INTERVAL")
+    [ -n "$SAMPLES_INTERVAL" ] && flags+=(--samples-interval "$SAMPLES_INTERVAL")
+    setsid nohup python3 benchmarks/real_models.py --model "$MODEL" --suffix "$SUFFIX" --envs "$@" "${flags[@]}" \
         --workdir "$RM_WORK" --out "$RM_OUT/real_models_h200.json" --deadline $((BENCH_DEADLINE - SECONDS)) \
         --raw "$RM_OUT/real_models_raw.tar.gz" > "$RM_WORK/driver.log" 2>&1 < /dev/null &
     echo $! > "$RM_WORK/driver.pid"

@@ -17,10 +17,10 @@ from tidal.envs import reverse_text
 from tidal.envs.base import run_episode, token_ids
 from tidal.envs.demonstrations import env_demonstrations, generate_demonstrations
 from tidal.envs.registry import load_env
-from tidal.envs.tools import conversation_template_inputs
 from tidal.envs.wordle import WORDS
 from tidal.errors import UserError
 from tidal.trainer.data import tokenize_conversation
+from tidal.trainer.evaluate import prompt_text
 from tidal.trainer.sources import load_conversations
 
 FULL_MARKS = {"alphabet_sort": 1.0, "math": 1.0, "tool_use": 1.2, "code": 1.0, "wordle": 1.2, "swe": 1.0}
@@ -61,11 +61,9 @@ def test_demonstrations_replayed_by_the_environment_earn_full_marks(name, kwargs
         assert episode.messages[1:] == demonstration[1:]
         # the prompt the rollout rendered is the demonstration's, as SFT renders it (tool environments: the
         # tools the demonstration carries, described as the rollout's prompt describes them)
-        shown, template_kwargs = conversation_template_inputs(sampler.tokenizer, demonstration[:2])
-        text = sampler.tokenizer.apply_chat_template(
-            shown, tokenize=False, add_generation_prompt=True, **template_kwargs
+        assert sampler.prompts[0] == token_ids(
+            sampler.tokenizer, prompt_text(sampler.tokenizer, demonstration[:2])
         )
-        assert sampler.prompts[0] == token_ids(sampler.tokenizer, text)
         # SFT learns exactly the tokens the rollout sampled, and nothing the environment said
         sample = tokenize_conversation(sampler.tokenizer, demonstration)
         context = episode.context_ids

@@ -60,7 +60,7 @@ class ReverseKL(NamedTuple):
 
 def reverse_kl(rollouts: Sequence[Rollout]) -> ReverseKL:
     """`ReverseKL` of `rollouts`, in one pass over their tokens."""
-    total, tokens, sequence_sums = 0.0, 0, []
+    tokens, sequence_sums = 0, []
     for rollout in rollouts:
         terms = [
             student - teacher
@@ -69,10 +69,10 @@ def reverse_kl(rollouts: Sequence[Rollout]) -> ReverseKL:
             )
             if trained
         ]
-        total, tokens = total + sum(terms), tokens + len(terms)
+        tokens += len(terms)
         sequence_sums.append(sum(terms))
     return ReverseKL(
-        per_token=total / tokens if tokens else 0.0,
+        per_token=sum(sequence_sums) / tokens if tokens else 0.0,
         tokens=tokens,
         per_sequence=sum(sequence_sums) / len(sequence_sums) if sequence_sums else 0.0,
     )

@@ -146,18 +146,16 @@ def _check_messages(row: Any, field: str, where: str) -> Conversation:
         problem = _content_problem(message.get("content"))
         if problem is not None:
             raise UserError(f"{where}: {field}[{j}].content {problem}")
+        if TOOLS_KEY in message:
+            problem = (
+                "go on the first message only (they describe the whole conversation)"
+                if j
+                else _tools_problem(message[TOOLS_KEY])
+            )
+            if problem is not None:
+                raise UserError(f"{where}: {field}[{j}].{TOOLS_KEY} {problem}")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message to train on")
-    for j, message in enumerate(messages):
-        if TOOLS_KEY not in message:
-            continue
-        problem = (
-            "go on the first message only (they describe the whole conversation)"
-            if j
-            else _tools_problem(message[TOOLS_KEY])
-        )
-        if problem is not None:
-            raise UserError(f"{where}: {field}[{j}].{TOOLS_KEY} {problem}")
     return messages
 
 
